@@ -1,0 +1,12 @@
+"""nvfp4-dist: NVFP4 training under tensor and sequence parallelism."""
+import logging
+
+from . import formats, reference
+from .ops import compute_amaxes, dequantize, quantize, swap_first_dims, swizzle_scales
+from .recipe import NVFP4Recipe
+from .tensor import NVFP4Tensor
+
+logging.getLogger("nvfp4_dist").addHandler(logging.NullHandler())
+
+__all__ = ["NVFP4Recipe", "NVFP4Tensor", "compute_amaxes", "dequantize", "formats", "quantize", "reference",
+           "swap_first_dims", "swizzle_scales"]

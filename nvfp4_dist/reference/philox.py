@@ -1,0 +1,53 @@
+"""Philox4x32-10 counter-based generator in plain torch (SPEC section 7).
+
+The stochastic-rounding kernels use the same generator, so the reference and the
+CUDA kernels draw identical bits: SR output is reproducible byte for byte from
+(seed, position), on any device and under any sharding.
+"""
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57   # round multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85   # key schedule (Weyl) increments
+ROUNDS = 10
+
+
+def _mulhilo(a: int, b: torch.Tensor):
+    """(hi, lo) 32-bit words of the 64-bit product a * b, in int64 without overflow."""
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    low_part = a * b_lo                      # < 2^48
+    high_part = a * b_hi                     # < 2^48, weighs 2^16
+    mid = low_part + ((high_part & 0xFFFF) << 16)  # < 2^49
+    lo = mid & _MASK32
+    hi = (high_part >> 16) + (mid >> 32)
+    return hi & _MASK32, lo
+
+
+def philox4x32(counter, key):
+    """Philox4x32-10 of 4 counter words (int64 tensors holding uint32) and 2 key ints.
+
+    Returns 4 int64 tensors of uint32 words, the same as curand's Philox4_32_10.
+    """
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _MASK32 for c in counter)
+    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    for _ in range(ROUNDS):
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def stochastic_rounding_bits(rows: torch.Tensor, cols: torch.Tensor, stream: int, seed: int) -> torch.Tensor:
+    """16 random bits (int64 in [0, 65536)) for elements at global (row, col) of a copy.
+
+    One Philox call serves 8 consecutive columns: counter = (row, col // 8, stream, 0),
+    key = (seed low word, seed high word); word (col % 8) // 2 is used, its low half for
+    even columns and its high half for odd ones.
+    """
+    words = philox4x32((rows, cols // 8, torch.full_like(rows, stream), torch.zeros_like(rows)),
+                       (seed & _MASK32, (seed >> 32) & _MASK32))
+    word_index = (cols % 8) // 2
+    word = torch.where(word_index == 0, words[0],
+                       torch.where(word_index == 1, words[1], torch.where(word_index == 2, words[2], words[3])))
+    return torch.where(cols % 2 == 0, word & 0xFFFF, word >> 16)

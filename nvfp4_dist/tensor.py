@@ -1,0 +1,96 @@
+"""NVFP4Tensor: packed FP4 codes, E4M3 block scales and FP32 amax of one tensor (SPEC 1-3)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_TENSOR_FIELDS = ("rowwise_data", "rowwise_scale", "amax_rowwise",
+                  "columnwise_data", "columnwise_scale", "amax_columnwise")
+
+
+@dataclasses.dataclass
+class NVFP4Tensor:
+    """A tensor quantized to NVFP4, keeping a rowwise and/or a columnwise copy.
+
+    For the 2D view x [M, K] of a tensor of shape `shape`:
+      rowwise_data    uint8 [M, K/2]   rowwise_scale    float8_e4m3fn [M, K/16]
+      columnwise_data uint8 [K, M/2]   columnwise_scale float8_e4m3fn [K, M/16]  (of x^T)
+      amax_rowwise / amax_columnwise   float32 (1,), or (M,) when row_scaled
+    rht: the columnwise copy holds x^T . H (SPEC 5), so dequantizing it undoes H.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    rowwise_data: torch.Tensor | None = None
+    rowwise_scale: torch.Tensor | None = None
+    amax_rowwise: torch.Tensor | None = None
+    columnwise_data: torch.Tensor | None = None
+    columnwise_scale: torch.Tensor | None = None
+    amax_columnwise: torch.Tensor | None = None
+    block_2d: bool = False
+    rht: bool = False
+    rht_random_sign: bool = True
+    row_scaled: bool = False
+
+    @property
+    def rows(self) -> int:
+        """M: the product of all but the last dimension."""
+        return self.shape.numel() // self.shape[-1] if len(self.shape) else 1
+
+    @property
+    def cols(self) -> int:
+        """K: the last dimension."""
+        return self.shape[-1]
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.rowwise_data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.columnwise_data is not None
+
+    def device_tensor(self) -> torch.Tensor:
+        """One of the storage tensors (they share a device)."""
+        return next(t for t in self.tensors() if t is not None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_tensor().device
+
+    def tensors(self) -> tuple:
+        """The six storage tensors (None where a copy is absent), for autograd's save_for_backward."""
+        return tuple(getattr(self, name) for name in _TENSOR_FIELDS)
+
+    def with_tensors(self, tensors) -> NVFP4Tensor:
+        """The same metadata around other storage tensors (the inverse of tensors())."""
+        return dataclasses.replace(self, **dict(zip(_TENSOR_FIELDS, tensors)))
+
+    def metadata(self) -> NVFP4Tensor:
+        """A copy that holds no storage, to keep beside save_for_backward."""
+        return self.with_tensors((None,) * len(_TENSOR_FIELDS))
+
+    def nbytes(self) -> int:
+        """Bytes held by the data, scales and amax of both copies."""
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def to(self, device) -> NVFP4Tensor:
+        return self.with_tensors(tuple(None if t is None else t.to(device) for t in self.tensors()))
+
+    def rowwise_only(self) -> NVFP4Tensor:
+        return dataclasses.replace(self, columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
+
+    def columnwise_only(self) -> NVFP4Tensor:
+        return dataclasses.replace(self, rowwise_data=None, rowwise_scale=None, amax_rowwise=None)
+
+    def dequantize(self, dtype: torch.dtype | None = None, copy: str | None = None) -> torch.Tensor:
+        """Back to `dtype` (default: the original) from the rowwise copy, or the columnwise one."""
+        from .ops import dequantize
+        return dequantize(self, dtype=dtype, copy=copy)
+
+    def __repr__(self) -> str:
+        copies = [name for name, present in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if present]
+        flags = [name for name in ("block_2d", "rht", "row_scaled") if getattr(self, name)]
+        return (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, copies={copies}, "
+                f"flags={flags}, nbytes={self.nbytes()})")
