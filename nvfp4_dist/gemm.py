@@ -1,0 +1,83 @@
+"""Block-scaled NVFP4 GEMM dispatch (SPEC 8): y = A . B^T, both operands quantized along K.
+
+Each operand is one copy of an NVFP4Tensor, taken as the 2D matrix it stores:
+rowwise -> [M, K] of x, columnwise -> [K, M] of x^T.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .recipe import GEMM_BACKENDS, NVFP4Recipe
+from .tensor import NVFP4Tensor
+
+OUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def operand(q: NVFP4Tensor, copy: str, name: str):
+    """(data, scale, amax) of one copy of q, validated."""
+    if not isinstance(q, NVFP4Tensor):
+        raise ValueError(f"{name} must be an NVFP4Tensor, got {type(q).__name__}")
+    if copy not in ("rowwise", "columnwise"):
+        raise ValueError(f"{name}_copy={copy!r} is not one of ('rowwise', 'columnwise')")
+    data = getattr(q, f"{copy}_data")
+    if data is None:
+        raise ValueError(f"{name}_copy={copy!r}: {name} holds no {copy} copy")
+    return data, getattr(q, f"{copy}_scale"), getattr(q, f"amax_{copy}")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The backend to run: explicit argument, else NVFP4_GEMM_BACKEND, else by device."""
+    backend = backend or os.environ.get("NVFP4_GEMM_BACKEND") or "auto"
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {GEMM_BACKENDS}")
+    if backend == "auto":
+        if device.type != "cuda" or os.environ.get("NVFP4_FORCE_REFERENCE", "0") == "1":
+            return "reference"
+        return "cublaslt" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"
+    if backend in ("cublaslt", "emulated") and device.type != "cuda":
+        raise ValueError(f"backend={backend!r} needs CUDA tensors; operands are on {device}")
+    return backend
+
+
+def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str = "rowwise",
+         out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+         accumulate_into: torch.Tensor | None = None, backend: str | None = None,
+         recipe: NVFP4Recipe | None = None) -> torch.Tensor:
+    """y = A . B^T for A = a's `a_copy` [M, K] and B = b's `b_copy` [N, K].
+
+    out_dtype: BF16, FP16 or FP32 output. bias: [N], added in FP32 before the cast.
+    accumulate_into: an FP32 [M, N] tensor that receives y in place (wgrad into main_grad); it is returned.
+    backend: auto | cublaslt | emulated | reference (default: recipe.gemm_backend, then NVFP4_GEMM_BACKEND).
+    """
+    a_data, a_scale, a_amax = operand(a, a_copy, "a")
+    b_data, b_scale, b_amax = operand(b, b_copy, "b")
+    if a_data.shape[1] != b_data.shape[1]:
+        raise ValueError(f"K mismatch: a ({a_copy}) is {tuple(a_data.shape)} packed, b ({b_copy}) is "
+                         f"{tuple(b_data.shape)} packed; both must share K")
+    if b_amax.numel() != 1:
+        raise ValueError("b must have a per-tensor amax; only the A operand may be row-scaled")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype}: allowed are {OUT_DTYPES}")
+    rows, cols = a_data.shape[0], b_data.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != cols):
+        raise ValueError(f"bias.shape={tuple(bias.shape)}: expected ({cols},)")
+    if accumulate_into is not None and (accumulate_into.dtype != torch.float32
+                                        or tuple(accumulate_into.shape) != (rows, cols)):
+        raise ValueError(f"accumulate_into: expected float32 {(rows, cols)}, got "
+                         f"{accumulate_into.dtype} {tuple(accumulate_into.shape)}")
+    if recipe is not None and backend is None and recipe.gemm_backend != "auto":
+        backend = recipe.gemm_backend
+    chosen = resolve_backend(backend, a_data.device)
+    if chosen == "reference":
+        out = reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
+    else:
+        from . import gemm_backends
+        out = gemm_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    if accumulate_into is not None:
+        return accumulate_into.add_(out)
+    return out.to(out_dtype)
