@@ -41,7 +41,7 @@ def fp4_round_to_nearest_even(v: torch.Tensor) -> torch.Tensor:
 def fp4_neighbours(a: torch.Tensor):
     """For magnitudes a in [0, 6]: (lower grid index, lower value, upper value)."""
     mags = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32, device=a.device)
-    lower = (torch.bucketize(a, mags, right=True) - 1).clamp(0, 7)
+    lower = (torch.bucketize(a.contiguous(), mags, right=True) - 1).clamp(0, 7)
     upper = (lower + 1).clamp(max=7)
     return lower, mags[lower], mags[upper]
 

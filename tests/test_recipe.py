@@ -1,0 +1,60 @@
+"""NVFP4Recipe options, environment overrides and rejected combinations (SPEC 10)."""
+import pytest
+
+from nvfp4_dist import NVFP4Recipe
+
+
+def test_defaults_follow_the_nvidia_recipe():
+    r = NVFP4Recipe()
+    assert (r.rht, r.stochastic_rounding, r.weight_2d, r.row_scaled_activation) == (True, True, True, False)
+    assert (r.bf16_first_layers, r.bf16_last_layers, r.gemm_backend) == (0, 0, "auto")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(row_scaled_activation=True), "rht"),
+    (dict(row_scaled_activation=True, rht=False), "stochastic_rounding"),
+    (dict(gemm_backend="cutlass"), "gemm_backend"),
+    (dict(bf16_first_layers=-1), "bf16_first_layers"),
+    (dict(bf16_last_layers=1.5), "bf16_last_layers"),
+])
+def test_bad_combinations_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NVFP4Recipe(**kwargs)
+
+
+def test_row_scaled_with_rht_and_sr_off_is_accepted():
+    r = NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
+    assert r.row_scaled_activation
+
+
+@pytest.mark.parametrize("var,field,value", [
+    ("NVFP4_DISABLE_RHT", "rht", False), ("NVFP4_DISABLE_SR", "stochastic_rounding", False),
+    ("NVFP4_DISABLE_2D", "weight_2d", False), ("NVFP4_ROW_SCALED_ACTIVATION", "row_scaled_activation", True),
+])
+def test_environment_overrides(monkeypatch, var, field, value):
+    monkeypatch.setenv(var, "1")
+    assert getattr(NVFP4Recipe.from_env(), field) == value
+
+
+def test_environment_numbers_and_backend(monkeypatch):
+    monkeypatch.setenv("NVFP4_BF16_FIRST_LAYERS", "2")
+    monkeypatch.setenv("NVFP4_BF16_LAST_LAYERS", "1")
+    monkeypatch.setenv("NVFP4_GEMM_BACKEND", "reference")
+    r = NVFP4Recipe.from_env()
+    assert (r.bf16_first_layers, r.bf16_last_layers, r.gemm_backend) == (2, 1, "reference")
+    assert [r.is_bf16_layer(i, 6) for i in range(6)] == [True, True, False, False, False, True]
+
+
+def test_environment_errors_name_the_variable(monkeypatch):
+    monkeypatch.setenv("NVFP4_DISABLE_RHT", "yes")
+    with pytest.raises(ValueError, match="NVFP4_DISABLE_RHT"):
+        NVFP4Recipe.from_env()
+    monkeypatch.setenv("NVFP4_DISABLE_RHT", "0")
+    monkeypatch.setenv("NVFP4_BF16_FIRST_LAYERS", "two")
+    with pytest.raises(ValueError, match="NVFP4_BF16_FIRST_LAYERS"):
+        NVFP4Recipe.from_env()
+
+
+def test_explicit_overrides_win_over_environment(monkeypatch):
+    monkeypatch.setenv("NVFP4_DISABLE_SR", "1")
+    assert NVFP4Recipe.from_env(stochastic_rounding=True).stochastic_rounding
