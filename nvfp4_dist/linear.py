@@ -1,0 +1,404 @@
+"""NVFP4 linear layer: the autograd Function shared by every layer, and the single-device nvfp4_dist.Linear.
+
+The three GEMMs of y = x W^T run in NVFP4 (SPEC 3):
+  fprop  y  = x . W^T   x rowwise (1D),  W rowwise (2D blocks by default)
+  dgrad  dx = dy . W    dy rowwise (1D, stochastic rounding),  W columnwise
+  wgrad  dW = dy^T . x  dy columnwise (RHT + SR),  x columnwise (RHT)
+Backward keeps only the quantized copies it needs (x columnwise, the cached weight), not x itself.
+
+Communication is a LinearComm object (this module's base class is TP=1: none); the tensor-parallel
+layers of nvfp4_dist.parallel subclass it. Row-scaled activations (SPEC 6) run fprop in NVFP4 and
+backward in BF16 on the dequantized forward operands.
+
+RHT with FP16/FP32 activations: the RHT path takes BF16 only, so the columnwise (wgrad) copy of such a
+tensor is quantized from its BF16 cast; its rowwise copy is quantized from the tensor as given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .autocast import nvfp4_enabled, resolve_recipe
+from .formats import BLOCK_SIZE
+from .gemm import gemm
+from .recipe import NVFP4Recipe
+from .tensor import NVFP4Tensor
+
+logger = logging.getLogger("nvfp4_dist")
+
+
+def needs_bf16_columnwise_source(role: str, recipe: NVFP4Recipe, dtype: torch.dtype) -> bool:
+    """True when the columnwise copy gets the RHT but the tensor is not BF16 (cast it first)."""
+    return role != "weight" and recipe.rht and dtype != torch.bfloat16
+
+
+def operand_amaxes(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwise: bool = True,
+                   columnwise: bool = True):
+    """(amax_rowwise, amax_columnwise) that quantize_operand would use (None for copies not asked)."""
+    if columnwise and needs_bf16_columnwise_source(role, recipe, x2d.dtype):
+        amax_rowwise = ops.compute_amaxes(x2d, role, rowwise=True, columnwise=False, recipe=recipe)[0] if rowwise else None
+        amax_columnwise = ops.compute_amaxes(x2d.to(torch.bfloat16), role, rowwise=False, columnwise=True,
+                                             recipe=recipe)[1]
+        return amax_rowwise, amax_columnwise
+    return ops.compute_amaxes(x2d, role, rowwise=rowwise, columnwise=columnwise, recipe=recipe)
+
+
+def quantize_operand(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwise: bool = True,
+                     columnwise: bool = True, amax_rowwise: torch.Tensor | None = None,
+                     amax_columnwise: torch.Tensor | None = None, sr_seed: int | None = None,
+                     sr_row_offset: int = 0) -> NVFP4Tensor:
+    """ops.quantize, except that an RHT columnwise copy of a non-BF16 tensor is taken from its BF16 cast."""
+    common = dict(recipe=recipe, sr_seed=sr_seed, sr_row_offset=sr_row_offset)
+    if not (columnwise and needs_bf16_columnwise_source(role, recipe, x2d.dtype)):
+        return ops.quantize(x2d, role, rowwise=rowwise, columnwise=columnwise, amax_rowwise=amax_rowwise,
+                            amax_columnwise=amax_columnwise, **common)
+    column = ops.quantize(x2d.to(torch.bfloat16), role, rowwise=False, columnwise=True,
+                          amax_columnwise=amax_columnwise, **common)
+    if not rowwise:
+        return dataclasses.replace(column, dtype=x2d.dtype)
+    row = ops.quantize(x2d, role, rowwise=True, columnwise=False, amax_rowwise=amax_rowwise, **common)
+    return dataclasses.replace(row, columnwise_data=column.columnwise_data, columnwise_scale=column.columnwise_scale,
+                               amax_columnwise=column.amax_columnwise, rht=column.rht)
+
+
+def check_features(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % BLOCK_SIZE:
+        raise ValueError(f"{name}={value!r}: NVFP4 layers need a positive multiple of {BLOCK_SIZE} "
+                         f"(1x16 / 16x16 blocks); use bf16_fallback=True (or torch.nn.Linear) for other sizes")
+
+
+class WeightCache:
+    """The quantized copies of one weight, reused (across micro-batches) until the parameter changes.
+
+    A change is seen through the parameter's storage pointer and its autograd version counter, which
+    every in-place update (optimizer.step(), `with torch.no_grad(): w.copy_(...)`) bumps. Writes through
+    `weight.data` bypass the version counter: call invalidate() after such writes.
+    """
+
+    def __init__(self):
+        self.key = None
+        self.quantized: NVFP4Tensor | None = None
+        self.quantizations = 0  # how many times the weight was (re)quantized, for tests and logs
+
+    def invalidate(self) -> None:
+        self.key = None
+        self.quantized = None
+
+    def get(self, weight: torch.Tensor, recipe: NVFP4Recipe, *, columnwise: bool = True) -> NVFP4Tensor:
+        """The weight quantized with `recipe` (rowwise, and columnwise when asked), from the cache if current."""
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape),
+               recipe.weight_2d, columnwise)
+        if key != self.key:
+            self.quantized = ops.quantize(weight.detach(), "weight", rowwise=True, columnwise=columnwise,
+                                          recipe=recipe)
+            self.key = key
+            self.quantizations += 1
+            logger.debug("quantized weight %s (version %d)", tuple(weight.shape), weight._version)
+        return self.quantized
+
+
+class LinearComm:
+    """Communication around the three GEMMs of a linear layer. This base class is TP=1: none.
+
+    Each step that the tensor-parallel subclasses (and the comm/GEMM overlap) change is one method;
+    the "gather then GEMM" and "GEMM then reduce" steps are single calls so they can be pipelined.
+    """
+
+    def output_shape(self, input_shape: torch.Size, out_features: int) -> tuple:
+        return (*input_shape[:-1], out_features)
+
+    def quantize_input(self, x2d: torch.Tensor, recipe: NVFP4Recipe, *, columnwise: bool) -> NVFP4Tensor:
+        """This rank's input, quantized (rowwise for fprop, columnwise for wgrad when asked)."""
+        return quantize_operand(x2d, "activation", recipe, rowwise=True, columnwise=columnwise)
+
+    def fprop(self, xq: NVFP4Tensor, wq: NVFP4Tensor, *, bias: torch.Tensor | None, out_dtype: torch.dtype,
+              recipe: NVFP4Recipe) -> torch.Tensor:
+        """y = x . W^T [tokens, out] from the local quantized input."""
+        return gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
+
+    def input_for_wgrad(self, saved_input: NVFP4Tensor) -> Callable[[], NVFP4Tensor]:
+        """Start bringing the saved input to the wgrad GEMM's token range; the callable finishes it."""
+        return lambda: saved_input
+
+    def quantize_grad_output(self, dy2d: torch.Tensor, recipe: NVFP4Recipe, *, sr_seed: int | None,
+                             rowwise: bool, columnwise: bool) -> NVFP4Tensor:
+        """This rank's output gradient, quantized (SR and RHT per the recipe)."""
+        return quantize_operand(dy2d, "gradient", recipe, rowwise=rowwise, columnwise=columnwise, sr_seed=sr_seed)
+
+    def grad_output_for_wgrad(self, dyq: NVFP4Tensor) -> Callable[[], NVFP4Tensor]:
+        """Start bringing the output gradient's columnwise copy to the wgrad token range."""
+        return lambda: dyq
+
+    def dgrad(self, dyq: NVFP4Tensor, wq: NVFP4Tensor, *, out_dtype: torch.dtype,
+              recipe: NVFP4Recipe) -> torch.Tensor:
+        """dx = dy . W [tokens, in] for this rank's input."""
+        return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
+
+    # Row-scaled activations (SPEC 6): backward in BF16.
+    def grad_output_bf16(self, dy2d: torch.Tensor) -> torch.Tensor:
+        """The output gradient over the token range of the GEMMs (gathered under row-parallel SP)."""
+        return dy2d
+
+    def dgrad_bf16(self, dy2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dy2d @ weight
+
+
+@dataclasses.dataclass
+class LinearOptions:
+    """Per-call settings of the linear Function besides its tensors."""
+
+    recipe: NVFP4Recipe
+    comm: LinearComm
+    accumulate_into_main_grad: bool = False
+    wgrad_store: list | None = None  # delay_wgrad: wgrad closures appended here, run by the layer's backward_dw()
+    grad_enabled: bool = True  # autograd was recording at the call (else no backward copies are made)
+
+
+def deliver_weight_grad(weight: torch.Tensor, compute: Callable, accumulate_into_main_grad: bool,
+                        delayed: bool):
+    """Run a wgrad `compute(accumulate_into)` and return what backward returns for the weight.
+
+    With accumulate_into_main_grad and a `weight.main_grad`, the gradient is added into main_grad by the
+    GEMM and the returned gradient follows Megatron (a dummy when weight.grad_added_to_main_grad exists,
+    else None). Delayed (Megatron delay_wgrad_compute): backward_dw() runs this later and the gradient is
+    accumulated into weight.grad there.
+    """
+    if accumulate_into_main_grad and getattr(weight, "main_grad", None) is not None:
+        compute(weight.main_grad)
+        if delayed:
+            return None
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            return make(weight.shape, dtype=weight.dtype, device=weight.device)
+        return None
+    grad = compute(None)
+    if delayed:
+        with torch.no_grad():
+            weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+        return None
+    return grad
+
+
+def schedule_weight_grad(weight, compute, options: LinearOptions):
+    """deliver_weight_grad now, or (delay_wgrad) queue it on the layer's store and return None."""
+    if options.wgrad_store is None:
+        return deliver_weight_grad(weight, compute, options.accumulate_into_main_grad, delayed=False)
+    options.wgrad_store.append(
+        lambda: deliver_weight_grad(weight, compute, options.accumulate_into_main_grad, delayed=True))
+    return None
+
+
+class NVFP4LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs in NVFP4; comm steps delegated to options.comm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_q: NVFP4Tensor, options: LinearOptions):
+        recipe, comm = options.recipe, options.comm
+        x2d = x.reshape(-1, x.shape[-1])
+        need_wgrad = ctx.needs_input_grad[1] and options.grad_enabled
+        row_scaled = recipe.row_scaled_activation
+        xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad and not row_scaled)
+        y2d = comm.fprop(xq.rowwise_only(), weight_q, bias=bias, out_dtype=x.dtype, recipe=recipe)
+        # Backward needs x's columnwise copy (wgrad), or for row-scaled layers its rowwise copy (BF16 wgrad).
+        saved_x = xq.rowwise_only() if row_scaled else xq.columnwise_only()
+        if not need_wgrad:
+            saved_x = NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
+        ctx.save_for_backward(*saved_x.tensors(), *weight_q.tensors())
+        ctx.x_meta, ctx.w_meta = saved_x.metadata(), weight_q.metadata()
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.options, ctx.weight = options, weight
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y2d.reshape(comm.output_shape(x.shape, y2d.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        saved_x = ctx.x_meta.with_tensors(saved[:6])
+        weight_q = ctx.w_meta.with_tensors(saved[6:])
+        options, weight = ctx.options, ctx.weight
+        recipe, comm = options.recipe, options.comm
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        if recipe.row_scaled_activation:
+            dx2d, wgrad = row_scaled_backward(dy2d, saved_x, weight_q, comm, ctx.x_dtype, weight.dtype,
+                                              need_dgrad, need_wgrad)
+        else:
+            dx2d, wgrad = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
+                                         need_dgrad, need_wgrad)
+        grad_x = dx2d.reshape(ctx.x_shape) if need_dgrad else None
+        grad_weight = schedule_weight_grad(weight, wgrad, options) if need_wgrad else None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
+    """(dx [tokens, in] or None, wgrad compute function or None) with dgrad and wgrad in NVFP4."""
+    if not (need_dgrad or need_wgrad):
+        return None, None
+    sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
+    dyq = comm.quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=need_dgrad, columnwise=need_wgrad)
+    wgrad = None
+    if need_wgrad:
+        # Start the wgrad operands' gathers now, so they overlap the dgrad GEMM.
+        finish_x = comm.input_for_wgrad(saved_x)
+        finish_dy = comm.grad_output_for_wgrad(dyq.columnwise_only())
+
+        def wgrad(accumulate_into):
+            return gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
+                        out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
+    dx2d = comm.dgrad(dyq.rowwise_only(), weight_q, out_dtype=x_dtype, recipe=recipe) if need_dgrad else None
+    return dx2d, wgrad
+
+
+def row_scaled_backward(dy2d, saved_x, weight_q, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
+    """Backward of a row-scaled layer (SPEC 6): BF16 GEMMs on the dequantized forward operands."""
+    dy_full = comm.grad_output_bf16(dy2d)
+    dx2d = None
+    if need_dgrad:
+        weight = ops.dequantize(weight_q, dtype=dy2d.dtype, copy="rowwise")
+        dx2d = comm.dgrad_bf16(dy_full, weight).to(x_dtype)
+    wgrad = None
+    if need_wgrad:
+        finish_x = comm.input_for_wgrad(saved_x)
+
+        def wgrad(accumulate_into):
+            x = ops.dequantize(finish_x(), dtype=dy2d.dtype, copy="rowwise").reshape(-1, saved_x.cols)
+            grad = dy_full.t() @ x
+            if accumulate_into is not None:
+                return accumulate_into.add_(grad.to(torch.float32))
+            return grad.to(weight_dtype)
+    return dx2d, wgrad
+
+
+class BF16LinearFunction(torch.autograd.Function):
+    """y = x W^T + b in the activation dtype (the BF16 fallback), with the same wgrad hooks as NVFP4."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, options: LinearOptions):
+        w = weight.to(x.dtype)
+        ctx.save_for_backward(x, w)
+        ctx.options, ctx.weight = options, weight
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        weight, options = ctx.weight, ctx.options
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        grad_x = (dy2d @ w).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            def wgrad(accumulate_into):
+                grad = dy2d.t() @ x.reshape(-1, x.shape[-1])
+                if accumulate_into is not None:
+                    return accumulate_into.add_(grad.to(torch.float32))
+                return grad.to(weight.dtype)
+            grad_weight = schedule_weight_grad(weight, wgrad, options)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe, *,
+                 weight_q: NVFP4Tensor, comm: LinearComm | None = None, accumulate_into_main_grad: bool = False,
+                 wgrad_store: list | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) in NVFP4 for x [..., in]; weight_q is `weight` quantized (see WeightCache)."""
+    grad_enabled = torch.is_grad_enabled()
+    tokens = x.numel() // x.shape[-1]
+    if grad_enabled and weight.requires_grad and not recipe.row_scaled_activation and tokens % BLOCK_SIZE:
+        raise ValueError(f"input.shape={tuple(x.shape)}: training needs the token count (product of the leading "
+                         f"dims, {tokens}) to be a multiple of {BLOCK_SIZE} for the wgrad copies; pad the batch "
+                         f"explicitly or run under torch.no_grad()")
+    options = LinearOptions(recipe=recipe, comm=comm or LinearComm(), accumulate_into_main_grad=accumulate_into_main_grad,
+                            wgrad_store=wgrad_store, grad_enabled=grad_enabled)
+    return NVFP4LinearFunction.apply(x, weight, bias, weight_q, options)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                accumulate_into_main_grad: bool = False, wgrad_store: list | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) in x's dtype, with the main_grad / delayed-wgrad hooks of the NVFP4 path."""
+    options = LinearOptions(recipe=None, comm=LinearComm(), accumulate_into_main_grad=accumulate_into_main_grad,
+                            wgrad_store=wgrad_store)
+    return BF16LinearFunction.apply(x, weight, bias, options)
+
+
+def check_activation(x: torch.Tensor, in_features: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ops.INPUT_DTYPES:
+        raise ValueError(f"input.dtype={x.dtype}: allowed are {ops.INPUT_DTYPES}")
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"input.shape={tuple(x.shape)}: the last dim must be in_features={in_features}")
+
+
+class Linear(torch.nn.Module):
+    """Drop-in for torch.nn.Linear whose three GEMMs run in NVFP4 (SPEC 3).
+
+    Same constructor arguments, parameters (in `dtype`) and state_dict as torch.nn.Linear, plus:
+    recipe: this layer's NVFP4Recipe (None: the enclosing nvfp4_dist.autocast's, else from the environment).
+    bf16_fallback: run this layer unquantized in the activation dtype (first/last layers, SPEC 10).
+    accumulate_into_main_grad: add wgrad into weight.main_grad (FP32) in the GEMM (Megatron).
+    delay_wgrad: backward skips wgrad; backward_dw() runs it later (Megatron delay_wgrad_compute).
+    The quantized weight is cached until the parameter changes (see WeightCache).
+    Token count (product of the leading dims) must be a multiple of 16 for backward (wgrad copies).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 recipe: NVFP4Recipe | None = None, bf16_fallback: bool = False,
+                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
+        super().__init__()
+        if not bf16_fallback:
+            check_features("in_features", in_features)
+            check_features("out_features", out_features)
+        if recipe is not None and not isinstance(recipe, NVFP4Recipe):
+            raise ValueError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
+        self.in_features, self.out_features = in_features, out_features
+        self.recipe, self.bf16_fallback = recipe, bf16_fallback
+        self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
+        factory = dict(device=device, dtype=dtype)
+        self.weight = torch.nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.weight_cache = WeightCache()
+        self.wgrad_store: list = []
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torch.nn.Linear's initialisation (same RNG draws, so equal seeds give equal parameters)."""
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def invalidate_weight_cache(self) -> None:
+        """Force requantizing the weight at the next forward (after writes through weight.data)."""
+        self.weight_cache.invalidate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, self.in_features)
+        store = self.wgrad_store if self.delay_wgrad else None
+        if self.bf16_fallback or not nvfp4_enabled():
+            return bf16_linear(x, self.weight, self.bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
+                               wgrad_store=store)
+        recipe = resolve_recipe(self.recipe)
+        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
+        return nvfp4_linear(x, self.weight, self.bias, recipe, weight_q=weight_q,
+                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
+
+    def backward_dw(self) -> None:
+        """Run the wgrad GEMMs that backward deferred (delay_wgrad=True), oldest first."""
+        while self.wgrad_store:
+            self.wgrad_store.pop(0)()
+
+    def extra_repr(self) -> str:
+        mode = "bf16_fallback" if self.bf16_fallback else "nvfp4"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {mode}"
