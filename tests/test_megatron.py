@@ -1,0 +1,316 @@
+"""Megatron-Core adapters and specs on CPU (gloo, TP=2): the NVFP4 layers honour Megatron's linear contract.
+
+Megatron's own ColumnParallelLinear / RowParallelLinear are the reference: same constructor call,
+same initial weights (use_cpu_initialization), same attributes, state-dict keys and checkpoint
+shards; in BF16 fallback the same outputs and gradients; in NVFP4 close to them.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from distributed_utils import run_distributed
+
+megatron_core = pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+TP = 2
+HIDDEN, FFN, HEADS, VOCAB, SEQ, BATCH = 64, 128, 4, 128, 32, 2
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    settings = dict(num_layers=3, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                    tensor_model_parallel_size=TP, use_cpu_initialization=True, add_bias_linear=True,
+                    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                    gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+                    init_method_std=0.05)
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def _init_megatron(tp: int) -> None:
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _build_pair(kind: str, config, seed: int, **kwargs):
+    """(Megatron's layer, the NVFP4 adapter) built with the same call and the same RNG state."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from nvfp4_dist.parallel.megatron import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+    reference_cls, nvfp4_cls = ((ColumnParallelLinear, NVFP4ColumnParallelLinear) if kind == "column"
+                                else (RowParallelLinear, NVFP4RowParallelLinear))
+    fallback = kwargs.pop("bf16_fallback", False)
+    common = dict(config=config, init_method=config.init_method, **kwargs)
+    torch.manual_seed(seed)
+    reference = reference_cls(HIDDEN if kind == "column" else FFN, FFN if kind == "column" else HIDDEN, **common)
+    torch.manual_seed(seed)
+    nvfp4 = nvfp4_cls(HIDDEN if kind == "column" else FFN, FFN if kind == "column" else HIDDEN,
+                      bf16_fallback=fallback, tp_comm_buffer_name="fc1", name="decoder.layers.0.mlp.linear_fc1",
+                      some_future_megatron_option=True, **common)
+    return reference, nvfp4
+
+
+def _layer_input(kind: str, sequence_parallel: bool, rank: int, input_is_parallel: bool = True):
+    """Same global activation on every rank, then this rank's part ([s, b, h] like Megatron)."""
+    generator = torch.Generator().manual_seed(1234)
+    width = HIDDEN if kind == "column" else FFN
+    full = torch.randn(SEQ, BATCH, width, generator=generator)
+    if kind == "column":
+        return full.chunk(TP, dim=0)[rank] if sequence_parallel else full
+    if input_is_parallel:
+        part = full.chunk(TP, dim=-1)[rank]
+        return part
+    return full
+
+
+def _run_pair(reference, nvfp4, x):
+    outputs = []
+    for layer in (reference, nvfp4):
+        inp = x.clone().requires_grad_(True)
+        out, bias = layer(inp)
+        total = out if bias is None else out + bias
+        generator = torch.Generator().manual_seed(99)
+        total.backward(torch.randn(total.shape, generator=generator))
+        outputs.append((out, bias, inp.grad, layer.weight.grad,
+                        None if layer.bias is None else layer.bias.grad))
+    return outputs
+
+
+def _check_attributes(reference, nvfp4):
+    for name in ("weight", "bias"):
+        ours, theirs = getattr(nvfp4, name), getattr(reference, name)
+        assert (ours is None) == (theirs is None)
+        if ours is None:
+            continue
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce",
+                          "sequence_parallel"):
+            assert getattr(ours, attribute, None) == getattr(theirs, attribute, None), (name, attribute)
+
+
+def _check_state_dicts(reference, nvfp4):
+    from megatron.core import parallel_state
+    assert list(nvfp4.state_dict().keys()) == list(reference.state_dict().keys())
+    nvfp4.load_state_dict(reference.state_dict(), strict=True)
+    without_extra = {k: v for k, v in reference.state_dict().items() if not k.endswith("_extra_state")}
+    nvfp4.load_state_dict(without_extra, strict=True)
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    ours = nvfp4.sharded_state_dict(prefix="layer.", metadata=metadata)
+    theirs = reference.sharded_state_dict(prefix="layer.", metadata=metadata)
+    assert sorted(ours) == sorted(theirs)
+    for key, sharded in theirs.items():
+        mine = ours[key]
+        assert type(mine) is type(sharded), key
+        for field in ("key", "global_shape", "global_offset", "axis_fragmentations", "replica_id",
+                      "local_shape", "prepend_axis_num"):
+            if hasattr(sharded, field):
+                assert getattr(mine, field) == getattr(sharded, field), (key, field)
+        if isinstance(sharded.data, torch.Tensor):
+            torch.testing.assert_close(mine.data, sharded.data, rtol=0, atol=0)
+
+
+def _contract_worker(rank, world_size):
+    _init_megatron(TP)
+    for kind, sequence_parallel, options in [
+        ("column", False, dict(gather_output=False, skip_bias_add=False)),
+        ("column", False, dict(gather_output=True, skip_bias_add=True)),
+        ("column", True, dict(gather_output=False, skip_bias_add=True, stride=2)),
+        ("row", False, dict(input_is_parallel=True, skip_bias_add=False)),
+        ("row", True, dict(input_is_parallel=True, skip_bias_add=True)),
+        ("row", False, dict(input_is_parallel=False, skip_bias_add=False, bias=False)),
+    ]:
+        config = _config(sequence_parallel=sequence_parallel)
+        case = (kind, sequence_parallel, options)
+        reference, fallback = _build_pair(kind, config, seed=7, bf16_fallback=True, **options)
+        # Same initial weight shard as Megatron's CPU initialisation (strided for stride=2).
+        torch.testing.assert_close(fallback.weight, reference.weight, rtol=0, atol=0)
+        _check_attributes(reference, fallback)
+        x = _layer_input(kind, sequence_parallel, rank, options.get("input_is_parallel", True))
+        (ref_out, ref_bias, ref_dx, ref_dw, ref_db), (out, bias, dx, dw, db) = _run_pair(reference, fallback, x)
+        assert out.shape == ref_out.shape, case
+        assert (bias is None) == (ref_bias is None), case
+        if bias is not None:
+            assert bias is fallback.bias, case
+        for ours, theirs in ((out, ref_out), (dx, ref_dx), (dw, ref_dw), (db, ref_db)):
+            if theirs is None:
+                assert ours is None, case
+            else:
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        _check_state_dicts(reference, fallback)
+
+        # NVFP4 path: same shapes, close values.
+        reference, nvfp4 = _build_pair(kind, config, seed=7, **options)
+        (ref_out, _, ref_dx, ref_dw, _), (out, _, dx, dw, _) = _run_pair(reference, nvfp4, x)
+        for ours, theirs in ((out, ref_out), (dx, ref_dx), (dw, ref_dw)):
+            assert ours.shape == theirs.shape, case
+            relative = (ours - theirs).norm() / theirs.norm()
+            assert relative < 0.25, (case, float(relative))
+        assert nvfp4.weight.grad is not None and torch.isfinite(nvfp4.weight.grad).all()
+
+
+def test_adapters_match_megatron_contract():
+    run_distributed(_contract_worker, TP)
+
+
+def _main_grad_worker(rank, world_size):
+    _init_megatron(TP)
+    results = {}
+    for fusion in (False, True):
+        config = _config(gradient_accumulation_fusion=fusion, sequence_parallel=True)
+        _, layer = _build_pair("column", config, seed=3, bf16_fallback=True)
+        if fusion:
+            layer.weight.main_grad = torch.full_like(layer.weight, 0.5, dtype=torch.float32)
+            layer.weight.grad_added_to_main_grad = False
+        x = _layer_input("column", True, rank).requires_grad_(True)
+        out, _ = layer(x)
+        out.sum().backward()
+        results[fusion] = layer
+    plain, fused = results[False], results[True]
+    assert fused.weight.grad_added_to_main_grad is True
+    torch.testing.assert_close(fused.weight.main_grad, plain.weight.grad.float() + 0.5, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_accumulation_fusion_adds_into_main_grad():
+    run_distributed(_main_grad_worker, TP)
+
+
+def _invalid_worker(rank, world_size):
+    from nvfp4_dist.parallel.megatron import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+    _init_megatron(TP)
+    config = _config(sequence_parallel=True)
+    with pytest.raises(ValueError, match="input_is_parallel"):
+        NVFP4RowParallelLinear(FFN, HIDDEN, config=config, init_method=config.init_method, bias=True,
+                               input_is_parallel=False, skip_bias_add=False)
+    with pytest.raises(ValueError, match="skip_weight_param_allocation"):
+        NVFP4ColumnParallelLinear(HIDDEN, FFN, config=config, init_method=config.init_method,
+                                  skip_weight_param_allocation=True)
+
+
+def test_unsupported_options_are_refused():
+    run_distributed(_invalid_worker, TP)
+
+
+def _gpt(config, spec, seed):
+    """GPTModel on CPU: torch SDPA attention (Megatron's DotProductAttention allocates on CUDA)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from nvfp4_dist.parallel.megatron import with_sdpa_attention
+    torch.manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=with_sdpa_attention(spec), vocab_size=VOCAB,
+                    max_sequence_length=SEQ)
+
+
+def _gpt_loss(model):
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.roll(tokens, -1, dims=1)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _gpt_worker(rank, world_size):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from nvfp4_dist.parallel.megatron import (NVFP4ColumnParallelLinear, NVFP4Norm, NVFP4RowParallelLinear,
+                                              get_gpt_decoder_block_nvfp4_spec, get_gpt_layer_nvfp4_spec)
+    _init_megatron(TP)
+    config = _config(gated_linear_unit=True, sequence_parallel=False)
+    megatron_local = _gpt(config, get_gpt_layer_local_spec(), seed=11)
+    all_bf16 = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3), seed=11)
+    # Same structure and checkpoint layout as Megatron's local spec.
+    assert list(all_bf16.state_dict()) == list(megatron_local.state_dict())
+    metadata = {"dp_cp_group": __import__("megatron.core.parallel_state", fromlist=["x"])
+                .get_data_parallel_group(with_context_parallel=True)}
+    ours_sharded = all_bf16.sharded_state_dict(metadata=metadata)
+    theirs_sharded = megatron_local.sharded_state_dict(metadata=metadata)
+    assert sorted(ours_sharded) == sorted(theirs_sharded)
+    for key, value in theirs_sharded.items():
+        if hasattr(value, "global_offset"):
+            assert ours_sharded[key].global_offset == value.global_offset, key
+    for name, param in megatron_local.named_parameters():
+        torch.testing.assert_close(dict(all_bf16.named_parameters())[name], param, rtol=0, atol=0, msg=name)
+    # In BF16 fallback the whole model computes what Megatron's local model computes.
+    reference_loss = _gpt_loss(megatron_local)
+    torch.testing.assert_close(_gpt_loss(all_bf16), reference_loss, rtol=1e-5, atol=1e-5)
+    reference_grads = {n: p.grad for n, p in megatron_local.named_parameters()}
+    for name, param in all_bf16.named_parameters():
+        torch.testing.assert_close(param.grad, reference_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    # Sequence parallelism (our SP norm; Megatron's local norm refuses it): same loss and grads.
+    sp_config = _config(gated_linear_unit=True, sequence_parallel=True)
+    sp_bf16 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=3), seed=11)
+    torch.testing.assert_close(_gpt_loss(sp_bf16), reference_loss, rtol=1e-5, atol=1e-5)
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    for param in sp_bf16.parameters():
+        param.main_grad = param.grad
+    sp_bf16.ddp_config = type("DDPConfig", (), {"use_megatron_fsdp": False})()
+    _allreduce_non_tensor_model_parallel_grads([sp_bf16], sp_config)
+    for name, param in sp_bf16.named_parameters():
+        torch.testing.assert_close(param.main_grad, reference_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    # NVFP4 model with the first and last layers in BF16, SP on.
+    nvfp4 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=1, bf16_last_layers=1),
+                 seed=11)
+    layers = nvfp4.decoder.layers
+    assert [layer.mlp.linear_fc1.bf16_fallback for layer in layers] == [True, False, True]
+    for layer in layers:
+        assert isinstance(layer.self_attention.linear_qkv, NVFP4ColumnParallelLinear)
+        assert isinstance(layer.self_attention.linear_proj, NVFP4RowParallelLinear)
+        assert isinstance(layer.mlp.linear_fc1, NVFP4ColumnParallelLinear)
+        assert isinstance(layer.mlp.linear_fc2, NVFP4RowParallelLinear)
+        assert isinstance(layer.input_layernorm, NVFP4Norm) and layer.input_layernorm.weight.sequence_parallel
+    assert isinstance(nvfp4.decoder.final_layernorm, NVFP4Norm)
+    nvfp4_loss = _gpt_loss(nvfp4)
+    assert torch.isfinite(nvfp4_loss)
+    assert abs(float(nvfp4_loss) - float(reference_loss)) < 0.05 * float(reference_loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in nvfp4.parameters())
+
+    # The single-layer spec builds a GPTModel at TP=2 with every layer in NVFP4.
+    single = _gpt(sp_config, get_gpt_layer_nvfp4_spec(), seed=11)
+    assert not any(layer.mlp.linear_fc1.bf16_fallback for layer in single.decoder.layers)
+
+
+def test_gpt_model_with_nvfp4_spec_at_tp2():
+    run_distributed(_gpt_worker, TP)
+
+
+def test_bf16_layer_counts_precedence():
+    from nvfp4_dist import NVFP4Recipe
+    from nvfp4_dist.parallel.megatron import bf16_layer_counts
+    config = _config(tensor_model_parallel_size=1)
+    assert bf16_layer_counts(config, NVFP4Recipe(bf16_first_layers=2, bf16_last_layers=1)) == (2, 1)
+    assert bf16_layer_counts(config, NVFP4Recipe(bf16_first_layers=2), bf16_last_layers=3) == (2, 3)
+    config.first_last_layers_bf16, config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16 = True, 1, 2
+    assert bf16_layer_counts(config, NVFP4Recipe(bf16_first_layers=3)) == (1, 2)
+    with pytest.raises(ValueError, match="bf16_first_layers"):
+        bf16_layer_counts(config, None, bf16_first_layers=-1)
+
+
+def test_parallel_imports_without_megatron():
+    """nvfp4_dist.parallel imports without megatron-core; its megatron module says how to install it."""
+    script = textwrap.dedent("""
+        import sys
+        class BlockMegatron:
+            def find_spec(self, name, path=None, target=None):
+                if name == "megatron" or name.startswith("megatron."):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, BlockMegatron())
+        import nvfp4_dist.parallel
+        try:
+            import nvfp4_dist.parallel.megatron
+        except ImportError as error:
+            assert "pip install nvfp4-dist[megatron]" in str(error), error
+        else:
+            raise SystemExit("nvfp4_dist.parallel.megatron imported without megatron-core")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=120)
+    assert result.returncode == 0, result.stderr
