@@ -84,6 +84,14 @@ class NVFP4Tensor:
     def columnwise_only(self) -> NVFP4Tensor:
         return dataclasses.replace(self, rowwise_data=None, rowwise_scale=None, amax_rowwise=None)
 
+    def rowwise_rows(self, start: int, stop: int) -> NVFP4Tensor:
+        """Rows [start, stop) of the 2D view, rowwise copy only (a chunk for pipelined GEMMs)."""
+        amax = self.amax_rowwise[start:stop] if self.row_scaled else self.amax_rowwise
+        return dataclasses.replace(self, shape=torch.Size((stop - start, self.cols)),
+                                   rowwise_data=self.rowwise_data[start:stop],
+                                   rowwise_scale=self.rowwise_scale[start:stop], amax_rowwise=amax,
+                                   columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
+
     def dequantize(self, dtype: torch.dtype | None = None, copy: str | None = None) -> torch.Tensor:
         """Back to `dtype` (default: the original) from the rowwise copy, or the columnwise one."""
         from .ops import dequantize
