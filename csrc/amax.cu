@@ -1,0 +1,144 @@
+// Amax reductions (SPEC 2.1, 5 and 6): per tensor, per row, and after the RHT of the columnwise copy.
+#include <algorithm>
+
+#include "nvfp4_device.cuh"
+#include "nvfp4_numerics.cuh"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kAmaxThreads = 256;
+constexpr int kLoadsInFlight = 4;
+constexpr int kRowsPerAmaxBlock = kAmaxThreads / 32;  // one warp per row
+
+template <typename T>
+__device__ __forceinline__ uint32_t vector_amax_bits(const uint4& vec) {
+  float values[16 / sizeof(T)];
+  unpack_vector<T>(vec, values);
+  uint32_t running = 0;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) running = max(running, abs_bits(values[i]));
+  return running;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kAmaxThreads) amax_tensor_kernel(const uint4* __restrict__ x, int64_t vectors,
+                                                                   float* __restrict__ amax) {
+  __shared__ uint32_t scratch[32];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint32_t running = 0;
+  for (; i + (kLoadsInFlight - 1) * stride < vectors; i += kLoadsInFlight * stride) {
+    uint4 loaded[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) loaded[u] = load_streaming(x + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) running = max(running, vector_amax_bits<T>(loaded[u]));
+  }
+  for (; i < vectors; i += stride) running = max(running, vector_amax_bits<T>(load_streaming(x + i)));
+  running = block_max_bits(running, scratch);
+  if (threadIdx.x == 0) atomic_max_bits(amax, running);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kAmaxThreads) amax_rows_kernel(const uint4* __restrict__ x, int64_t rows,
+                                                                 int64_t vectors_per_row, float* __restrict__ amax) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerAmaxBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const uint4* row_start = x + row * vectors_per_row;
+  uint32_t running = 0;
+  for (int64_t i = threadIdx.x & 31; i < vectors_per_row; i += 32) {
+    running = max(running, vector_amax_bits<T>(load_streaming(row_start + i)));
+  }
+  running = __reduce_max_sync(0xFFFFFFFFu, running);
+  if ((threadIdx.x & 31) == 0) amax[row] = __uint_as_float(running);
+}
+
+// One item: two adjacent columns (a BF16 pair) of one 16-row block. Its columnwise source is the
+// RHT of each column's 16-chunk, rounded to BF16 (reference/rht.py), whose amax is wanted.
+template <bool kRandomSign>
+__global__ void __launch_bounds__(kAmaxThreads) amax_rht_kernel(const uint32_t* __restrict__ x, int64_t row_blocks,
+                                                                int64_t pairs_per_row, float* __restrict__ amax_plain,
+                                                                float* __restrict__ amax_rht) {
+  __shared__ uint32_t scratch[32];
+  const int64_t items = row_blocks * pairs_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  uint32_t running_plain = 0, running_rht = 0;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items; item += stride) {
+    const int64_t pair = item % pairs_per_row, row_block = item / pairs_per_row;
+    const uint32_t* source = x + row_block * kBlockSize * pairs_per_row + pair;
+    uint32_t words[kBlockSize];
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) words[i] = __ldcs(source + i * pairs_per_row);
+    float column0[kBlockSize], column1[kBlockSize];
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) {
+      column0[i] = __uint_as_float(words[i] << 16);
+      column1[i] = __uint_as_float(words[i] & 0xFFFF0000u);
+      running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
+    }
+    float transformed0[kBlockSize], transformed1[kBlockSize];
+    rht_chunk<kRandomSign>(column0, transformed0);
+    rht_chunk<kRandomSign>(column1, transformed1);
+#pragma unroll
+    for (int j = 0; j < kBlockSize; ++j) {
+      running_rht = max(running_rht, max(abs_bits(round_to_bf16(transformed0[j])), abs_bits(round_to_bf16(transformed1[j]))));
+    }
+  }
+  running_plain = block_max_bits(running_plain, scratch);
+  running_rht = block_max_bits(running_rht, scratch);
+  if (threadIdx.x == 0) {
+    if (amax_plain != nullptr) atomic_max_bits(amax_plain, running_plain);
+    atomic_max_bits(amax_rht, running_rht);
+  }
+}
+
+int64_t grid_for(int64_t work_per_thread_units) {
+  const int64_t wanted = (work_per_thread_units + kAmaxThreads - 1) / kAmaxThreads;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(device_multiprocessors()) * 8));
+}
+
+int64_t element_size(InputType type) { return type == InputType::kFloat32 ? 4 : 2; }
+
+}  // namespace
+
+cudaError_t launch_amax_tensor(const void* x, InputType type, int64_t rows, int64_t cols, float* amax,
+                               cudaStream_t stream) {
+  cudaError_t status = cudaMemsetAsync(amax, 0, sizeof(float), stream);
+  if (status != cudaSuccess) return status;
+  const int64_t vectors = rows * cols * element_size(type) / 16;
+  if (vectors == 0) return cudaSuccess;
+  const int64_t grid = grid_for(vectors / kLoadsInFlight);
+  NVFP4_DISPATCH_INPUT_TYPE(type, T, amax_tensor_kernel<T><<<grid, kAmaxThreads, 0, stream>>>(
+                                         static_cast<const uint4*>(x), vectors, amax));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_amax_rows(const void* x, InputType type, int64_t rows, int64_t cols, float* amax,
+                             cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t vectors_per_row = cols * element_size(type) / 16;
+  const int64_t grid = (rows + kRowsPerAmaxBlock - 1) / kRowsPerAmaxBlock;
+  NVFP4_DISPATCH_INPUT_TYPE(type, T, amax_rows_kernel<T><<<grid, kAmaxThreads, 0, stream>>>(
+                                         static_cast<const uint4*>(x), rows, vectors_per_row, amax));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_amax_rht(const void* x, int64_t rows, int64_t cols, bool random_sign, float* amax_plain,
+                            float* amax_rht, cudaStream_t stream) {
+  cudaError_t status = cudaMemsetAsync(amax_rht, 0, sizeof(float), stream);
+  if (status == cudaSuccess && amax_plain != nullptr) status = cudaMemsetAsync(amax_plain, 0, sizeof(float), stream);
+  if (status != cudaSuccess) return status;
+  const int64_t row_blocks = rows / kBlockSize, pairs_per_row = cols / 2;
+  if (row_blocks * pairs_per_row == 0) return cudaSuccess;
+  const int64_t grid = grid_for(row_blocks * pairs_per_row);
+  const uint32_t* words = static_cast<const uint32_t*>(x);
+  if (random_sign) {
+    amax_rht_kernel<true><<<grid, kAmaxThreads, 0, stream>>>(words, row_blocks, pairs_per_row, amax_plain, amax_rht);
+  } else {
+    amax_rht_kernel<false><<<grid, kAmaxThreads, 0, stream>>>(words, row_blocks, pairs_per_row, amax_plain, amax_rht);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace nvfp4

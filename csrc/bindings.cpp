@@ -1,0 +1,153 @@
+// Thin torch bindings of the NVFP4 kernels (module nvfp4_dist._C). Validation of user input lives
+// in nvfp4_dist/kernels.py; the checks here only guard the raw-pointer contract of each launcher.
+// The caller passes the CUDA stream as an integer (torch.cuda.current_stream().cuda_stream) and has
+// made the tensors' device current, so this file needs no CUDA-specific torch headers.
+#include <optional>
+
+#include <torch/extension.h>
+
+#include "nvfp4_kernels.h"
+
+namespace {
+
+using nvfp4::InputType;
+
+InputType input_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return InputType::kFloat32;
+    case at::kHalf: return InputType::kFloat16;
+    case at::kBFloat16: return InputType::kBFloat16;
+    default: TORCH_CHECK(false, "nvfp4_dist._C: unsupported dtype ", t.scalar_type());
+  }
+}
+
+void check_device_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "nvfp4_dist._C: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "nvfp4_dist._C: ", name, " must be contiguous");
+}
+
+void check_input(const at::Tensor& x) {
+  check_device_tensor(x, "x");
+  TORCH_CHECK(x.dim() == 2, "nvfp4_dist._C: x must be 2D");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "nvfp4_dist._C: x must be 16-byte aligned");
+}
+
+cudaStream_t as_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.data_ptr()); }
+uint8_t* optional_bytes(const std::optional<at::Tensor>& t) { return t.has_value() ? bytes(*t) : nullptr; }
+const float* optional_floats(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+void check_launch(cudaError_t status, const char* what) {
+  TORCH_CHECK(status == cudaSuccess, "nvfp4_dist._C.", what, " failed: ", cudaGetErrorString(status));
+}
+
+void amax_tensor(const at::Tensor& x, at::Tensor& amax, int64_t stream) {
+  check_input(x);
+  check_launch(nvfp4::launch_amax_tensor(x.data_ptr(), input_type(x), x.size(0), x.size(1), amax.data_ptr<float>(),
+                                         as_stream(stream)),
+               "amax_tensor");
+}
+
+void amax_rows(const at::Tensor& x, at::Tensor& amax, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(amax.numel() == x.size(0), "nvfp4_dist._C.amax_rows: amax needs one element per row");
+  check_launch(nvfp4::launch_amax_rows(x.data_ptr(), input_type(x), x.size(0), x.size(1), amax.data_ptr<float>(),
+                                       as_stream(stream)),
+               "amax_rows");
+}
+
+void amax_rht(const at::Tensor& x, bool random_sign, const std::optional<at::Tensor>& amax_plain, at::Tensor& amax_rht, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "nvfp4_dist._C.amax_rht: x must be bfloat16");
+  float* plain = amax_plain.has_value() ? amax_plain->data_ptr<float>() : nullptr;
+  check_launch(nvfp4::launch_amax_rht(x.data_ptr(), x.size(0), x.size(1), random_sign, plain, amax_rht.data_ptr<float>(),
+                                      as_stream(stream)),
+               "amax_rht");
+}
+
+void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise,
+              const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
+              const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
+              const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool block_2d, bool rht,
+              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed, int64_t sr_row_offset, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(rowwise_data.has_value() == amax_rowwise.has_value() && rowwise_data.has_value() == rowwise_scale.has_value(),
+              "nvfp4_dist._C.quantize: the rowwise copy needs its data, scale and amax");
+  TORCH_CHECK(columnwise_data.has_value() == amax_columnwise.has_value() &&
+                  columnwise_data.has_value() == columnwise_scale.has_value(),
+              "nvfp4_dist._C.quantize: the columnwise copy needs its data, scale and amax");
+  nvfp4::QuantizeArgs args{};
+  args.x = x.data_ptr();
+  args.type = input_type(x);
+  args.rows = x.size(0);
+  args.cols = x.size(1);
+  args.amax_rowwise = optional_floats(amax_rowwise);
+  args.amax_columnwise = optional_floats(amax_columnwise);
+  args.rowwise_data = optional_bytes(rowwise_data);
+  args.rowwise_scale = optional_bytes(rowwise_scale);
+  args.columnwise_data = optional_bytes(columnwise_data);
+  args.columnwise_scale = optional_bytes(columnwise_scale);
+  args.row_scaled = row_scaled;
+  args.block_2d = block_2d;
+  args.rht = rht;
+  args.rht_random_sign = rht_random_sign;
+  args.stochastic_rounding = stochastic_rounding;
+  args.sr_seed = static_cast<uint64_t>(sr_seed);
+  args.sr_row_offset = sr_row_offset;
+  check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize");
+}
+
+void dequantize_rowwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
+                        at::Tensor& out, int64_t stream) {
+  check_device_tensor(data, "data");
+  check_device_tensor(scale, "scale");
+  check_device_tensor(out, "out");
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax,
+                                                out.size(0), out.size(1), out.data_ptr(), input_type(out),
+                                                as_stream(stream)),
+               "dequantize_rowwise");
+}
+
+void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool rht,
+                           bool rht_random_sign, at::Tensor& out, int64_t stream) {
+  check_device_tensor(data, "data");
+  check_device_tensor(scale, "scale");
+  check_device_tensor(out, "out");
+  check_launch(nvfp4::launch_dequantize_columnwise(bytes(data), bytes(scale), amax.data_ptr<float>(), out.size(0),
+                                                   out.size(1), rht, rht_random_sign, out.data_ptr(), input_type(out),
+                                                   as_stream(stream)),
+               "dequantize_columnwise");
+}
+
+void swizzle_scales(const at::Tensor& scale, at::Tensor& out, int64_t stream) {
+  check_device_tensor(scale, "scale");
+  check_device_tensor(out, "out");
+  check_launch(nvfp4::launch_swizzle_scales(bytes(scale), scale.size(0), scale.size(1), bytes(out),
+                                            as_stream(stream)),
+               "swizzle_scales");
+}
+
+void swap_first_dims(const at::Tensor& gathered, int64_t world_size, at::Tensor& out, int64_t stream) {
+  check_device_tensor(gathered, "gathered");
+  check_device_tensor(out, "out");
+  const int64_t rows = gathered.size(0) / world_size;
+  const int64_t row_bytes = gathered.size(1) * static_cast<int64_t>(gathered.element_size());
+  check_launch(nvfp4::launch_swap_first_dims(bytes(gathered), world_size, rows, row_bytes, bytes(out),
+                                             as_stream(stream)),
+               "swap_first_dims");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "NVFP4 quantization kernels of nvfp4_dist (see nvfp4_dist/kernels.py)";
+  m.def("amax_tensor", &amax_tensor, "max |x| into amax (1,)");
+  m.def("amax_rows", &amax_rows, "max |x| of each row into amax (rows,)");
+  m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
+  m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
+  m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
+  m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
+  m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
+  m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
+}

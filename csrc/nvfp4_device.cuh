@@ -1,0 +1,86 @@
+// Device-side helpers shared by the kernels: input element types, 16-byte loads, reductions.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "nvfp4_kernels.h"
+
+namespace nvfp4 {
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// BF16 rounding (RNE) of an FP32 value, back in FP32.
+__device__ __forceinline__ float round_to_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// The elements of one 16-byte vector as FP32.
+template <typename T>
+__device__ __forceinline__ void unpack_vector(const uint4& vec, float (&out)[16 / sizeof(T)]) {
+  const T* elements = reinterpret_cast<const T*>(&vec);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(elements[i]);
+}
+
+__device__ __forceinline__ uint4 load_streaming(const void* address) {
+  return __ldcs(reinterpret_cast<const uint4*>(address));
+}
+
+// Amax reductions run on the bit patterns of |x|: for values >= 0 (and NaN, which must win so a
+// NaN input is detected, as torch.amax propagates it) unsigned order is float order.
+__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(fabsf(v)); }
+
+// Block-wide max of `v`; every thread gets the result. `scratch` holds one word per warp.
+__device__ __forceinline__ uint32_t block_max_bits(uint32_t v, uint32_t* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0u;
+  return __reduce_max_sync(0xFFFFFFFFu, v);
+}
+
+__device__ __forceinline__ void atomic_max_bits(float* address, uint32_t bits) {
+  atomicMax(reinterpret_cast<unsigned int*>(address), bits);
+}
+
+inline int device_multiprocessors() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count > 0 ? count : 132;
+}
+
+// Run `body.template operator()<T>()` for the element type of `type`.
+#define NVFP4_DISPATCH_INPUT_TYPE(type, T, ...)            \
+  switch (type) {                                          \
+    case InputType::kFloat32: {                            \
+      using T = float;                                     \
+      __VA_ARGS__;                                         \
+      break;                                               \
+    }                                                      \
+    case InputType::kFloat16: {                            \
+      using T = __half;                                    \
+      __VA_ARGS__;                                         \
+      break;                                               \
+    }                                                      \
+    case InputType::kBFloat16: {                           \
+      using T = __nv_bfloat16;                             \
+      __VA_ARGS__;                                         \
+      break;                                               \
+    }                                                      \
+    default:                                               \
+      return cudaErrorInvalidValue;                        \
+  }
+
+}  // namespace nvfp4

@@ -1,0 +1,66 @@
+// Launchers of the NVFP4 kernels: raw pointers and a stream, no torch types.
+// Each returns the CUDA error of its launch (cudaSuccess when all went well).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace nvfp4 {
+
+enum class InputType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// amax.cu ------------------------------------------------------------------------------------------
+// max |x| over rows x cols (contiguous, 16-byte aligned) into amax[0].
+cudaError_t launch_amax_tensor(const void* x, InputType type, int64_t rows, int64_t cols, float* amax,
+                               cudaStream_t stream);
+// max |x| of each row into amax[rows].
+cudaError_t launch_amax_rows(const void* x, InputType type, int64_t rows, int64_t cols, float* amax,
+                             cudaStream_t stream);
+// BF16 x [rows, cols] (rows % 16 == 0): amax of x into amax_plain[0] (may be null) and amax of the
+// RHT'd, BF16-rounded columnwise source into amax_rht[0].
+cudaError_t launch_amax_rht(const void* x, int64_t rows, int64_t cols, bool random_sign, float* amax_plain,
+                            float* amax_rht, cudaStream_t stream);
+
+// quantize.cu -------------------------------------------------------------------------------------
+struct QuantizeArgs {
+  const void* x;                 // [rows, cols] contiguous, 16-byte aligned
+  InputType type;
+  int64_t rows, cols;
+  const float* amax_rowwise;     // (1,), or (rows,) when row_scaled
+  const float* amax_columnwise;  // (1,)
+  uint8_t* rowwise_data;         // [rows, cols/2] or null (no rowwise copy)
+  uint8_t* rowwise_scale;        // [rows, cols/16]
+  uint8_t* columnwise_data;      // [cols, rows/2] or null (no columnwise copy)
+  uint8_t* columnwise_scale;     // [cols, rows/16]
+  bool row_scaled;
+  bool block_2d;
+  bool rht;                      // columnwise copy of x^T . H (BF16 input only)
+  bool rht_random_sign;
+  bool stochastic_rounding;
+  uint64_t sr_seed;
+  int64_t sr_row_offset;
+};
+cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
+
+// dequantize.cu -----------------------------------------------------------------------------------
+// Rowwise copy [rows, cols/2] codes + [rows, cols/16] scales -> out [rows, cols] of out_type.
+cudaError_t launch_dequantize_rowwise(const uint8_t* data, const uint8_t* scale, const float* amax, bool per_row_amax,
+                                      int64_t rows, int64_t cols, void* out, InputType out_type, cudaStream_t stream);
+// Columnwise copy of x [rows, cols]: codes [cols, rows/2], scales [cols, rows/16] -> out [rows, cols],
+// undoing the RHT when rht is set.
+cudaError_t launch_dequantize_columnwise(const uint8_t* data, const uint8_t* scale, const float* amax, int64_t rows,
+                                         int64_t cols, bool rht, bool rht_random_sign, void* out, InputType out_type,
+                                         cudaStream_t stream);
+
+// swizzle.cu --------------------------------------------------------------------------------------
+// [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (SPEC 8).
+cudaError_t launch_swizzle_scales(const uint8_t* scale, int64_t rows, int64_t cols, uint8_t* out,
+                                  cudaStream_t stream);
+
+// swap_first_dims.cu ------------------------------------------------------------------------------
+// Bytes [world_size * rows, row_bytes] viewed as (W, rows, row_bytes) -> (rows, W, row_bytes).
+cudaError_t launch_swap_first_dims(const uint8_t* in, int64_t world_size, int64_t rows, int64_t row_bytes,
+                                   uint8_t* out, cudaStream_t stream);
+
+}  // namespace nvfp4

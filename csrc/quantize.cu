@@ -1,0 +1,282 @@
+// The NVFP4 cast (SPEC 2-7): one pass over a 128 x 128 tile of the input in shared memory writes
+// the rowwise copy and the columnwise (transposed) copy with their E4M3 scales.
+// Variants (template flags): 16x16 blocks for weights (SPEC 4), the RHT of the columnwise copy of
+// BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled amax (SPEC 6)
+// and which copies to write are run-time arguments.
+#include "nvfp4_device.cuh"
+#include "nvfp4_numerics.cuh"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
+constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
+constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
+constexpr int kRowwiseItemsPerThread = kTileRows * kColBlocksPerTile / kThreads;        // (row, 16-col block)
+constexpr int kColumnwiseItemsPerThread = kRowBlocksPerTile * (kTileCols / 2) / kThreads;  // (16-row block, col pair)
+constexpr uint32_t kRowwiseStream = 0, kColumnwiseStream = 1;  // Philox counter word 2 of each copy
+
+// A tile of T in shared memory, row-major, its 16-byte chunks XOR-swizzled by the row's 16-row block
+// so that both the rowwise reads (16 consecutive elements) and the columnwise reads (an element
+// pair down 16 rows) are free of bank conflicts.
+template <typename T>
+struct TileLayout {
+  static constexpr int kChunkElements = 16 / sizeof(T);
+  static constexpr int kChunksPerRow = kTileCols / kChunkElements;
+  static constexpr int kChunksPerBlock = kBlockSize / kChunkElements;
+  static constexpr int kRowBytes = kTileCols * sizeof(T);
+  static constexpr int kBytes = kTileRows * kRowBytes;
+
+  __device__ static int chunk_offset(int row, int chunk) { return row * kRowBytes + ((chunk ^ ((row >> 4) & 7)) << 4); }
+  __device__ static int element_offset(int row, int column) {
+    const int byte = column * static_cast<int>(sizeof(T));
+    return chunk_offset(row, byte >> 4) + (byte & 15);
+  }
+};
+
+// The 16 values of row `row`, column block `block` of the tile. Lanes with block >= 4 (>= 2, ...)
+// read their chunks in a rotated order, which spreads one row's 8 blocks over all banks.
+template <typename T>
+__device__ __forceinline__ void read_row_block(const uint8_t* tile, int row, int block, float (&values)[kBlockSize]) {
+  using Layout = TileLayout<T>;
+  constexpr int kParts = Layout::kChunksPerBlock;
+  const int rotation = (block >> (kParts == 2 ? 2 : 1)) & (kParts - 1);
+  uint4 raw[kParts];
+#pragma unroll
+  for (int h = 0; h < kParts; ++h) {
+    const int chunk = block * kParts + ((h + rotation) & (kParts - 1));
+    raw[h] = *reinterpret_cast<const uint4*>(tile + Layout::chunk_offset(row, chunk));
+  }
+  uint4 logical[kParts];  // undo the rotation with compile-time register indices
+#pragma unroll
+  for (int q = 0; q < kParts; ++q) logical[q] = (rotation & 1) ? raw[(q + kParts - 1) % kParts] : raw[q];
+  if constexpr (kParts == 4) {
+    uint4 shifted[kParts];
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) shifted[q] = (rotation & 2) ? logical[(q + 2) % kParts] : logical[q];
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) logical[q] = shifted[q];
+  }
+#pragma unroll
+  for (int q = 0; q < kParts; ++q) {
+    float part[Layout::kChunkElements];
+    unpack_vector<T>(logical[q], part);
+#pragma unroll
+    for (int e = 0; e < Layout::kChunkElements; ++e) values[q * Layout::kChunkElements + e] = part[e];
+  }
+}
+
+// Columns (column, column + 1) of the 16 rows of row block `row_block`.
+template <typename T>
+__device__ __forceinline__ void read_column_pair(const uint8_t* tile, int row_block, int column, float (&first)[kBlockSize],
+                                                 float (&second)[kBlockSize]) {
+  using Layout = TileLayout<T>;
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) {
+    const uint8_t* address = tile + Layout::element_offset(row_block * kBlockSize + i, column);
+    if constexpr (sizeof(T) == 4) {
+      const float2 pair = *reinterpret_cast<const float2*>(address);
+      first[i] = pair.x;
+      second[i] = pair.y;
+    } else {
+      const T* pair = reinterpret_cast<const T*>(address);
+      first[i] = to_float(pair[0]);
+      second[i] = to_float(pair[1]);
+    }
+  }
+}
+
+__device__ __forceinline__ float block_amax(const float (&values)[kBlockSize]) {
+  uint32_t running = 0;
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) running = max(running, abs_bits(values[i]));
+  return __uint_as_float(running);
+}
+
+__device__ __forceinline__ uint2 pack_codes(const uint32_t (&codes)[kBlockSize]) {
+  uint32_t words[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) words[i / 8] |= codes[i] << (4 * (i % 8));
+  return make_uint2(words[0], words[1]);
+}
+
+// Codes of one block of 16 values that are consecutive along the quantized dimension: global row
+// `sr_row`, global columns sr_column .. sr_column + 15 of the copy (for the Philox counter).
+template <bool kSR>
+__device__ __forceinline__ uint2 encode_block(const float (&values)[kBlockSize], float encode, uint64_t seed,
+                                              uint32_t stream, int64_t sr_row, int64_t sr_column) {
+  uint32_t codes[kBlockSize];
+  if constexpr (!kSR) {
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne(clamp_fp4(values[i] * encode));
+  } else if ((sr_column & 7) == 0) {  // two Philox groups of 8 columns
+#pragma unroll
+    for (int group = 0; group < 2; ++group) {
+      const PhiloxWords words = stochastic_rounding_words(sr_row, (sr_column >> 3) + group, stream, seed);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const int i = group * 8 + t;
+        codes[i] = fp4_code_stochastic(clamp_fp4(values[i] * encode), bits_of_column(words, t));
+      }
+    }
+  } else {  // a shard offset that is not a multiple of 8: one Philox call per element
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) {
+      const int64_t column = sr_column + i;
+      const PhiloxWords words = stochastic_rounding_words(sr_row, column >> 3, stream, seed);
+      codes[i] = fp4_code_stochastic(clamp_fp4(values[i] * encode), bits_of_column(words, static_cast<uint32_t>(column & 7)));
+    }
+  }
+  return pack_codes(codes);
+}
+
+template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
+__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const QuantizeArgs args) {
+  extern __shared__ __align__(16) uint8_t tile[];
+  __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
+  __shared__ float tile_amax_2d[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
+  using Layout = TileLayout<T>;
+  const int64_t rows = args.rows, cols = args.cols;
+  const int64_t column_tiles = (cols + kTileCols - 1) / kTileCols;
+  const int64_t m0 = (blockIdx.x / column_tiles) * kTileRows, k0 = (blockIdx.x % column_tiles) * kTileCols;
+  const int tid = threadIdx.x;
+
+  // 1. The tile into shared memory, all loads in flight before the first store.
+  constexpr int kLoads = kTileRows * Layout::kChunksPerRow / kThreads;
+  const uint8_t* x = static_cast<const uint8_t*>(args.x);
+  uint4 staged[kLoads];
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int index = u * kThreads + tid, row = index / Layout::kChunksPerRow, chunk = index % Layout::kChunksPerRow;
+    const int64_t global_row = m0 + row, global_col = k0 + chunk * Layout::kChunkElements;
+    staged[u] = (global_row < rows && global_col < cols)
+                    ? load_streaming(x + (global_row * cols + global_col) * static_cast<int64_t>(sizeof(T)))
+                    : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int index = u * kThreads + tid;
+    *reinterpret_cast<uint4*>(tile + Layout::chunk_offset(index / Layout::kChunksPerRow, index % Layout::kChunksPerRow)) = staged[u];
+  }
+  __syncthreads();
+
+  // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4).
+  if constexpr (k2D) {
+#pragma unroll
+    for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
+      const int item = u * kThreads + tid, block = item & 7, row = item >> 3;
+      float values[kBlockSize];
+      read_row_block<T>(tile, row, block, values);
+      block_amax_2d[row][block] = block_amax(values);
+    }
+    __syncthreads();
+    if (tid < kRowBlocksPerTile * kColBlocksPerTile) {
+      const int row_block = tid >> 3, block = tid & 7;
+      uint32_t running = 0;
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) running = max(running, __float_as_uint(block_amax_2d[row_block * kBlockSize + i][block]));
+      tile_amax_2d[row_block][block] = __uint_as_float(running);
+    }
+    __syncthreads();
+  }
+
+  // 3. Rowwise copy: item = (tile row, 16-column block); 8 lanes write one row's 64 bytes.
+  if (args.rowwise_data != nullptr) {
+    const float tensor_s_enc = args.row_scaled ? 1.0f : encode_scale(args.amax_rowwise[0]);
+#pragma unroll
+    for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
+      const int item = u * kThreads + tid, block = item & 7, row = item >> 3;
+      const int64_t global_row = m0 + row, global_col = k0 + block * kBlockSize;
+      if (global_row >= rows || global_col >= cols) continue;
+      float values[kBlockSize];
+      read_row_block<T>(tile, row, block, values);
+      const float amax_of_block = k2D ? tile_amax_2d[row >> 4][block] : block_amax(values);
+      const float s_enc = args.row_scaled ? encode_scale(args.amax_rowwise[global_row]) : tensor_s_enc;
+      const uint8_t scale = block_scale_e4m3(amax_of_block, s_enc);
+      const float encode = block_encode_factor(scale, decode_scale(s_enc));
+      const uint2 packed = encode_block<kSR>(values, encode, args.sr_seed, kRowwiseStream,
+                                             global_row + args.sr_row_offset, global_col);
+      *reinterpret_cast<uint2*>(args.rowwise_data + global_row * (cols / 2) + global_col / 2) = packed;
+      args.rowwise_scale[global_row * (cols / kBlockSize) + global_col / kBlockSize] = scale;
+    }
+  }
+
+  // 4. Columnwise copy of x^T (after the RHT when on): item = (16-row block, column pair);
+  //    8 lanes write 64 bytes of each of their two columns.
+  if (args.columnwise_data != nullptr) {
+    const float s_enc = encode_scale(args.amax_columnwise[0]);
+    const float s_dec = decode_scale(s_enc);
+#pragma unroll
+    for (int u = 0; u < kColumnwiseItemsPerThread; ++u) {
+      const int item = u * kThreads + tid, row_block = item & 7, column = (item >> 3) * 2;
+      const int64_t global_row = m0 + row_block * kBlockSize, global_col = k0 + column;
+      if (global_row >= rows || global_col >= cols) continue;
+      float pair[2][kBlockSize];
+      read_column_pair<T>(tile, row_block, column, pair[0], pair[1]);
+      if constexpr (kRHT) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float transformed[kBlockSize];
+          rht_chunk<kRandomSign>(pair[j], transformed);
+#pragma unroll
+          for (int i = 0; i < kBlockSize; ++i) pair[j][i] = round_to_bf16(transformed[i]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : block_amax(pair[j]);
+        const uint8_t scale = block_scale_e4m3(amax_of_block, s_enc);
+        const float encode = block_encode_factor(scale, s_dec);
+        const uint2 packed = encode_block<kSR>(pair[j], encode, args.sr_seed, kColumnwiseStream, global_col + j,
+                                               global_row + args.sr_row_offset);
+        *reinterpret_cast<uint2*>(args.columnwise_data + (global_col + j) * (rows / 2) + global_row / 2) = packed;
+        args.columnwise_scale[(global_col + j) * (rows / kBlockSize) + global_row / kBlockSize] = scale;
+      }
+    }
+  }
+}
+
+template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
+cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
+  const int64_t tiles = ((args.rows + kTileRows - 1) / kTileRows) * ((args.cols + kTileCols - 1) / kTileCols);
+  if (tiles == 0) return cudaSuccess;
+  constexpr int kSharedBytes = TileLayout<T>::kBytes;
+  auto kernel = quantize_tile_kernel<T, k2D, kRHT, kRandomSign, kSR>;
+  if (kSharedBytes > 48 * 1024) {
+    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    if (status != cudaSuccess) return status;
+  }
+  kernel<<<static_cast<unsigned int>(tiles), kThreads, kSharedBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename T, bool k2D>
+cudaError_t launch_1d_or_2d(const QuantizeArgs& args, cudaStream_t stream) {
+  return args.stochastic_rounding ? launch_tiles<T, k2D, false, false, true>(args, stream)
+                                  : launch_tiles<T, k2D, false, false, false>(args, stream);
+}
+
+template <bool kRandomSign>
+cudaError_t launch_rht(const QuantizeArgs& args, cudaStream_t stream) {
+  return args.stochastic_rounding ? launch_tiles<__nv_bfloat16, false, true, kRandomSign, true>(args, stream)
+                                  : launch_tiles<__nv_bfloat16, false, true, kRandomSign, false>(args, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream) {
+  const bool columnwise = args.columnwise_data != nullptr;
+  if (args.cols % kBlockSize != 0 || ((columnwise || args.block_2d) && args.rows % kBlockSize != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.rht && columnwise) {
+    if (args.type != InputType::kBFloat16 || args.block_2d) return cudaErrorInvalidValue;
+    return args.rht_random_sign ? launch_rht<true>(args, stream) : launch_rht<false>(args, stream);
+  }
+  NVFP4_DISPATCH_INPUT_TYPE(args.type, T,
+                            return args.block_2d ? launch_1d_or_2d<T, true>(args, stream)
+                                                 : launch_1d_or_2d<T, false>(args, stream));
+  return cudaSuccess;
+}
+
+}  // namespace nvfp4

@@ -1,0 +1,94 @@
+"""Build and load the CUDA extension nvfp4_dist._C (csrc/) with torch.utils.cpp_extension.
+
+Built with ninja on first use and cached (NVFP4_BUILD_DIR, default ~/.cache/nvfp4_dist/...);
+`python -m nvfp4_dist.build` builds it ahead of time.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+
+import torch
+
+logger = logging.getLogger("nvfp4_dist")
+
+EXTENSION_NAME = "nvfp4_dist_C"
+CSRC_DIR = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+BUILD_HOW_TO = ("Build it on a machine with a CUDA GPU, a CUDA build of torch, nvcc and ninja: "
+                "`python -m nvfp4_dist.build` (set NVFP4_BUILD_DIR to choose the cache folder), "
+                "or set NVFP4_FORCE_REFERENCE=1 to use the pure-torch reference instead.")
+# -fmad=false: no FMA contraction, so every product and sum is rounded as the SPEC orders it;
+# no fast-math, so divisions are IEEE (SPEC 2.2).
+NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-lineinfo")
+CXX_FLAGS = ("-O3", "-std=c++17")
+
+_lock = threading.Lock()
+_module = None
+
+
+def source_files() -> list[str]:
+    """Every csrc/*.cu plus csrc/bindings.cpp."""
+    return [str(p) for p in sorted(CSRC_DIR.glob("*.cu"))] + [str(CSRC_DIR / "bindings.cpp")]
+
+
+def nvcc_supports(arch: str) -> bool:
+    """Whether the local nvcc knows the virtual architecture `arch` (e.g. compute_100a)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc"
+    try:
+        listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return arch in listed.split()
+
+
+def arch_flags() -> list[str]:
+    """sm_90a always; sm_100a too when nvcc has it and a visible GPU is sm_100 or newer."""
+    flags = ["-gencode=arch=compute_90a,code=sm_90a"]
+    blackwell = torch.cuda.is_available() and any(
+        torch.cuda.get_device_capability(i)[0] >= 10 for i in range(torch.cuda.device_count()))
+    if blackwell and nvcc_supports("compute_100a"):
+        flags.append("-gencode=arch=compute_100a,code=sm_100a")
+    return flags
+
+
+def build_directory() -> pathlib.Path:
+    """NVFP4_BUILD_DIR, or a cache folder keyed by the torch and CUDA versions."""
+    if os.environ.get("NVFP4_BUILD_DIR"):
+        path = pathlib.Path(os.environ["NVFP4_BUILD_DIR"])
+    else:
+        key = re.sub(r"[^A-Za-z0-9_.]", "_", f"torch{torch.__version__}_cuda{torch.version.cuda}")
+        path = pathlib.Path.home() / ".cache" / "nvfp4_dist" / key
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_extension(verbose: bool = False):
+    """The compiled module (built on first use, then cached); RuntimeError saying how to build otherwise."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        if torch.version.cuda is None:
+            raise RuntimeError(f"nvfp4_dist._C needs a CUDA build of torch (this one is {torch.__version__}). "
+                               + BUILD_HOW_TO)
+        try:
+            from torch.utils.cpp_extension import load
+            directory = build_directory()
+            logger.info("building/loading %s in %s", EXTENSION_NAME, directory)
+            module = load(name=EXTENSION_NAME, sources=source_files(), extra_cflags=list(CXX_FLAGS),
+                          extra_cuda_cflags=list(NVCC_FLAGS) + arch_flags(), extra_include_paths=[str(CSRC_DIR)],
+                          build_directory=str(directory), verbose=verbose)
+        except Exception as error:  # compiler missing, compile error, load error: all need the same advice
+            raise RuntimeError(f"nvfp4_dist._C could not be built or loaded ({type(error).__name__}: {error}). "
+                               + BUILD_HOW_TO) from error
+        sys.modules["nvfp4_dist._C"] = module
+        _module = module
+        return module
