@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from . import reference
+from . import gemm_backends, reference
 from .recipe import GEMM_BACKENDS, NVFP4Recipe
 from .tensor import NVFP4Tensor
 
@@ -49,7 +49,8 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
     """y = A . B^T for A = a's `a_copy` [M, K] and B = b's `b_copy` [N, K].
 
     out_dtype: BF16, FP16 or FP32 output. bias: [N], added in FP32 before the cast.
-    accumulate_into: an FP32 [M, N] tensor that receives y in place (wgrad into main_grad); it is returned.
+    accumulate_into: an FP32 [M, N] tensor that receives y (+ bias) in place (wgrad into main_grad); it is
+      returned instead of a new tensor.
     backend: auto | cublaslt | emulated | reference (default: recipe.gemm_backend, then NVFP4_GEMM_BACKEND).
     """
     a_data, a_scale, a_amax = operand(a, a_copy, "a")
@@ -62,22 +63,27 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype}: allowed are {OUT_DTYPES}")
     rows, cols = a_data.shape[0], b_data.shape[0]
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != cols):
-        raise ValueError(f"bias.shape={tuple(bias.shape)}: expected ({cols},)")
+    if a_amax.numel() not in (1, rows):
+        raise ValueError(f"a's amax has {a_amax.numel()} values: allowed are 1 or one per row ({rows})")
+    device = a_data.device
+    for name, tensor in (("b", b_data), ("bias", bias), ("accumulate_into", accumulate_into)):
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}; a is on {device}: all must share one device")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != cols or not bias.is_floating_point()):
+        raise ValueError(f"bias: expected a floating-point tensor of shape ({cols},), got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
     if accumulate_into is not None and (accumulate_into.dtype != torch.float32
-                                        or tuple(accumulate_into.shape) != (rows, cols)):
-        raise ValueError(f"accumulate_into: expected float32 {(rows, cols)}, got "
-                         f"{accumulate_into.dtype} {tuple(accumulate_into.shape)}")
+                                        or tuple(accumulate_into.shape) != (rows, cols)
+                                        or accumulate_into.stride(1) != 1):
+        raise ValueError(f"accumulate_into: expected a float32 {(rows, cols)} tensor with unit column stride, got "
+                         f"{accumulate_into.dtype} {tuple(accumulate_into.shape)} strides {accumulate_into.stride()}")
     if recipe is not None and backend is None and recipe.gemm_backend != "auto":
         backend = recipe.gemm_backend
-    chosen = resolve_backend(backend, a_data.device)
+    chosen = resolve_backend(backend, device)
+    if bias is not None:
+        bias = bias.contiguous()
     if chosen == "reference":
         out = reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
-    else:
-        from . import gemm_backends
-        out = gemm_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    if accumulate_into is not None:
-        return accumulate_into.add_(out)
-    return out.to(out_dtype)
+        return gemm_backends.finish_output(out, out_dtype, bias, accumulate_into)
+    return gemm_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype,
+                             bias=bias, accumulate_into=accumulate_into)

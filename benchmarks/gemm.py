@@ -1,0 +1,157 @@
+"""NVFP4 emulated GEMM on Hopper vs cuBLAS BF16 torch.matmul, same shapes, one run.
+
+Times (median, CUDA events via triton.testing.do_bench) the fused Triton GEMM and the
+dequantize + cuBLAS path, each including all of its dequantization, against
+torch.matmul of BF16 operands; reports TFLOP/s, the ratios, and the device memory each
+NVFP4 path allocates beyond its output. Writes JSON (--out).
+
+    python benchmarks/gemm.py [--sweep] [--out benchmarks/results/gemm_h100.json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+import triton
+
+from nvfp4_dist import gemm_hopper, reference
+
+SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
+    (8192, 8192, 8192),
+    (16384, 10240, 8192),
+    (16384, 7168, 8192),
+    (16384, 8192, 28672),
+    (16384, 28672, 8192),
+]
+SWEEP_CONFIGS = [
+    gemm_hopper.FusedConfig(),
+    gemm_hopper.FusedConfig(block_k=64, num_stages=4),
+    gemm_hopper.FusedConfig(block_n=128, block_k=128),
+    gemm_hopper.FusedConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
+    gemm_hopper.FusedConfig(block_n=128, block_k=64, num_warps=4, num_stages=4),
+    gemm_hopper.FusedConfig(block_m=256, block_n=128, block_k=64),
+    gemm_hopper.FusedConfig(use_ptx=False),
+]
+
+
+def quantized_operand(rows: int, k: int, scale: float, device) -> tuple:
+    """(data, scale, amax) of random N(0, scale^2) data with a few larger blocks, quantized rowwise."""
+    x = torch.randn(rows, k, device=device) * scale
+    x[:, ::97] *= 8.0  # spread the block scales
+    q = reference.quantize_tensor(x, rowwise=True, columnwise=False)
+    return q.rowwise_data, q.rowwise_scale, q.amax_rowwise
+
+
+def tflops(m: int, n: int, k: int, ms: float) -> float:
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def extra_memory(fn, output_bytes: int) -> int:
+    """Peak device bytes allocated during fn beyond its output."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return peak - base - output_bytes
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def measure_shape(m: int, n: int, k: int, fused_config, device) -> dict:
+    a = quantized_operand(m, k, 1.0, device)
+    b = quantized_operand(n, k, 0.02, device)
+    a_bf16 = gemm_hopper.dequantize_to_bf16(a[0], a[1])
+    b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
+    bf16_ms = time_ms(lambda: torch.matmul(a_bf16, b_bf16.t()))
+    expected = torch.matmul(a_bf16, b_bf16.t()).float() * gemm_hopper.alpha_of(a[2], b[2])
+    del a_bf16, b_bf16
+
+    def fused():
+        return gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=fused_config)
+
+    def dequantize_matmul():
+        return gemm_hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16)
+
+    row = dict(m=m, n=n, k=k, bf16_matmul_ms=bf16_ms, bf16_matmul_tflops=tflops(m, n, k, bf16_ms))
+    output_bytes = m * n * 2
+    for name, fn in (("fused", fused), ("dequantize_matmul", dequantize_matmul)):
+        error = relative_error(fn(), expected)
+        ms = time_ms(fn)
+        row.update({f"{name}_ms": ms, f"{name}_tflops": tflops(m, n, k, ms), f"{name}_ratio": bf16_ms / ms,
+                    f"{name}_extra_bytes": extra_memory(fn, output_bytes),
+                    f"{name}_relative_error_vs_bf16_matmul": error})
+    return row
+
+
+def sweep(m: int, n: int, k: int, device) -> list:
+    """Fused-kernel configurations timed on one shape."""
+    a = quantized_operand(m, k, 1.0, device)
+    b = quantized_operand(n, k, 0.02, device)
+    results = []
+    for config in SWEEP_CONFIGS:
+        try:
+            ms = time_ms(lambda: gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=config))
+            results.append(dict(config=dataclasses.asdict(config), ms=ms, tflops=tflops(m, n, k, ms)))
+        except Exception as error:  # a configuration the compiler rejects (e.g. shared memory): record it
+            results.append(dict(config=dataclasses.asdict(config), error=repr(error)[:300]))
+        print(results[-1], flush=True)
+    return results
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "gemm.json"))
+    parser.add_argument("--sweep", action="store_true", help="time the fused-kernel configurations first")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
+                  torch=torch.__version__, triton=triton.__version__)
+    config = gemm_hopper.DEFAULT_FUSED_CONFIG
+    if args.sweep:
+        report["sweep_8192"] = sweep(8192, 8192, 8192, device)
+        timed = [r for r in report["sweep_8192"] if "ms" in r]
+        config = gemm_hopper.FusedConfig(**min(timed, key=lambda r: r["ms"])["config"])
+    report["fused_config"] = dataclasses.asdict(config)
+    report["shapes"] = []
+    for m, n, k in SHAPES:
+        report["shapes"].append(measure_shape(m, n, k, config, device))
+        torch.cuda.empty_cache()
+        print(report["shapes"][-1], flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\n{report['gpu']}  fused config {report['fused_config']}")
+    print(f"{'M':>6} {'N':>6} {'K':>6} | {'BF16 TF/s':>9} | {'fused TF/s':>10} {'ratio':>6} | "
+          f"{'deq+mm TF/s':>11} {'ratio':>6} | {'extra MiB fused/deq':>20}")
+    for r in report["shapes"]:
+        print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {r['bf16_matmul_tflops']:>9.1f} | "
+              f"{r['fused_tflops']:>10.1f} {r['fused_ratio']:>6.3f} | {r['dequantize_matmul_tflops']:>11.1f} "
+              f"{r['dequantize_matmul_ratio']:>6.3f} | {r['fused_extra_bytes'] / 2**20:>9.1f}/"
+              f"{r['dequantize_matmul_extra_bytes'] / 2**20:<9.1f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The two GPU GEMM backends behind nvfp4_dist.gemm (SPEC 8).
+
+cublaslt: Blackwell cuBLASLt block-scaled NVFP4 (gemm_blackwell).
+emulated: Hopper exact-block emulation in Triton (gemm_hopper); NVFP4_HOPPER_GEMM picks
+          "fused" (dequantization inside the GEMM, the default) or "dequantize" (BF16 operand
+          copies feeding cuBLAS).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+HOPPER_PATHS = ("fused", "dequantize")
+_HOPPER_PATH_ENV = "NVFP4_HOPPER_GEMM"
+
+
+def finish_output(out: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                  accumulate_into: torch.Tensor | None) -> torch.Tensor:
+    """FP32 y -> y + bias, added into accumulate_into (returned) or cast to out_dtype."""
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    if accumulate_into is not None:
+        return accumulate_into.add_(out)
+    return out.to(out_dtype)
+
+
+def hopper_path() -> str:
+    """The emulated backend's path: NVFP4_HOPPER_GEMM, default "fused"."""
+    path = os.environ.get(_HOPPER_PATH_ENV) or "fused"
+    if path not in HOPPER_PATHS:
+        raise ValueError(f"environment variable {_HOPPER_PATH_ENV}={path!r}: allowed are {HOPPER_PATHS}")
+    return path
+
+
+def import_hopper():
+    try:
+        from . import gemm_hopper
+    except ImportError as error:
+        raise RuntimeError("the emulated NVFP4 GEMM backend needs Triton (pip install triton; it ships with "
+                           "the CUDA builds of torch); or select backend='reference'") from error
+    return gemm_hopper
+
+
+def run(backend: str, a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype: torch.dtype = torch.float32,
+        bias: torch.Tensor | None = None, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+    """y = A . B^T on the GPU with `backend` ("cublaslt" or "emulated"), already validated by gemm().
+
+    Returns y in out_dtype, or accumulate_into after adding y (+ bias) into it.
+    """
+    if backend == "cublaslt":
+        from . import gemm_blackwell
+        args = gemm_blackwell.scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
+        out = gemm_blackwell.finish_scaled_mm(gemm_blackwell.run_scaled_mm(args), args)
+        return finish_output(out, out_dtype, bias, accumulate_into)
+    if backend == "emulated":
+        gemm_hopper = import_hopper()
+        path = gemm_hopper.gemm_fused if hopper_path() == "fused" else gemm_hopper.gemm_dequantize_matmul
+        return path(a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype, bias=bias,
+                    accumulate_into=accumulate_into)
+    raise ValueError(f"backend={backend!r}: the GPU backends are 'cublaslt' and 'emulated'")

@@ -1,0 +1,291 @@
+"""Hopper (sm_90) NVFP4 GEMM by exact block emulation, in Triton (SPEC 8).
+
+Every FP4 value times its E4M3 block scale has at most 6 significant bits, so it is
+exact in FP16 and BF16, and tensor-core products of such values are exact in FP32.
+
+Dequantization trick: the E2M1 bits (s, e1, e0, m) placed as the E4M3 byte
+s 0 0 e1 e0 m 0 0 encode exactly fp4value * 2^-6 (E4M3 subnormals cover the 0.5 code),
+so the hardware E4M3 -> FP16 conversion does the decoding. Products with the block
+scale, fp4 * scale * 2^-6, lie in [2^-16, 42] with at most 6 significant bits: exact
+in FP16. The fused GEMM feeds those FP16 tiles to the tensor cores and multiplies the
+FP32 accumulator by 2^12 * alpha in the epilogue.
+
+Two paths:
+- gemm_fused: dequantization inside the GEMM's K loop (packed tiles loaded, decoded in
+  registers, tl.dot with FP32 accumulation); no operand copy is materialised.
+- gemm_dequantize_matmul: a dequantize kernel writes BF16 operands, torch.mm runs
+  cuBLAS with FP32 output, and an epilogue kernel applies alpha/bias/accumulate.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference.quantize import decode_scale
+
+# E4M3-packed FP4 values carry 2^-6 each; a product of two carries 2^-12.
+_OPERAND_EXPONENT_CORRECTION = tl.constexpr(4096.0)
+
+# PTX for one 32-bit word of 8 packed FP4 codes and its FP16 block scale -> 8 FP16 values
+# fp4 * scale * 2^-6 in element order. $0..$7 outputs, $8 the word, $9 the scale.
+_DEQUANTIZE_WORD_PTX = """
+{
+.reg .b32 lo, hi, t0, t1, s2;
+.reg .b16 l0, l1, h0, h1;
+and.b32 t0, $8, 0x07070707;
+shl.b32 t0, t0, 2;
+and.b32 t1, $8, 0x08080808;
+shl.b32 t1, t1, 4;
+or.b32 lo, t0, t1;
+shr.b32 t0, $8, 2;
+and.b32 t0, t0, 0x1C1C1C1C;
+and.b32 t1, $8, 0x80808080;
+or.b32 hi, t0, t1;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+mov.b32 s2, {$9, $9};
+cvt.rn.f16x2.e4m3x2 t0, l0;
+mul.rn.f16x2 t0, t0, s2;
+mov.b32 {$0, $2}, t0;
+cvt.rn.f16x2.e4m3x2 t0, l1;
+mul.rn.f16x2 t0, t0, s2;
+mov.b32 {$4, $6}, t0;
+cvt.rn.f16x2.e4m3x2 t0, h0;
+mul.rn.f16x2 t0, t0, s2;
+mov.b32 {$1, $3}, t0;
+cvt.rn.f16x2.e4m3x2 t0, h1;
+mul.rn.f16x2 t0, t0, s2;
+mov.b32 {$5, $7}, t0;
+}
+"""
+
+
+@triton.jit
+def _byte_to_f16_pair(byte, scale):
+    """Both FP4 codes of each byte (int32 in 0..255) as FP16 fp4 * scale * 2^-6: (low, high)."""
+    low = (((byte & 0x7) << 2) | ((byte & 0x8) << 4)).to(tl.uint8)
+    high = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.uint8)
+    low = low.to(tl.float8e4nv, bitcast=True).to(tl.float16) * scale
+    high = high.to(tl.float8e4nv, bitcast=True).to(tl.float16) * scale
+    return low, high
+
+
+@triton.jit
+def _dequantize_words(words, scale, ROWS: tl.constexpr, WORDS: tl.constexpr, USE_PTX: tl.constexpr):
+    """int32 [ROWS, WORDS] of packed FP4, FP16 scale per word -> FP16 [ROWS, 8 * WORDS] = fp4 * scale * 2^-6."""
+    if USE_PTX:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _DEQUANTIZE_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
+                   tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        v0, v1 = _byte_to_f16_pair(words & 0xFF, scale)
+        v2, v3 = _byte_to_f16_pair((words >> 8) & 0xFF, scale)
+        v4, v5 = _byte_to_f16_pair((words >> 16) & 0xFF, scale)
+        v6, v7 = _byte_to_f16_pair((words >> 24) & 0xFF, scale)
+    # Nested joins whose flattening is element order 0..7 (the last join picks the lowest index bit).
+    even = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.join(even, odd).reshape(ROWS, 8 * WORDS)
+
+
+@triton.jit
+def _word_scales(scale_bytes, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """E4M3 scale bytes [ROWS, WORDS/2] (one per 16-element block) -> FP16 [ROWS, WORDS], one per word."""
+    scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.join(scale, scale).reshape(ROWS, WORDS)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, alpha_ptr, bias_ptr, out_ptr,
+                       M, N, K_WORDS, stride_a, stride_a_scale, stride_b, stride_b_scale, stride_out,
+                       ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                       EVEN_K: tl.constexpr, USE_PTX: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    """out[M, N] (+)= (A . B^T) * 2^12 * alpha (+ bias), A and B packed FP4 [rows, K/8] int32 words."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    SCALES: tl.constexpr = BLOCK_K // 16
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_rows
+    pid_n = (pid % tiles_per_group) // group_rows
+
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    load_m = rows_m % M  # rows past the end recompute valid rows; their output is masked
+    load_n = rows_n % N
+    word = tl.arange(0, WORDS)
+    block = tl.arange(0, SCALES)
+    a_ptrs = a_ptr + load_m[:, None] * stride_a + word[None, :]
+    a_scale_ptrs = a_scale_ptr + load_m[:, None] * stride_a_scale + block[None, :]
+    b_ptrs = b_ptr + load_n[:, None] * stride_b + word[None, :]
+    b_scale_ptrs = b_scale_ptr + load_n[:, None] * stride_b_scale + block[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first_word in range(0, K_WORDS, WORDS):
+        if EVEN_K:
+            a_words = tl.load(a_ptrs)
+            b_words = tl.load(b_ptrs)
+            a_scale_bytes = tl.load(a_scale_ptrs)
+            b_scale_bytes = tl.load(b_scale_ptrs)
+        else:
+            words_left = K_WORDS - first_word
+            word_mask = word[None, :] < words_left
+            scale_mask = block[None, :] < words_left // 2
+            a_words = tl.load(a_ptrs, mask=word_mask, other=0)
+            b_words = tl.load(b_ptrs, mask=word_mask, other=0)
+            a_scale_bytes = tl.load(a_scale_ptrs, mask=scale_mask, other=0)
+            b_scale_bytes = tl.load(b_scale_ptrs, mask=scale_mask, other=0)
+        a_vals = _dequantize_words(a_words, _word_scales(a_scale_bytes, BLOCK_M, WORDS), BLOCK_M, WORDS, USE_PTX)
+        b_vals = _dequantize_words(b_words, _word_scales(b_scale_bytes, BLOCK_N, WORDS), BLOCK_N, WORDS, USE_PTX)
+        acc = tl.dot(a_vals, tl.trans(b_vals), acc)
+        a_ptrs += WORDS
+        b_ptrs += WORDS
+        a_scale_ptrs += SCALES
+        b_scale_ptrs += SCALES
+
+    acc = acc * _OPERAND_EXPONENT_CORRECTION  # exact power of two
+    if ALPHA_PER_ROW:
+        acc = acc * tl.load(alpha_ptr + load_m)[:, None]
+    else:
+        acc = acc * tl.load(alpha_ptr)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + load_n).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows_m[:, None] * stride_out + rows_n[None, :]
+    out_mask = (rows_m < M)[:, None] & (rows_n < N)[None, :]
+    if ACCUMULATE:
+        acc = acc + tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, K_WORDS, stride_data, stride_scale, stride_out,
+                       USE_PTX: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    """BF16 [rows, K] = fp4 * scale (exact; no global factor) from int32 words [rows, K/8]."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    word = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+    mask = (row < rows)[:, None] & (word < K_WORDS)[None, :]
+    words = tl.load(data_ptr + row[:, None] * stride_data + word[None, :], mask=mask, other=0)
+    scale_bytes = tl.load(scale_ptr + row[:, None] * stride_scale + (word // 2)[None, :], mask=mask, other=0)
+    scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    values = _dequantize_words(words, scale, BLOCK_ROWS, BLOCK_WORDS, USE_PTX)
+    values = (values.to(tl.float32) * 64.0).to(tl.bfloat16)
+    col = tl.program_id(1) * BLOCK_WORDS * 8 + tl.arange(0, 8 * BLOCK_WORDS)
+    out_mask = (row < rows)[:, None] & (col < K_WORDS * 8)[None, :]
+    tl.store(out_ptr + row[:, None] * stride_out + col[None, :], values, mask=out_mask)
+
+
+@triton.jit
+def _epilogue_kernel(acc_ptr, alpha_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
+                     ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out (+)= acc * alpha (+ bias) in FP32, cast to out's dtype."""
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (row < M)[:, None] & (col < N)[None, :]
+    acc = tl.load(acc_ptr + row[:, None] * stride_acc + col[None, :], mask=mask, other=0.0)
+    if ALPHA_PER_ROW:
+        acc = acc * tl.load(alpha_ptr + row, mask=row < M, other=0.0)[:, None]
+    else:
+        acc = acc * tl.load(alpha_ptr)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + col, mask=col < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + row[:, None] * stride_out + col[None, :]
+    if ACCUMULATE:
+        acc = acc + tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """Tile shape and pipelining of the fused kernel."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    use_ptx: bool = True
+
+
+DEFAULT_FUSED_CONFIG = FusedConfig()
+
+
+def packed_words(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, K/2] packed FP4 -> int32 [rows, K/8] (8 codes a word), a view."""
+    if data.stride(1) != 1 or data.stride(0) % 4 or data.storage_offset() % 4:
+        data = data.contiguous()
+    return data.view(torch.int32)
+
+
+def alpha_of(a_amax: torch.Tensor, b_amax: torch.Tensor) -> torch.Tensor:
+    """FP32 alpha = S_dec(a) * S_dec(b): shape (1,), or (M,) when A is row-scaled."""
+    return (decode_scale(a_amax).reshape(-1) * decode_scale(b_amax).reshape(-1)).contiguous()
+
+
+def output_tensor(rows: int, cols: int, out_dtype: torch.dtype, accumulate_into, device) -> torch.Tensor:
+    if accumulate_into is not None:
+        return accumulate_into
+    return torch.empty(rows, cols, dtype=out_dtype, device=device)
+
+
+def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32, bias=None,
+               accumulate_into=None, config: FusedConfig = DEFAULT_FUSED_CONFIG) -> torch.Tensor:
+    """y = A . B^T with dequantization fused into the GEMM; returns accumulate_into when given."""
+    rows, cols, k_words = a_data.shape[0], b_data.shape[0], a_data.shape[1] // 4
+    a_words, b_words = packed_words(a_data), packed_words(b_data)
+    a_scale, b_scale = a_scale.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8)
+    alpha = alpha_of(a_amax, b_amax)
+    out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
+    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
+    _nvfp4_gemm_kernel[grid](
+        a_words, a_scale, b_words, b_scale, alpha, bias if bias is not None else alpha, out,
+        rows, cols, k_words, a_words.stride(0), a_scale.stride(0), b_words.stride(0), b_scale.stride(0),
+        out.stride(0),
+        ALPHA_PER_ROW=alpha.numel() != 1, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+        EVEN_K=k_words % (config.block_k // 8) == 0, USE_PTX=config.use_ptx,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = True) -> torch.Tensor:
+    """BF16 [rows, K] = fp4 code value * E4M3 block scale (exact; the global factor is not applied)."""
+    rows, k_words = data.shape[0], data.shape[1] // 4
+    words = packed_words(data)
+    scale = scale.contiguous().view(torch.uint8)
+    out = torch.empty(rows, k_words * 8, dtype=torch.bfloat16, device=data.device)
+    block_rows, block_words = 32, 32
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(k_words, block_words))
+    _dequantize_kernel[grid](words, scale, out, rows, k_words, words.stride(0), scale.stride(0), out.stride(0),
+                             USE_PTX=use_ptx, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
+    return out
+
+
+def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
+                           bias=None, accumulate_into=None, use_ptx: bool = True) -> torch.Tensor:
+    """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel."""
+    a_values = dequantize_to_bf16(a_data, a_scale, use_ptx)
+    b_values = dequantize_to_bf16(b_data, b_scale, use_ptx)
+    acc = torch.mm(a_values, b_values.t(), out_dtype=torch.float32)
+    del a_values, b_values
+    alpha = alpha_of(a_amax, b_amax)
+    rows, cols = acc.shape
+    out = output_tensor(rows, cols, out_dtype, accumulate_into, acc.device)
+    block_m, block_n = 32, 128
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    _epilogue_kernel[grid](acc, alpha, bias if bias is not None else alpha, out, rows, cols,
+                           acc.stride(0), out.stride(0),
+                           ALPHA_PER_ROW=alpha.numel() != 1, HAS_BIAS=bias is not None,
+                           ACCUMULATE=accumulate_into is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return out

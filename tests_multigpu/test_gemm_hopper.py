@@ -1,0 +1,161 @@
+"""The Hopper emulated NVFP4 GEMM (fused Triton kernel and dequantize + cuBLAS) vs the per-block reference.
+
+Operands are quantized by the reference quantizer (pure torch, run on the GPU for speed with
+NVFP4_FORCE_REFERENCE=1 set only while quantizing), so these tests do not depend on the CUDA
+quantization kernels. Tolerance: atol = rtol = 8e-3 on BF16 output (SPEC 11).
+"""
+import functools
+import os
+
+import pytest
+import torch
+
+import nvfp4_dist as nv
+from nvfp4_dist import gemm_hopper, reference
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.reference.gemm import block_values
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                                reason="needs a Hopper (sm_90) or newer GPU")
+
+TOLERANCE = dict(atol=8e-3, rtol=8e-3)
+PLAIN = gemm_hopper.FusedConfig(use_ptx=False)
+SMALL_TILES = gemm_hopper.FusedConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+RECIPE = nv.NVFP4Recipe()
+ROW_SCALED = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
+
+
+def random_matrix(rows: int, cols: int, scale: float, seed: int) -> torch.Tensor:
+    """Random BF16 data with block magnitudes spread over several octaves (never zeros)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=generator) * scale
+    x *= torch.exp2(torch.randint(-4, 4, (rows, cols // 16, 1), generator=generator).float()).repeat_interleave(16, 1).reshape(rows, cols)
+    return x.to(torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=8)
+def layer_operands(m: int, n: int, k: int, seed: int = 0, recipe=RECIPE):
+    """x [M, K] activation, W [N, K] weight, dy [M, N] gradient on the GPU, each with both copies
+    (x only rowwise when row-scaled, and then no dy)."""
+    row_scaled = recipe.row_scaled_activation
+    previous = os.environ.get("NVFP4_FORCE_REFERENCE")
+    os.environ["NVFP4_FORCE_REFERENCE"] = "1"
+    try:
+        quantize = lambda t, role, **kw: nv.quantize(t.to("cuda"), role, recipe=recipe, **kw)
+        x = quantize(random_matrix(m, k, 1.0, seed), "activation", columnwise=not row_scaled)
+        w = quantize(random_matrix(n, k, 0.1, seed + 1), "weight")
+        dy = None if row_scaled else quantize(random_matrix(m, n, 1.0, seed + 2), "gradient")
+    finally:
+        if previous is None:
+            del os.environ["NVFP4_FORCE_REFERENCE"]
+        else:
+            os.environ["NVFP4_FORCE_REFERENCE"] = previous
+    return x, w, dy
+
+
+def layout(name: str, x, w, dy):
+    """(a, a_copy, b, b_copy) of fprop, dgrad or wgrad (SPEC 3)."""
+    return {"fprop": (x, "rowwise", w, "rowwise"),
+            "dgrad": (dy, "rowwise", w, "columnwise"),
+            "wgrad": (dy, "columnwise", x, "columnwise")}[name]
+
+
+def operands(a, a_copy, b, b_copy):
+    pick = lambda q, copy: (getattr(q, f"{copy}_data"), getattr(q, f"{copy}_scale"), getattr(q, f"amax_{copy}"))
+    return pick(a, a_copy) + pick(b, b_copy)
+
+
+def check_bf16(out: torch.Tensor, ref: torch.Tensor):
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), **TOLERANCE)
+
+
+SHAPES = [(128, 128, 128), (112, 128, 96), (256, 384, 512), (1024, 768, 2048)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("name", ["fprop", "dgrad", "wgrad"])
+def test_fused_and_dequantize_paths_match_reference(m, n, k, name):
+    args = operands(*layout(name, *layer_operands(m, n, k, seed=m + n + k)))
+    ref = reference.gemm_reference(*args)
+    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=PLAIN), ref)
+    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=SMALL_TILES), ref)
+    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
+
+
+@pytest.mark.parametrize("name", ["fprop", "wgrad"])
+def test_largest_shape(name):
+    m, n, k = 4096, 3072, 4096
+    args = operands(*layout(name, *layer_operands(m, n, k, seed=7)))
+    ref = reference.gemm_reference(*args)
+    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
+
+
+@pytest.mark.parametrize("use_ptx", [True, False])
+def test_dequantize_to_bf16_is_exact(use_ptx):
+    x, w, _ = layer_operands(96, 80, 272, seed=3)
+    for data, scale in ((x.rowwise_data, x.rowwise_scale), (w.columnwise_data, w.columnwise_scale)):
+        expected = block_values(data, scale).reshape(data.shape[0], -1)
+        out = gemm_hopper.dequantize_to_bf16(data, scale, use_ptx=use_ptx)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out.float(), expected)
+
+
+@pytest.mark.parametrize("path", ["fused", "dequantize"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_accumulate_into_fp32(path, with_bias):
+    m, n, k = 640, 384, 320
+    args = operands(*layout("wgrad", *layer_operands(m, n, k, seed=11)))
+    rows, cols = args[0].shape[0], args[3].shape[0]
+    main_grad = torch.randn(rows, cols, device="cuda")
+    before = main_grad.clone()
+    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    run = gemm_hopper.gemm_fused if path == "fused" else gemm_hopper.gemm_dequantize_matmul
+    returned = run(*args, bias=bias, accumulate_into=main_grad)
+    assert returned is main_grad
+    expected = before + reference.gemm_reference(*args) + (0 if bias is None else bias.float())
+    torch.testing.assert_close(main_grad, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["fused", "dequantize"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_output_dtypes_and_bias(path, out_dtype):
+    x, w, _ = layer_operands(200, 136, 176, seed=5)
+    args = operands(x, "rowwise", w, "rowwise")
+    bias = torch.randn(136, device="cuda")
+    run = gemm_hopper.gemm_fused if path == "fused" else gemm_hopper.gemm_dequantize_matmul
+    out = run(*args, out_dtype=out_dtype, bias=bias)
+    assert out.dtype == out_dtype
+    torch.testing.assert_close(out.float(), (reference.gemm_reference(*args) + bias).to(out_dtype).float(), **TOLERANCE)
+
+
+@pytest.mark.parametrize("path", ["fused", "dequantize"])
+def test_row_scaled_activation(path, monkeypatch):
+    monkeypatch.setenv("NVFP4_HOPPER_GEMM", path)
+    x, w, _ = layer_operands(272, 192, 256, seed=9, recipe=ROW_SCALED)
+    assert x.amax_rowwise.numel() == 272
+    out = gemm(x, w, backend="emulated")
+    check_bf16(out, reference.gemm_reference(*operands(x, "rowwise", w, "rowwise")))
+
+
+@pytest.mark.parametrize("path", ["fused", "dequantize"])
+def test_public_gemm_picks_emulated_on_hopper(path, monkeypatch):
+    monkeypatch.setenv("NVFP4_HOPPER_GEMM", path)
+    monkeypatch.delenv("NVFP4_GEMM_BACKEND", raising=False)
+    monkeypatch.delenv("NVFP4_FORCE_REFERENCE", raising=False)
+    x, w, dy = layer_operands(256, 512, 384, seed=13)
+    for name in ("fprop", "dgrad", "wgrad"):
+        a, a_copy, b, b_copy = layout(name, x, w, dy)
+        out = gemm(a, b, a_copy=a_copy, b_copy=b_copy)
+        check_bf16(out, reference.gemm_reference(*operands(a, a_copy, b, b_copy)))
+        ref_backend = gemm(a, b, a_copy=a_copy, b_copy=b_copy, backend="reference")
+        check_bf16(out, ref_backend.float())
+
+
+def test_unknown_hopper_path_is_rejected(monkeypatch):
+    monkeypatch.setenv("NVFP4_HOPPER_GEMM", "fastest")
+    x, w, _ = layer_operands(128, 128, 128)
+    with pytest.raises(ValueError, match="NVFP4_HOPPER_GEMM"):
+        gemm(x, w, backend="emulated")
