@@ -122,6 +122,10 @@ class LinearComm:
         """y = x . W^T [tokens, out] from the local quantized input."""
         return gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
 
+    def input_to_save(self, xq: NVFP4Tensor) -> NVFP4Tensor:
+        """What forward keeps of its quantized input for backward (an option may gather it here)."""
+        return xq
+
     def input_for_wgrad(self, saved_input: NVFP4Tensor) -> Callable[[], NVFP4Tensor]:
         """Start bringing the saved input to the wgrad GEMM's token range; the callable finishes it."""
         return lambda: saved_input
@@ -208,8 +212,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         y2d = comm.fprop(xq.rowwise_only(), weight_q, bias=bias, out_dtype=x.dtype, recipe=recipe)
         # Backward needs x's columnwise copy (wgrad), or for row-scaled layers its rowwise copy (BF16 wgrad).
         saved_x = xq.rowwise_only() if row_scaled else xq.columnwise_only()
-        if not need_wgrad:
-            saved_x = NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
+        saved_x = comm.input_to_save(saved_x) if need_wgrad else NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
         ctx.save_for_backward(*saved_x.tensors(), *weight_q.tensors())
         ctx.x_meta, ctx.w_meta = saved_x.metadata(), weight_q.metadata()
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype

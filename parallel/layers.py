@@ -1,0 +1,373 @@
+"""ColumnParallelLinear and RowParallelLinear in NVFP4 with tensor and sequence parallelism (SPEC 9).
+
+Same arguments and return convention as Megatron-Core's layers: forward(x) -> (output, bias or None).
+Activations are [s, b, h] (or any [..., h]); sequence parallelism shards dim 0.
+
+Column-parallel, weight [out/tp, in]:
+  forward   x_local -> amax all-reduce (SP) -> quantize -> NVFP4 all-gather (SP) -> fprop -> [s, b, out/tp]
+  backward  dgrad -> BF16 reduce-scatter (SP) / all-reduce; wgrad from the columnwise copies, the input's
+            gathered again in NVFP4 (default) or kept from forward (keep_input_columnwise=True)
+Row-parallel, weight [out, in/tp]:
+  forward   fprop -> BF16 reduce-scatter (SP) / all-reduce -> + bias
+  backward  dy_local -> amax all-reduce -> quantize (SR) -> NVFP4 all-gather (SP) -> dgrad and wgrad
+
+Stochastic rounding of a sharded gradient uses the same seed on every rank (drawn from torch's CPU
+generator: ranks must share torch.manual_seed) and this rank's row offset, so the gathered gradient
+equals quantizing the full gradient byte for byte.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..autocast import nvfp4_enabled, resolve_recipe
+from ..gemm import gemm
+from ..linear import (LinearComm, WeightCache, bf16_linear, check_activation, check_features, nvfp4_linear,
+                      operand_amaxes, quantize_operand)
+from ..recipe import NVFP4Recipe
+from . import comm as C
+
+
+def default_init_method(weight: torch.Tensor) -> None:
+    """torch.nn.Linear's weight initialisation, applied to the full weight."""
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def resolve_group(tp_group):
+    """tp_group, else the world group when torch.distributed is initialised, else None (TP=1)."""
+    if tp_group is not None:
+        return tp_group
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Communication of the NVFP4 linear Function for each layer kind.
+
+class ColumnParallelComm(LinearComm):
+    """Input gathered (SP) before fprop; dgrad partial sums reduced after."""
+
+    def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool):
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.keep_input_columnwise = keep_input_columnwise
+        self.world_size = C.group_size(group)
+
+    def output_shape(self, input_shape, out_features):
+        if not self.sequence_parallel:
+            return super().output_shape(input_shape, out_features)
+        return (input_shape[0] * self.world_size, *input_shape[1:-1], out_features)
+
+    def quantize_input(self, x2d, recipe, *, columnwise):
+        if not self.sequence_parallel or recipe.row_scaled_activation:
+            return super().quantize_input(x2d, recipe, columnwise=columnwise)  # row-scaled: per-row amaxes travel
+        amaxes = list(operand_amaxes(x2d, "activation", recipe, rowwise=True, columnwise=columnwise))
+        C.all_reduce_amax(amaxes, self.group)
+        return quantize_operand(x2d, "activation", recipe, rowwise=True, columnwise=columnwise,
+                                amax_rowwise=amaxes[0], amax_columnwise=amaxes[1])
+
+    def fprop(self, xq, wq, *, bias, out_dtype, recipe):
+        if self.sequence_parallel:
+            xq = C.all_gather_nvfp4(xq, self.group)
+        return gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
+
+    def input_to_save(self, xq):
+        if self.sequence_parallel and self.keep_input_columnwise:
+            return C.all_gather_nvfp4(xq, self.group)
+        return xq
+
+    def input_for_wgrad(self, saved_input):
+        if not self.sequence_parallel or self.keep_input_columnwise:
+            return lambda: saved_input
+        return C.all_gather_nvfp4(saved_input, self.group, async_op=True)[1]
+
+    def reduce_partial(self, partial):
+        if self.sequence_parallel:
+            return C.reduce_scatter_bf16(partial, self.group)
+        return C.all_reduce_bf16(partial, self.group)
+
+    def dgrad(self, dyq, wq, *, out_dtype, recipe):
+        return self.reduce_partial(super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe))
+
+    def dgrad_bf16(self, dy2d, weight):
+        return self.reduce_partial(dy2d @ weight)
+
+
+class RowParallelComm(LinearComm):
+    """fprop partial sums reduced after; the output gradient gathered (SP) before dgrad and wgrad."""
+
+    def __init__(self, group, sequence_parallel: bool):
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.world_size, self.rank = C.group_size(group), C.group_rank(group)
+
+    def output_shape(self, input_shape, out_features):
+        if not self.sequence_parallel:
+            return super().output_shape(input_shape, out_features)
+        return (input_shape[0] // self.world_size, *input_shape[1:-1], out_features)
+
+    def fprop(self, xq, wq, *, bias, out_dtype, recipe):
+        partial = gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
+        if self.sequence_parallel:
+            return C.reduce_scatter_bf16(partial, self.group)
+        return C.all_reduce_bf16(partial, self.group)
+
+    def quantize_grad_output(self, dy2d, recipe, *, sr_seed, rowwise, columnwise):
+        if not self.sequence_parallel:
+            return super().quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=rowwise, columnwise=columnwise)
+        amaxes = list(operand_amaxes(dy2d, "gradient", recipe, rowwise=rowwise, columnwise=columnwise))
+        C.all_reduce_amax(amaxes, self.group)
+        return quantize_operand(dy2d, "gradient", recipe, rowwise=rowwise, columnwise=columnwise,
+                                amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=sr_seed,
+                                sr_row_offset=self.rank * dy2d.shape[0])
+
+    def grad_output_for_wgrad(self, dyq):
+        if not self.sequence_parallel:
+            return lambda: dyq
+        return C.all_gather_nvfp4(dyq, self.group, async_op=True)[1]
+
+    def dgrad(self, dyq, wq, *, out_dtype, recipe):
+        if self.sequence_parallel:
+            dyq = C.all_gather_nvfp4(dyq, self.group)
+        return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
+
+    def grad_output_bf16(self, dy2d):
+        return C.all_gather_bf16(dy2d, self.group) if self.sequence_parallel else dy2d
+
+
+# ----------------------------------------------------------------------------------------------------------
+# BF16 region mappings (Megatron-Core tensor_parallel/mappings.py), for the BF16 fallback and the
+# gather_output / input_is_parallel=False options.
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return C.all_reduce_bf16(dy.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """Forward: all-reduce. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce_bf16(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along dim 0. Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.all_gather_bf16(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return C.reduce_scatter_bf16(dy, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter along dim 0. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.reduce_scatter_bf16(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return C.all_gather_bf16(dy, ctx.group), None
+
+
+class _ScatterToTensorParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's slice of the last dim. Backward: all-gather along the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return C.all_gather_last_dim(dy, ctx.group), None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along the last dim. Backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return C.split_last_dim(dy, ctx.group), None
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+class _ParallelLinear(torch.nn.Module):
+    """Parameters, weight cache, recipe and wgrad hooks shared by the column- and row-parallel layers."""
+
+    def __init__(self, in_features, out_features, *, bias, tp_group, sequence_parallel, skip_bias_add,
+                 init_method, recipe, params_dtype, device, bf16_fallback, accumulate_into_main_grad, delay_wgrad,
+                 partition_dim):
+        super().__init__()
+        if recipe is not None and not isinstance(recipe, NVFP4Recipe):
+            raise ValueError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
+        self.tp_group = resolve_group(tp_group)
+        self.world_size, self.rank = C.group_size(self.tp_group), C.group_rank(self.tp_group)
+        partitioned = out_features if partition_dim == 0 else in_features
+        name = "out_features" if partition_dim == 0 else "in_features"
+        if partitioned % self.world_size:
+            raise ValueError(f"{name}={partitioned}: must be divisible by the tensor-parallel size {self.world_size}")
+        self.in_features, self.out_features = in_features, out_features
+        local_shape = [out_features, in_features]
+        local_shape[partition_dim] //= self.world_size
+        if not bf16_fallback:
+            check_features("in_features per rank" if partition_dim else "in_features", local_shape[1])
+            check_features("out_features per rank" if partition_dim == 0 else "out_features", local_shape[0])
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
+        self.recipe, self.bf16_fallback = recipe, bf16_fallback
+        self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
+        self.weight = torch.nn.Parameter(self._weight_shard(init_method or default_init_method, params_dtype, device,
+                                                            partition_dim))
+        for attribute, value in (("tensor_model_parallel", True), ("partition_dim", partition_dim),
+                                 ("partition_stride", 1)):
+            setattr(self.weight, attribute, value)
+        self.weight_cache = WeightCache()
+        self.wgrad_store: list = []
+
+    def _weight_shard(self, init_method, dtype, device, partition_dim) -> torch.Tensor:
+        """Every rank builds the full weight from the same RNG state and keeps its slice: TP=N equals TP=1."""
+        full = torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)
+        init_method(full)
+        return full.chunk(self.world_size, dim=partition_dim)[self.rank].clone()
+
+    def invalidate_weight_cache(self) -> None:
+        """Force requantizing the weight at the next forward (after writes through weight.data)."""
+        self.weight_cache.invalidate()
+
+    def backward_dw(self) -> None:
+        """Run the wgrad GEMMs that backward deferred (delay_wgrad=True), oldest first."""
+        while self.wgrad_store:
+            self.wgrad_store.pop(0)()
+
+    def _linear(self, x, bias, comm: LinearComm):
+        """The local NVFP4 (or BF16 fallback) linear; comm is used on the NVFP4 path only."""
+        store = self.wgrad_store if self.delay_wgrad else None
+        if self.bf16_fallback or not nvfp4_enabled():
+            return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
+                               wgrad_store=store)
+        recipe = resolve_recipe(self.recipe)
+        if recipe.overlap:
+            raise ValueError("recipe.overlap=True: the overlapped TP schedule is not part of these layers yet; "
+                             "use overlap=False")
+        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
+        return nvfp4_linear(x, self.weight, bias, recipe, weight_q=weight_q, comm=comm,
+                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
+
+    def _uses_nvfp4(self) -> bool:
+        return not self.bf16_fallback and nvfp4_enabled()
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W split along its output dim (Megatron-Core's ColumnParallelLinear, NVFP4 GEMMs).
+
+    sequence_parallel: x is [s/tp, b, in] and gathered along dim 0 (in NVFP4) before fprop.
+    gather_output: all-gather the output along its last dim (BF16) to [.., out] (not with SP).
+    keep_input_columnwise: keep the gathered columnwise input from forward instead of re-gathering it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, tp_group=None,
+                 sequence_parallel: bool = False, gather_output: bool = False, skip_bias_add: bool = False,
+                 init_method=None, recipe: NVFP4Recipe | None = None, params_dtype: torch.dtype = torch.float32,
+                 device=None, keep_input_columnwise: bool = False, bf16_fallback: bool = False,
+                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
+        super().__init__(in_features, out_features, bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         skip_bias_add=skip_bias_add, init_method=init_method, recipe=recipe,
+                         params_dtype=params_dtype, device=device, bf16_fallback=bf16_fallback,
+                         accumulate_into_main_grad=accumulate_into_main_grad, delay_wgrad=delay_wgrad, partition_dim=0)
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True with sequence_parallel=True: not supported (as in Megatron-Core)")
+        self.gather_output = gather_output
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features // self.world_size, dtype=params_dtype,
+                                                       device=device))
+            for attribute, value in (("tensor_model_parallel", True), ("partition_dim", 0), ("partition_stride", 1)):
+                setattr(self.bias, attribute, value)
+        else:
+            self.register_parameter("bias", None)
+        self.comm = ColumnParallelComm(self.tp_group, sequence_parallel, keep_input_columnwise)
+
+    def forward(self, x: torch.Tensor):
+        check_activation(x, self.in_features)
+        bias = None if self.skip_bias_add else self.bias
+        if not self._uses_nvfp4():  # the NVFP4 path communicates inside its autograd Function
+            if self.sequence_parallel:
+                x = _GatherFromSequenceParallelRegion.apply(x, self.tp_group)
+            elif self.world_size > 1:
+                x = _CopyToTensorParallelRegion.apply(x, self.tp_group)
+        y = self._linear(x, bias, self.comm)
+        if self.gather_output and self.world_size > 1:
+            y = _GatherFromTensorParallelRegion.apply(y, self.tp_group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W split along its input dim (Megatron-Core's RowParallelLinear, NVFP4 GEMMs).
+
+    input_is_parallel: x is already split along its last dim (else it is split here).
+    sequence_parallel: the output is reduce-scattered along dim 0 to [s/tp, b, out].
+    The bias (full [out]) is added after the reduction, or returned unadded with skip_bias_add.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, tp_group=None,
+                 sequence_parallel: bool = False, input_is_parallel: bool = True, skip_bias_add: bool = False,
+                 init_method=None, recipe: NVFP4Recipe | None = None, params_dtype: torch.dtype = torch.float32,
+                 device=None, bf16_fallback: bool = False, accumulate_into_main_grad: bool = False,
+                 delay_wgrad: bool = False):
+        super().__init__(in_features, out_features, bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         skip_bias_add=skip_bias_add, init_method=init_method, recipe=recipe,
+                         params_dtype=params_dtype, device=device, bf16_fallback=bf16_fallback,
+                         accumulate_into_main_grad=accumulate_into_main_grad, delay_wgrad=delay_wgrad, partition_dim=1)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (as in Megatron-Core)")
+        self.input_is_parallel = input_is_parallel
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+            setattr(self.bias, "sequence_parallel", sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+        self.comm = RowParallelComm(self.tp_group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel and self.world_size > 1:
+            check_activation(x, self.in_features)
+            x = _ScatterToTensorParallelRegion.apply(x, self.tp_group)
+        else:
+            check_activation(x, self.in_features // self.world_size)
+        if self.sequence_parallel and x.dim() >= 2 and x.shape[0] % self.world_size:
+            raise ValueError(f"input.shape={tuple(x.shape)}: with sequence_parallel the first dim must be divisible "
+                             f"by the tensor-parallel size {self.world_size}")
+        nvfp4 = self._uses_nvfp4()
+        y = self._linear(x, None, self.comm)
+        if not nvfp4:  # the NVFP4 path reduces inside its autograd Function
+            if self.sequence_parallel:
+                y = _ReduceScatterToSequenceParallelRegion.apply(y, self.tp_group)
+            elif self.world_size > 1:
+                y = _ReduceFromTensorParallelRegion.apply(y, self.tp_group)
+        if self.bias is not None and not self.skip_bias_add:
+            y = y + self.bias.to(y.dtype)
+        return y, (self.bias if self.skip_bias_add else None)
