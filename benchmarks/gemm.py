@@ -30,11 +30,12 @@ SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
 ]
 SWEEP_CONFIGS = [
     gemm_hopper.FusedConfig(),
-    gemm_hopper.FusedConfig(block_k=64, num_stages=4),
-    gemm_hopper.FusedConfig(block_n=128, block_k=128),
-    gemm_hopper.FusedConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
-    gemm_hopper.FusedConfig(block_n=128, block_k=64, num_warps=4, num_stages=4),
-    gemm_hopper.FusedConfig(block_m=256, block_n=128, block_k=64),
+    gemm_hopper.FusedConfig(num_stages=3),
+    gemm_hopper.FusedConfig(block_k=128, num_stages=3),
+    gemm_hopper.FusedConfig(group_m=16),
+    gemm_hopper.FusedConfig(block_n=256, num_stages=3),
+    gemm_hopper.FusedConfig(block_n=256, block_k=128, num_stages=3),
+    gemm_hopper.FusedConfig(num_warps=4),
     gemm_hopper.FusedConfig(use_ptx=False),
 ]
 

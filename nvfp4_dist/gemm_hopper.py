@@ -31,7 +31,7 @@ _OPERAND_EXPONENT_CORRECTION = tl.constexpr(4096.0)
 
 # PTX for one 32-bit word of 8 packed FP4 codes and its FP16 block scale -> 8 FP16 values
 # fp4 * scale * 2^-6 in element order. $0..$7 outputs, $8 the word, $9 the scale.
-_DEQUANTIZE_WORD_PTX = """
+_DEQUANTIZE_WORD_PTX = tl.constexpr("""
 {
 .reg .b32 lo, hi, t0, t1, s2;
 .reg .b16 l0, l1, h0, h1;
@@ -60,7 +60,7 @@ cvt.rn.f16x2.e4m3x2 t0, h1;
 mul.rn.f16x2 t0, t0, s2;
 mov.b32 {$5, $7}, t0;
 }
-"""
+""")
 
 
 @triton.jit
@@ -210,11 +210,11 @@ class FusedConfig:
     """Tile shape and pipelining of the fused kernel."""
 
     block_m: int = 128
-    block_n: int = 256
-    block_k: int = 128
+    block_n: int = 128
+    block_k: int = 64
     group_m: int = 8
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
     use_ptx: bool = True
 
 
