@@ -33,7 +33,6 @@ try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.package_info import __version__ as MEGATRON_CORE_VERSION
     from megatron.core.tensor_parallel import layers as megatron_layers
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -197,7 +196,7 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
         master = [] if keep_master_weight_for_test else None
         super().__init__(
             input_size, output_size, bias=bias, tp_group=tp_group,
-            sequence_parallel=sequence_parallel, gather_output=False, skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel, gather_output=gather_output, skip_bias_add=skip_bias_add,
             init_method=_full_weight_init(init_method, config.perform_initialization, 0, stride,
                                           tp_size, master),
             recipe=recipe, params_dtype=config.params_dtype, device=_layer_device(config),
@@ -208,7 +207,6 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = output_size // tp_size
-        self.gather_output = gather_output
         self.is_expert = is_expert
         self.stride = stride
         self.name = name
@@ -230,11 +228,13 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
         if weight is not None:
             raise ValueError(f"{type(self).__name__}.forward: weight= (an externally supplied weight) "
                              "is not supported; allowed: None (the layer's own weight)")
-        output, output_bias = super().forward(input_)
-        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather:
-            output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
-        return output, output_bias
+        if runtime_gather_output is None or runtime_gather_output == self.gather_output:
+            return super().forward(input_)
+        configured, self.gather_output = self.gather_output, runtime_gather_output
+        try:
+            return super().forward(input_)
+        finally:
+            self.gather_output = configured
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Weight and bias sharded along dim 0 over TP, like Megatron's ColumnParallelLinear."""
@@ -451,6 +451,8 @@ def get_gpt_layer_nvfp4_spec(*, recipe: Optional[NVFP4Recipe] = None, bf16: bool
     normalization, ...). recipe: per-layer NVFP4Recipe (None: nvfp4_dist.autocast, then environment).
     bf16: build the same layer with the adapters in their BF16 fallback.
     sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
+    With sequence parallelism use get_gpt_decoder_block_nvfp4_spec: given a layer spec, GPTModel
+    builds the final norm from Megatron's local norm, which refuses sequence parallelism.
     """
     spec = _swap_submodules(get_gpt_layer_local_spec(**local_spec_kwargs), _nvfp4_replacements(recipe, bf16))
     return with_sdpa_attention(spec) if sdpa_attention else spec

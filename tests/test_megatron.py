@@ -35,7 +35,18 @@ def _config(**overrides):
 
 
 def _init_megatron(tp: int) -> None:
+    """Megatron model-parallel groups on the gloo world.
+
+    Megatron's own communication helpers (its SP gathers, reduce-scatters, gather_output, the global
+    memory buffer) allocate on torch.cuda.current_device(); on this CPU-only process that device is
+    made the CPU so that Megatron's reference layers and GPTModel run here. Its CUDA RNG tracker
+    (forked around dropout, which these tests turn off) becomes a no-op for the same reason.
+    """
+    import contextlib
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
@@ -47,6 +58,7 @@ def _build_pair(kind: str, config, seed: int, **kwargs):
     reference_cls, nvfp4_cls = ((ColumnParallelLinear, NVFP4ColumnParallelLinear) if kind == "column"
                                 else (RowParallelLinear, NVFP4RowParallelLinear))
     fallback = kwargs.pop("bf16_fallback", False)
+    kwargs.setdefault("bias", True)  # Megatron's RowParallelLinear has no default for it
     common = dict(config=config, init_method=config.init_method, **kwargs)
     torch.manual_seed(seed)
     reference = reference_cls(HIDDEN if kind == "column" else FFN, FFN if kind == "column" else HIDDEN, **common)
@@ -75,7 +87,8 @@ def _run_pair(reference, nvfp4, x):
     for layer in (reference, nvfp4):
         inp = x.clone().requires_grad_(True)
         out, bias = layer(inp)
-        total = out if bias is None else out + bias
+        # A returned bias is this rank's slice: add it unless the output was gathered to full width.
+        total = out + bias if bias is not None and bias.shape[-1] == out.shape[-1] else out
         generator = torch.Generator().manual_seed(99)
         total.backward(torch.randn(total.shape, generator=generator))
         outputs.append((out, bias, inp.grad, layer.weight.grad,
@@ -134,7 +147,7 @@ def _contract_worker(rank, world_size):
         _check_attributes(reference, fallback)
         x = _layer_input(kind, sequence_parallel, rank, options.get("input_is_parallel", True))
         (ref_out, ref_bias, ref_dx, ref_dw, ref_db), (out, bias, dx, dw, db) = _run_pair(reference, fallback, x)
-        assert out.shape == ref_out.shape, case
+        assert out.shape == ref_out.shape, (case, out.shape, ref_out.shape)
         assert (bias is None) == (ref_bias is None), case
         if bias is not None:
             assert bias is fallback.bias, case
@@ -163,8 +176,12 @@ def _main_grad_worker(rank, world_size):
     _init_megatron(TP)
     results = {}
     for fusion in (False, True):
+        from nvfp4_dist.parallel.megatron import NVFP4ColumnParallelLinear
+        # (Megatron's own layer needs apex's CUDA extension for gradient_accumulation_fusion.)
         config = _config(gradient_accumulation_fusion=fusion, sequence_parallel=True)
-        _, layer = _build_pair("column", config, seed=3, bf16_fallback=True)
+        torch.manual_seed(3)
+        layer = NVFP4ColumnParallelLinear(HIDDEN, FFN, config=config, init_method=config.init_method,
+                                          bf16_fallback=True)
         if fusion:
             layer.weight.main_grad = torch.full_like(layer.weight, 0.5, dtype=torch.float32)
             layer.weight.grad_added_to_main_grad = False
@@ -273,8 +290,9 @@ def _gpt_worker(rank, world_size):
     assert abs(float(nvfp4_loss) - float(reference_loss)) < 0.05 * float(reference_loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in nvfp4.parameters())
 
-    # The single-layer spec builds a GPTModel at TP=2 with every layer in NVFP4.
-    single = _gpt(sp_config, get_gpt_layer_nvfp4_spec(), seed=11)
+    # The single-layer spec builds a GPTModel at TP=2 with every layer in NVFP4. (Without SP: with a
+    # layer spec GPTModel builds its final norm from Megatron's own local norm, which refuses SP.)
+    single = _gpt(config, get_gpt_layer_nvfp4_spec(), seed=11)
     assert not any(layer.mlp.linear_fc1.bf16_fallback for layer in single.decoder.layers)
 
 
