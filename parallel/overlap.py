@@ -9,13 +9,35 @@ while the current chunk's GEMM does:
 - ring_reduce_scatter_produce: the reduce-scatter after a GEMM. At step i a rank computes the partial
   output of chunk (rank - i - 1) mod W, adds the running sum received from rank - 1 and passes it on;
   after W steps it holds the full sum of its own chunk.
+
+On them, the pipelined GEMMs of the sequence-parallel NVFP4 layers (issue 7), selected by
+overlapped_comm(plain_comm):
+- column-parallel forward: the quantized input's rowwise chunks (data + scales, + per-row amaxes when
+  row-scaled) go round the ring and each chunk's fprop GEMM writes its rows of the output;
+- row-parallel forward: the fprop GEMM runs per destination rank, its BF16 partials reduce-scattered
+  round the ring;
+- row-parallel backward: the quantized output gradient goes round the ring into the dgrad GEMM, its
+  columnwise copy riding along for the wgrad GEMM that follows;
+- column-parallel backward: the dgrad GEMM runs per destination rank into the reduce-scatter ring, while
+  the input's columnwise copy is re-gathered by an asynchronous all-gather issued before it.
+The all-gather side is bit-identical to the plain path when the GEMM's rows do not depend on how many rows
+it is given (reference backend, the fused Hopper kernel); the reduce-scatter side sums in ring order
+(FP32 adds, rounded to the output dtype each hop), so it matches the plain reduce-scatter within W-1
+roundings of the output dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ..gemm import gemm, operand
+from ..linear import LinearComm
+from ..tensor import NVFP4Tensor
+from . import comm as C
+from .layers import ColumnParallelComm, RowParallelComm
 
 
 def all_gather_order(rank: int, world_size: int) -> list[int]:
@@ -77,3 +99,201 @@ def ring_reduce_scatter_produce(produce: Callable[[int], torch.Tensor], group=No
             work.wait()
         running = (incoming.float() + partial.float()).to(partial.dtype)
     return running
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pipelined NVFP4 GEMMs on the ring.
+
+def _rowwise_pieces(q: NVFP4Tensor) -> list:
+    """What travels of q's rowwise copy: packed data, scales as bytes, and the per-row amaxes when row-scaled."""
+    pieces = [q.rowwise_data, q.rowwise_scale.view(torch.uint8)]
+    return pieces + [q.amax_rowwise] if q.row_scaled else pieces
+
+
+def _rowwise_chunk(q: NVFP4Tensor, pieces: Sequence[torch.Tensor]) -> NVFP4Tensor:
+    """One rank's chunk of q (rowwise copy only) from its received pieces; per-tensor amaxes are shared."""
+    data, scale = pieces[0], pieces[1].view(torch.float8_e4m3fn)
+    amax = pieces[2] if q.row_scaled else q.amax_rowwise
+    return dataclasses.replace(q, shape=torch.Size((data.shape[0], q.cols)), rowwise_data=data, rowwise_scale=scale,
+                               amax_rowwise=amax, columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
+
+
+class ColumnwiseCarry:
+    """The all-gather of a columnwise copy (a wgrad operand) riding along a rowwise ring, else done on demand.
+
+    Rank r's columnwise block [K, M/2] lands in columns [r*M/2, (r+1)*M/2) of the gathered [K, W*M/2]: the
+    same bytes as all_gather_nvfp4 (SPEC 9), with no swap_first_dims.
+    """
+
+    def __init__(self, local: NVFP4Tensor, group):
+        if not local.has_columnwise:
+            raise ValueError("local: ColumnwiseCarry needs an NVFP4Tensor with a columnwise copy")
+        self.local, self.group = local, group
+        self.gathered: NVFP4Tensor | None = None
+
+    def pieces(self) -> list:
+        return [self.local.columnwise_data, self.local.columnwise_scale.view(torch.uint8)]
+
+    def start(self, world_size: int) -> Callable[[Sequence[torch.Tensor], int], None]:
+        """Allocate the gathered copy; returns place(pieces, source_rank) that stores one rank's block."""
+        data, scale = self.local.columnwise_data, self.local.columnwise_scale.view(torch.uint8)
+        gathered_data = data.new_empty((data.shape[0], world_size * data.shape[1]))
+        gathered_scale = scale.new_empty((scale.shape[0], world_size * scale.shape[1]))
+        shape = torch.Size((self.local.shape[0] * world_size, *self.local.shape[1:]))
+        self.gathered = dataclasses.replace(self.local, shape=shape, columnwise_data=gathered_data,
+                                            columnwise_scale=gathered_scale.view(torch.float8_e4m3fn))
+
+        def place(pieces: Sequence[torch.Tensor], source: int) -> None:
+            data_cols, scale_cols = pieces[0].shape[1], pieces[1].shape[1]
+            gathered_data[:, source * data_cols:(source + 1) * data_cols].copy_(pieces[0])
+            gathered_scale[:, source * scale_cols:(source + 1) * scale_cols].copy_(pieces[1])
+        return place
+
+    def finish(self) -> NVFP4Tensor:
+        """The gathered copy (gathered now by all_gather_nvfp4 when no ring carried it)."""
+        if self.gathered is None:
+            self.gathered = C.all_gather_nvfp4(self.local, self.group)
+        return self.gathered
+
+
+def ring_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
+                       bias: torch.Tensor | None = None, recipe=None, group=None,
+                       carry: ColumnwiseCarry | None = None) -> torch.Tensor:
+    """gemm(all-gather of a along its rows, b) [W*M, N], each chunk's GEMM overlapping the next chunk's transfer.
+
+    a: this rank's M rows (rowwise copy; per-tensor amax already shared over the group, or row-scaled).
+    Rank r's chunk gives rows [r*M, (r+1)*M) of the preallocated output. carry: a columnwise copy gathered
+    in the same transfers (its consumer calls carry.finish()).
+    """
+    world_size = dist.get_world_size(group)
+    n = operand(b, b_copy, "b")[0].shape[0]
+    rows = a.rows
+    out = torch.empty((world_size * rows, n), dtype=out_dtype, device=a.device)
+    pieces = _rowwise_pieces(a)
+    rowwise_count = len(pieces)
+    place_columnwise = None
+    if carry is not None:
+        place_columnwise = carry.start(world_size)
+        pieces += carry.pieces()
+
+    def consume(tensors: Sequence[torch.Tensor], source: int) -> None:
+        chunk = _rowwise_chunk(a, tensors[:rowwise_count])
+        out[source * rows:(source + 1) * rows].copy_(
+            gemm(chunk, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe))
+        if place_columnwise is not None:
+            place_columnwise(tensors[rowwise_count:], source)
+
+    ring_all_gather_consume(pieces, consume, group)
+    return out
+
+
+def ring_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
+                             bias: torch.Tensor | None = None, recipe=None, group=None) -> torch.Tensor:
+    """Reduce-scatter over the group of gemm(a, b) [M, N] -> [M/W, N], one destination's rows at a time.
+
+    The GEMM of rows [c*M/W, (c+1)*M/W) (destined for rank c) runs while the running sum of the previous
+    destination travels; sums are FP32 adds rounded to out_dtype at each hop.
+    """
+    world_size = dist.get_world_size(group)
+    if a.rows % world_size:
+        raise ValueError(f"a.shape={tuple(a.shape)}: its {a.rows} rows must be divisible by the group size "
+                         f"{world_size}")
+    rows = a.rows // world_size
+
+    def produce(chunk: int) -> torch.Tensor:
+        return gemm(a.rowwise_rows(chunk * rows, (chunk + 1) * rows), b, a_copy="rowwise", b_copy=b_copy,
+                    out_dtype=out_dtype, bias=bias, recipe=recipe)
+
+    return ring_reduce_scatter_produce(produce, group)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The overlapped communication of the tensor-parallel layers (sequence parallelism; without it they are the
+# plain comms: the all-reduce paths are not pipelined).
+
+class OverlappedColumnParallelComm(ColumnParallelComm):
+    """ColumnParallelComm with the input all-gather pipelined into fprop and dgrad into the reduce-scatter.
+
+    keep_input_columnwise: the input's columnwise copy rides the fprop ring. Otherwise backward re-gathers
+    it with an asynchronous all-gather issued before the dgrad GEMM (ColumnParallelComm.input_for_wgrad).
+    """
+
+    def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool):
+        super().__init__(group, sequence_parallel, keep_input_columnwise)
+        self.input_carry: ColumnwiseCarry | None = None
+
+    def overlaps(self) -> bool:
+        return self.sequence_parallel and self.world_size > 1
+
+    def quantize_input(self, x2d, recipe, *, columnwise):
+        xq = super().quantize_input(x2d, recipe, columnwise=columnwise)
+        kept = self.overlaps() and self.keep_input_columnwise and xq.has_columnwise
+        self.input_carry = ColumnwiseCarry(xq.columnwise_only(), self.group) if kept else None
+        return xq
+
+    def fprop(self, xq, wq, *, bias, out_dtype, recipe):
+        if not self.overlaps():
+            return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
+        return ring_gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
+                                  group=self.group, carry=self.input_carry)
+
+    def input_to_save(self, xq):
+        carry, self.input_carry = self.input_carry, None
+        if carry is not None and carry.local.columnwise_data is xq.columnwise_data:
+            return carry.finish()
+        return super().input_to_save(xq)
+
+    def dgrad(self, dyq, wq, *, out_dtype, recipe):
+        if not self.overlaps():
+            return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
+        return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
+                                        group=self.group)
+
+
+class OverlappedRowParallelComm(RowParallelComm):
+    """RowParallelComm with fprop pipelined into the reduce-scatter and the gradient all-gather into dgrad.
+
+    The output gradient's columnwise copy (wgrad) rides the dgrad ring; without a dgrad it is gathered
+    when the wgrad GEMM asks for it.
+    """
+
+    def __init__(self, group, sequence_parallel: bool):
+        super().__init__(group, sequence_parallel)
+        self.grad_output_carry: ColumnwiseCarry | None = None
+
+    def overlaps(self) -> bool:
+        return self.sequence_parallel and self.world_size > 1
+
+    def fprop(self, xq, wq, *, bias, out_dtype, recipe):
+        if not self.overlaps():
+            return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
+        return ring_gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
+                                        group=self.group)
+
+    def quantize_grad_output(self, dy2d, recipe, *, sr_seed, rowwise, columnwise):
+        self.grad_output_carry = None  # a new backward: nothing left to carry from an earlier one
+        return super().quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=rowwise, columnwise=columnwise)
+
+    def grad_output_for_wgrad(self, dyq):
+        if not self.overlaps():
+            return super().grad_output_for_wgrad(dyq)
+        self.grad_output_carry = ColumnwiseCarry(dyq, self.group)
+        return self.grad_output_carry.finish
+
+    def dgrad(self, dyq, wq, *, out_dtype, recipe):
+        if not self.overlaps():
+            return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
+        carry, self.grad_output_carry = self.grad_output_carry, None
+        return ring_gathered_gemm(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
+                                  group=self.group, carry=carry)
+
+
+def overlapped_comm(comm: LinearComm) -> LinearComm:
+    """The overlapped twin of a layer's ColumnParallelComm / RowParallelComm (same group and options)."""
+    if isinstance(comm, (OverlappedColumnParallelComm, OverlappedRowParallelComm)):
+        return comm
+    if isinstance(comm, ColumnParallelComm):
+        return OverlappedColumnParallelComm(comm.group, comm.sequence_parallel, comm.keep_input_columnwise)
+    if isinstance(comm, RowParallelComm):
+        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel)
+    raise ValueError(f"comm={type(comm).__name__}: overlap applies to ColumnParallelComm and RowParallelComm")

@@ -1,0 +1,279 @@
+"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on gloo groups of 2 and 4 ranks (issue 7).
+
+The same layer is run with its plain comm and with overlapped_comm(plain comm), from the same weights, inputs,
+output gradients and stochastic-rounding seed. Expected, with the reference GEMM:
+- all-gather side (column fprop, row dgrad, both wgrads, biases): bit-identical;
+- reduce-scatter side (row fprop output, column dgrad): the ring sums in its own order, in FP32 rounded to BF16
+  at each hop. Exact at W=2 (one rounding of a two-term sum either way). At W=4 each side is within
+  (W-1) * 2^-8 * S of the exact sum, S = sum over ranks of |partial|, so they differ by at most twice that.
+Spies check that the overlapped run really went round the ring (and the plain collectives were not used).
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nvfp4_dist as nv
+from nvfp4_dist import ops
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.linear import operand_amaxes, quantize_operand
+from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, all_gather_nvfp4, all_reduce_amax
+from nvfp4_dist.parallel import comm as C
+from nvfp4_dist.parallel import overlap as O
+from distributed_utils import run_distributed
+
+TOKENS_PER_RANK = 32          # [seq/tp = 16, batch = 2]
+HIDDEN, LOCAL_FFN = 64, 32    # column: HIDDEN -> LOCAL_FFN per rank; row: LOCAL_FFN per rank -> HIDDEN
+BACKWARD_SEED = 7
+RECIPES = {
+    "default": nv.NVFP4Recipe(),
+    "no_rht_no_sr_1d": nv.NVFP4Recipe(rht=False, stochastic_rounding=False, weight_2d=False),
+    "row_scaled": nv.NVFP4Recipe(rht=False, stochastic_rounding=False, row_scaled_activation=True),
+}
+
+
+@contextlib.contextmanager
+def count_calls(*targets):
+    """Count calls of module functions (module, name) while inside; yields {name: count}."""
+    counts, originals = {}, []
+    for module, name in targets:
+        original = getattr(module, name)
+        originals.append((module, name, original))
+        counts[name] = 0
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+        setattr(module, name, counted)
+    try:
+        yield counts
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+SPIED = ((O, "ring_all_gather_consume"), (O, "ring_reduce_scatter_produce"), (C, "all_gather_nvfp4"),
+         (C, "reduce_scatter_bf16"))
+
+
+def inputs(world_size, in_features, out_features, sequence_split):
+    """x and dy for this test: full tensors [seq, batch, features] from a fixed generator."""
+    generator = torch.Generator().manual_seed(123)
+    seq = TOKENS_PER_RANK // 2 * world_size
+    x = (torch.randn(seq, 2, in_features, generator=generator) * torch.logspace(-1, 1, in_features)).bfloat16()
+    dy = torch.randn(seq, 2, out_features, generator=generator).bfloat16()
+    return x, dy
+
+
+def run_layer(layer, x, dy):
+    x = x.clone().requires_grad_(True)
+    y, returned_bias = layer(x)
+    torch.manual_seed(BACKWARD_SEED)
+    y.backward(dy)
+    bias_grad = None if layer.bias is None else layer.bias.grad
+    return {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": bias_grad}
+
+
+def plain_and_overlapped(make_layer, x, dy):
+    """(plain results, overlapped results, call counts of the overlapped run)."""
+    plain = run_layer(make_layer(), x, dy)
+    layer = make_layer()
+    layer.comm = O.overlapped_comm(layer.comm)
+    with count_calls(*SPIED) as counts:
+        overlapped = run_layer(layer, x, dy)
+    return plain, overlapped, counts
+
+
+def assert_equal(got, expected, what):
+    if expected is None:
+        assert got is None, what
+        return
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (what, got.shape, expected.shape)
+    assert torch.equal(got, expected), f"{what}: max diff {(got.float() - expected.float()).abs().max().item()}"
+
+
+def assert_reduce_scatter_close(got, expected, partial, world_size, what):
+    """Two reduce-scatters of `partial` (this rank's [M, N] partial) summed in different orders."""
+    if world_size == 2:
+        assert_equal(got, expected, what)
+        return
+    magnitude = partial.double().abs()
+    dist.all_reduce(magnitude)
+    magnitude = magnitude.chunk(world_size)[dist.get_rank()].reshape(got.shape)
+    bound = 2 * (world_size - 1) * 2.0 ** -8 * magnitude
+    excess = (got.double() - expected.double()).abs() - bound
+    assert bool((excess <= 0).all()), f"{what}: exceeds the ring/NCCL summation-order bound by {excess.max().item()}"
+
+
+def check_column(rank, world_size, recipe, sequence_parallel=True, keep_input_columnwise=False):
+    out_features = LOCAL_FFN * world_size
+    x, dy = inputs(world_size, HIDDEN, out_features, sequence_parallel)
+    x_local = x.chunk(world_size)[rank] if sequence_parallel else x
+    dy_local = dy.chunk(world_size, dim=-1)[rank]
+
+    def make_layer():
+        torch.manual_seed(1)  # same weights and bias for both runs
+        layer = ColumnParallelLinear(HIDDEN, out_features, sequence_parallel=sequence_parallel, recipe=recipe,
+                                     keep_input_columnwise=keep_input_columnwise)
+        with torch.no_grad():
+            layer.bias.uniform_(-1, 1)
+        return layer
+
+    plain, overlapped, counts = plain_and_overlapped(make_layer, x_local, dy_local)
+    what = f"column {recipe} sp={sequence_parallel} keep={keep_input_columnwise} rank={rank}"
+    for name in ("y", "dw", "db"):
+        assert_equal(overlapped[name], plain[name], f"{what} {name}")
+    if not sequence_parallel:
+        assert_equal(overlapped["dx"], plain["dx"], what + " dx")
+        assert counts == dict.fromkeys(counts, 0), (what, counts)
+        return
+    row_scaled = recipe.row_scaled_activation
+    expected_counts = {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 0 if row_scaled else 1,
+                       "all_gather_nvfp4": 0 if keep_input_columnwise else 1,
+                       "reduce_scatter_bf16": 1 if row_scaled else 0}  # row-scaled backward is BF16, not overlapped
+    assert counts == expected_counts, (what, counts)
+    # This rank's dgrad partial [tokens, in], as both paths compute it, for the summation bound.
+    layer = make_layer()
+    weight_q = layer.weight_cache.get(layer.weight, recipe)
+    dy2d = dy_local.reshape(-1, LOCAL_FFN)
+    if row_scaled:
+        partial = dy2d @ ops.dequantize(weight_q, dtype=dy2d.dtype, copy="rowwise")
+    else:
+        torch.manual_seed(BACKWARD_SEED)
+        sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
+        dyq = quantize_operand(dy2d, "gradient", recipe, rowwise=True, columnwise=False, sr_seed=sr_seed)
+        partial = gemm(dyq, weight_q, a_copy="rowwise", b_copy="columnwise", out_dtype=torch.bfloat16)
+    assert_reduce_scatter_close(overlapped["dx"], plain["dx"], partial, world_size, what + " dx")
+
+
+def check_row(rank, world_size, recipe, sequence_parallel=True):
+    in_features = LOCAL_FFN * world_size
+    x, dy = inputs(world_size, in_features, HIDDEN, sequence_parallel)
+    x_local = x.chunk(world_size, dim=-1)[rank]
+    dy_local = dy.chunk(world_size)[rank] if sequence_parallel else dy
+
+    def make_layer():
+        torch.manual_seed(2)
+        # skip_bias_add: y is the reduced sum itself (the bias add after it is common code).
+        return RowParallelLinear(in_features, HIDDEN, sequence_parallel=sequence_parallel, recipe=recipe,
+                                 skip_bias_add=True)
+
+    plain, overlapped, counts = plain_and_overlapped(make_layer, x_local, dy_local)
+    what = f"row {recipe} sp={sequence_parallel} rank={rank}"
+    for name in ("dx", "dw", "db"):
+        assert_equal(overlapped[name], plain[name], f"{what} {name}")
+    if not sequence_parallel:
+        assert_equal(overlapped["y"], plain["y"], what + " y")
+        assert counts == dict.fromkeys(counts, 0), (what, counts)
+        return
+    row_scaled = recipe.row_scaled_activation
+    expected_counts = {"ring_all_gather_consume": 0 if row_scaled else 1, "ring_reduce_scatter_produce": 1,
+                       "all_gather_nvfp4": 0, "reduce_scatter_bf16": 0}
+    assert counts == expected_counts, (what, counts)
+    layer = make_layer()
+    weight_q = layer.weight_cache.get(layer.weight, recipe)
+    xq = quantize_operand(x_local.reshape(-1, LOCAL_FFN), "activation", recipe, columnwise=False)
+    partial = gemm(xq, weight_q, out_dtype=torch.bfloat16)
+    assert_reduce_scatter_close(overlapped["y"], plain["y"], partial, world_size, what + " y")
+
+
+def check_ring_gemms(rank, world_size):
+    """The pipelined GEMMs on their own: chunk order, the rows each step produces, the carried columnwise copy."""
+    recipe = RECIPES["default"]
+    torch.manual_seed(3)
+    full = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN).bfloat16()
+    local = full.chunk(world_size)[rank]
+    amaxes = list(operand_amaxes(local, "gradient", recipe))
+    all_reduce_amax(amaxes)
+    q = quantize_operand(local, "gradient", recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=99,
+                         sr_row_offset=rank * TOKENS_PER_RANK)
+    weight_q = ops.quantize(torch.randn(LOCAL_FFN, HIDDEN), "weight", recipe=recipe)
+    gathered = all_gather_nvfp4(q)
+
+    # All-gather side: chunks consumed from ranks rank, rank-1, ...; each fills its own rows.
+    sources = []
+    with count_calls((O, "gemm")) as counts:
+        original_chunk = O._rowwise_chunk
+
+        def recording_chunk(q_, pieces):
+            chunk = original_chunk(q_, pieces)
+            matches = [r for r in range(world_size) if torch.equal(
+                chunk.rowwise_data, gathered.rowwise_data[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK])]
+            sources.append(matches)
+            return chunk
+        O._rowwise_chunk = recording_chunk
+        try:
+            carry = O.ColumnwiseCarry(q.columnwise_only(), None)
+            y = O.ring_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32,
+                                     carry=carry)
+        finally:
+            O._rowwise_chunk = original_chunk
+    assert counts["gemm"] == world_size
+    assert sources == [[source] for source in O.all_gather_order(rank, world_size)], sources
+    assert torch.equal(y, gemm(gathered, weight_q, out_dtype=torch.float32))
+    carried = carry.finish()
+    expected = gathered.columnwise_only()
+    for name in ("columnwise_data", "columnwise_scale", "amax_columnwise"):
+        assert torch.equal(getattr(carried, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)), name
+    assert carried.shape == expected.shape and carried.rht == expected.rht
+    # Without a ring to ride, the carry gathers on demand.
+    assert torch.equal(O.ColumnwiseCarry(q.columnwise_only(), None).finish().columnwise_data,
+                       expected.columnwise_data)
+
+    # Reduce-scatter side: step i computes the rows destined for rank (rank - i - 1) mod W.
+    produced = []
+    original_gemm = O.gemm
+
+    def recording_gemm(a, *args, **kwargs):
+        start = (a.rowwise_data.data_ptr() - gathered_rows.rowwise_data.data_ptr()) // a.rowwise_data.stride(0)
+        produced.append((start, a.rows))
+        return original_gemm(a, *args, **kwargs)
+    gathered_rows = gathered.rowwise_only()
+    O.gemm = recording_gemm
+    try:
+        summed = O.ring_gemm_reduce_scatter(gathered_rows, weight_q, b_copy="rowwise", out_dtype=torch.float32)
+    finally:
+        O.gemm = original_gemm
+    chunk_rows = TOKENS_PER_RANK
+    assert produced == [(c * chunk_rows, chunk_rows) for c in O.reduce_scatter_order(rank, world_size)], produced
+    # Every rank's partial is the same gathered GEMM here, so the exact sum is W times this rank's rows.
+    own_rows = gemm(gathered, weight_q, out_dtype=torch.float32)[rank * chunk_rows:(rank + 1) * chunk_rows]
+    torch.testing.assert_close(summed, own_rows * world_size, rtol=world_size * 2.0 ** -23, atol=0)
+    with pytest.raises(ValueError, match="divisible"):
+        O.ring_gemm_reduce_scatter(q.rowwise_rows(0, TOKENS_PER_RANK - 1), weight_q,
+                                   b_copy="rowwise", out_dtype=torch.float32)
+
+
+def _check(rank, world_size, which):
+    if which == "ring":
+        check_ring_gemms(rank, world_size)
+    elif which == "column":
+        check_column(rank, world_size, RECIPES["default"])
+        check_column(rank, world_size, RECIPES["default"], keep_input_columnwise=True)
+        check_column(rank, world_size, RECIPES["no_rht_no_sr_1d"])
+        check_column(rank, world_size, RECIPES["row_scaled"])
+        check_column(rank, world_size, RECIPES["default"], sequence_parallel=False)
+    else:
+        check_row(rank, world_size, RECIPES["default"])
+        check_row(rank, world_size, RECIPES["no_rht_no_sr_1d"])
+        check_row(rank, world_size, RECIPES["row_scaled"])
+        check_row(rank, world_size, RECIPES["default"], sequence_parallel=False)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("which", ["ring", "column", "row"])
+def test_overlapped_layers_match_plain(which, world_size):
+    run_distributed(_check, world_size, which)
+
+
+def test_overlapped_comm_selects_twin_and_rejects_others():
+    from nvfp4_dist.linear import LinearComm
+    from nvfp4_dist.parallel.layers import ColumnParallelComm, RowParallelComm
+    column = O.overlapped_comm(ColumnParallelComm(None, True, True))
+    assert isinstance(column, O.OverlappedColumnParallelComm) and column.keep_input_columnwise
+    row = O.overlapped_comm(RowParallelComm(None, True))
+    assert isinstance(row, O.OverlappedRowParallelComm) and row.sequence_parallel
+    assert O.overlapped_comm(row) is row
+    with pytest.raises(ValueError, match="ColumnParallelComm and RowParallelComm"):
+        O.overlapped_comm(LinearComm())
