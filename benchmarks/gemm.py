@@ -28,16 +28,18 @@ SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
     (16384, 8192, 28672),
     (16384, 28672, 8192),
 ]
-SWEEP_CONFIGS = [
-    gemm_hopper.FusedConfig(),
-    gemm_hopper.FusedConfig(num_stages=3),
-    gemm_hopper.FusedConfig(block_k=128, num_stages=3),
-    gemm_hopper.FusedConfig(group_m=16),
-    gemm_hopper.FusedConfig(block_n=256, num_stages=3),
-    gemm_hopper.FusedConfig(block_n=256, block_k=128, num_stages=3),
-    gemm_hopper.FusedConfig(num_warps=4),
-    gemm_hopper.FusedConfig(use_ptx=False),
-]
+FUSED = gemm_hopper.FusedConfig
+# Candidates timed by --sweep; the fastest fused and dequantize-path ones run on all SHAPES.
+FUSED_CANDIDATES = {
+    "fused_both_128x128x64": FUSED(),
+    "fused_bfirst_128x256x64_s3": FUSED(block_n=256, num_stages=3, dequantize_b_first=True),
+    "fused_bfirst_128x256x64_s4": FUSED(block_n=256, num_stages=4, dequantize_b_first=True),
+    "fused_bfirst_128x128x64_s4": FUSED(dequantize_b_first=True),
+    "fused_bfirst_128x256x128_s3": FUSED(block_n=256, block_k=128, num_stages=3, dequantize_b_first=True),
+    "fused_bfirst_256x128x64_s3": FUSED(block_m=256, num_stages=3, dequantize_b_first=True),
+}
+DEQUANTIZE_CANDIDATES = {"dequantize_full": None, "dequantize_chunk512": 512, "dequantize_chunk1024": 1024,
+                         "dequantize_chunk2048": 2048}
 
 
 def quantized_operand(rows: int, k: int, scale: float, device) -> tuple:
@@ -72,7 +74,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def measure_shape(m: int, n: int, k: int, fused_config, device) -> dict:
+def run_fused(a, b, config):
+    return lambda: gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=config)
+
+
+def run_dequantize(a, b, rows_per_chunk):
+    return lambda: gemm_hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16, rows_per_chunk=rows_per_chunk)
+
+
+def measure_shape(m: int, n: int, k: int, fused_config, rows_per_chunk, device) -> dict:
     a = quantized_operand(m, k, 1.0, device)
     b = quantized_operand(n, k, 0.02, device)
     a_bf16 = gemm_hopper.dequantize_to_bf16(a[0], a[1])
@@ -80,16 +90,9 @@ def measure_shape(m: int, n: int, k: int, fused_config, device) -> dict:
     bf16_ms = time_ms(lambda: torch.matmul(a_bf16, b_bf16.t()))
     expected = torch.matmul(a_bf16, b_bf16.t()).float() * gemm_hopper.alpha_of(a[2], b[2])
     del a_bf16, b_bf16
-
-    def fused():
-        return gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=fused_config)
-
-    def dequantize_matmul():
-        return gemm_hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16)
-
     row = dict(m=m, n=n, k=k, bf16_matmul_ms=bf16_ms, bf16_matmul_tflops=tflops(m, n, k, bf16_ms))
     output_bytes = m * n * 2
-    for name, fn in (("fused", fused), ("dequantize_matmul", dequantize_matmul)):
+    for name, fn in (("fused", run_fused(a, b, fused_config)), ("dequantize_matmul", run_dequantize(a, b, rows_per_chunk))):
         error = relative_error(fn(), expected)
         ms = time_ms(fn)
         row.update({f"{name}_ms": ms, f"{name}_tflops": tflops(m, n, k, ms), f"{name}_ratio": bf16_ms / ms,
@@ -98,19 +101,37 @@ def measure_shape(m: int, n: int, k: int, fused_config, device) -> dict:
     return row
 
 
-def sweep(m: int, n: int, k: int, device) -> list:
-    """Fused-kernel configurations timed on one shape."""
+def sweep(m: int, n: int, k: int, device) -> dict:
+    """Every candidate, and the parts of the dequantize path, timed on one shape."""
     a = quantized_operand(m, k, 1.0, device)
     b = quantized_operand(n, k, 0.02, device)
-    results = []
-    for config in SWEEP_CONFIGS:
+    a_bf16 = gemm_hopper.dequantize_to_bf16(a[0], a[1])
+    b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
+    acc = torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    alpha = gemm_hopper.alpha_of(a[2], b[2])
+    parts = {"bf16_matmul": lambda: torch.matmul(a_bf16, b_bf16.t()),
+             "bf16_matmul_fp32_out": lambda: torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32),
+             "dequantize_a": lambda: gemm_hopper.dequantize_to_bf16(a[0], a[1]),
+             "epilogue": lambda: gemm_hopper.apply_epilogue(acc, alpha, None, out, False)}
+    results = {"parts_ms": {name: time_ms(fn) for name, fn in parts.items()}, "candidates": {}}
+    print(results["parts_ms"], flush=True)
+    del a_bf16, b_bf16, acc, out
+    candidates = {name: run_fused(a, b, config) for name, config in FUSED_CANDIDATES.items()}
+    candidates.update({name: run_dequantize(a, b, chunk) for name, chunk in DEQUANTIZE_CANDIDATES.items()})
+    for name, fn in candidates.items():
         try:
-            ms = time_ms(lambda: gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=config))
-            results.append(dict(config=dataclasses.asdict(config), ms=ms, tflops=tflops(m, n, k, ms)))
-        except Exception as error:  # a configuration the compiler rejects (e.g. shared memory): record it
-            results.append(dict(config=dataclasses.asdict(config), error=repr(error)[:300]))
-        print(results[-1], flush=True)
+            ms = time_ms(fn)
+            results["candidates"][name] = dict(ms=ms, tflops=tflops(m, n, k, ms))
+        except Exception as error:  # a configuration the compiler rejects: record it
+            results["candidates"][name] = dict(error=repr(error)[:300])
+        print(name, results["candidates"][name], flush=True)
     return results
+
+
+def fastest(results: dict, names) -> str:
+    timed = {name: results["candidates"][name]["ms"] for name in names if "ms" in results["candidates"][name]}
+    return min(timed, key=timed.get)
 
 
 def git_commit() -> str:
@@ -129,21 +150,24 @@ def main() -> None:
     torch.manual_seed(0)
     report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
                   torch=torch.__version__, triton=triton.__version__)
-    config = gemm_hopper.DEFAULT_FUSED_CONFIG
+    config, rows_per_chunk = gemm_hopper.DEFAULT_FUSED_CONFIG, gemm_hopper.DEFAULT_ROWS_PER_CHUNK
     if args.sweep:
         report["sweep_8192"] = sweep(8192, 8192, 8192, device)
-        timed = [r for r in report["sweep_8192"] if "ms" in r]
-        config = gemm_hopper.FusedConfig(**min(timed, key=lambda r: r["ms"])["config"])
+        config = FUSED_CANDIDATES[fastest(report["sweep_8192"], FUSED_CANDIDATES)]
+        rows_per_chunk = DEQUANTIZE_CANDIDATES[fastest(report["sweep_8192"], DEQUANTIZE_CANDIDATES)]
+        torch.cuda.empty_cache()
     report["fused_config"] = dataclasses.asdict(config)
+    report["dequantize_rows_per_chunk"] = rows_per_chunk
     report["shapes"] = []
     for m, n, k in SHAPES:
-        report["shapes"].append(measure_shape(m, n, k, config, device))
+        report["shapes"].append(measure_shape(m, n, k, config, rows_per_chunk, device))
         torch.cuda.empty_cache()
         print(report["shapes"][-1], flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\n{report['gpu']}  fused config {report['fused_config']}")
+    print(f"\n{report['gpu']}  fused config {report['fused_config']}, dequantize rows_per_chunk "
+          f"{report['dequantize_rows_per_chunk']}")
     print(f"{'M':>6} {'N':>6} {'K':>6} | {'BF16 TF/s':>9} | {'fused TF/s':>10} {'ratio':>6} | "
           f"{'deq+mm TF/s':>11} {'ratio':>6} | {'extra MiB fused/deq':>20}")
     for r in report["shapes"]:

@@ -104,10 +104,13 @@ def _word_scales(scale_bytes, ROWS: tl.constexpr, WORDS: tl.constexpr):
 def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, alpha_ptr, bias_ptr, out_ptr,
                        M, N, K_WORDS, stride_a, stride_a_scale, stride_b, stride_b_scale, stride_out,
                        ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                       EVEN_K: tl.constexpr, USE_PTX: tl.constexpr,
+                       EVEN_K: tl.constexpr, USE_PTX: tl.constexpr, B_DEQUANTIZED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr):
-    """out[M, N] (+)= (A . B^T) * 2^12 * alpha (+ bias), A and B packed FP4 [rows, K/8] int32 words."""
+    """out[M, N] (+)= (A . B^T) * 2^12 * alpha (+ bias), A and B packed FP4 [rows, K/8] int32 words.
+
+    B_DEQUANTIZED: b_ptr holds B already decoded, FP16 [N, K] = fp4 * scale * 2^-6 (b_scale_ptr unused).
+    """
     WORDS: tl.constexpr = BLOCK_K // 8
     SCALES: tl.constexpr = BLOCK_K // 16
     pid = tl.program_id(0)
@@ -127,29 +130,39 @@ def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, alpha_ptr, bias_p
     block = tl.arange(0, SCALES)
     a_ptrs = a_ptr + load_m[:, None] * stride_a + word[None, :]
     a_scale_ptrs = a_scale_ptr + load_m[:, None] * stride_a_scale + block[None, :]
-    b_ptrs = b_ptr + load_n[:, None] * stride_b + word[None, :]
+    if B_DEQUANTIZED:
+        b_ptrs = b_ptr + load_n[:, None] * stride_b + tl.arange(0, BLOCK_K)[None, :]
+    else:
+        b_ptrs = b_ptr + load_n[:, None] * stride_b + word[None, :]
     b_scale_ptrs = b_scale_ptr + load_n[:, None] * stride_b_scale + block[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for first_word in range(0, K_WORDS, WORDS):
         if EVEN_K:
             a_words = tl.load(a_ptrs)
-            b_words = tl.load(b_ptrs)
             a_scale_bytes = tl.load(a_scale_ptrs)
-            b_scale_bytes = tl.load(b_scale_ptrs)
         else:
             words_left = K_WORDS - first_word
-            word_mask = word[None, :] < words_left
-            scale_mask = block[None, :] < words_left // 2
-            a_words = tl.load(a_ptrs, mask=word_mask, other=0)
-            b_words = tl.load(b_ptrs, mask=word_mask, other=0)
-            a_scale_bytes = tl.load(a_scale_ptrs, mask=scale_mask, other=0)
-            b_scale_bytes = tl.load(b_scale_ptrs, mask=scale_mask, other=0)
+            a_words = tl.load(a_ptrs, mask=word[None, :] < words_left, other=0)
+            a_scale_bytes = tl.load(a_scale_ptrs, mask=block[None, :] < words_left // 2, other=0)
         a_vals = _dequantize_words(a_words, _word_scales(a_scale_bytes, BLOCK_M, WORDS), BLOCK_M, WORDS, USE_PTX)
-        b_vals = _dequantize_words(b_words, _word_scales(b_scale_bytes, BLOCK_N, WORDS), BLOCK_N, WORDS, USE_PTX)
+        if B_DEQUANTIZED:
+            if EVEN_K:
+                b_vals = tl.load(b_ptrs)
+            else:
+                b_vals = tl.load(b_ptrs, mask=tl.arange(0, BLOCK_K)[None, :] < (K_WORDS - first_word) * 8, other=0.0)
+        else:
+            if EVEN_K:
+                b_words = tl.load(b_ptrs)
+                b_scale_bytes = tl.load(b_scale_ptrs)
+            else:
+                words_left = K_WORDS - first_word
+                b_words = tl.load(b_ptrs, mask=word[None, :] < words_left, other=0)
+                b_scale_bytes = tl.load(b_scale_ptrs, mask=block[None, :] < words_left // 2, other=0)
+            b_vals = _dequantize_words(b_words, _word_scales(b_scale_bytes, BLOCK_N, WORDS), BLOCK_N, WORDS, USE_PTX)
         acc = tl.dot(a_vals, tl.trans(b_vals), acc)
         a_ptrs += WORDS
-        b_ptrs += WORDS
+        b_ptrs += BLOCK_K if B_DEQUANTIZED else WORDS
         a_scale_ptrs += SCALES
         b_scale_ptrs += SCALES
 
@@ -170,7 +183,7 @@ def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, alpha_ptr, bias_p
 @triton.jit
 def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, K_WORDS, stride_data, stride_scale, stride_out,
                        USE_PTX: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
-    """BF16 [rows, K] = fp4 * scale (exact; no global factor) from int32 words [rows, K/8]."""
+    """From int32 words [rows, K/8]: BF16 out = fp4 * scale, or FP16 out = fp4 * scale * 2^-6 (both exact)."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     word = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
     mask = (row < rows)[:, None] & (word < K_WORDS)[None, :]
@@ -178,7 +191,8 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, K_WORDS, stride_data,
     scale_bytes = tl.load(scale_ptr + row[:, None] * stride_scale + (word // 2)[None, :], mask=mask, other=0)
     scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     values = _dequantize_words(words, scale, BLOCK_ROWS, BLOCK_WORDS, USE_PTX)
-    values = (values.to(tl.float32) * 64.0).to(tl.bfloat16)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        values = (values.to(tl.float32) * 64.0).to(tl.bfloat16)
     col = tl.program_id(1) * BLOCK_WORDS * 8 + tl.arange(0, 8 * BLOCK_WORDS)
     out_mask = (row < rows)[:, None] & (col < K_WORDS * 8)[None, :]
     tl.store(out_ptr + row[:, None] * stride_out + col[None, :], values, mask=out_mask)
@@ -216,9 +230,11 @@ class FusedConfig:
     num_warps: int = 8
     num_stages: int = 4
     use_ptx: bool = True
+    dequantize_b_first: bool = False  # decode B to FP16 in a separate pass, only A inside the GEMM
 
 
 DEFAULT_FUSED_CONFIG = FusedConfig()
+DEFAULT_ROWS_PER_CHUNK = None  # gemm_dequantize_matmul: all rows in one pass
 
 
 def packed_words(data: torch.Tensor) -> torch.Tensor:
@@ -243,28 +259,33 @@ def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=to
                accumulate_into=None, config: FusedConfig = DEFAULT_FUSED_CONFIG) -> torch.Tensor:
     """y = A . B^T with dequantization fused into the GEMM; returns accumulate_into when given."""
     rows, cols, k_words = a_data.shape[0], b_data.shape[0], a_data.shape[1] // 4
-    a_words, b_words = packed_words(a_data), packed_words(b_data)
-    a_scale, b_scale = a_scale.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8)
+    a_words, a_scale = packed_words(a_data), a_scale.contiguous().view(torch.uint8)
+    if config.dequantize_b_first:
+        b_operand = torch.empty(cols, k_words * 8, dtype=torch.float16, device=b_data.device)
+        dequantize_into(b_data, b_scale, b_operand, config.use_ptx)
+        b_scale = a_scale  # unused by the kernel
+    else:
+        b_operand, b_scale = packed_words(b_data), b_scale.contiguous().view(torch.uint8)
     alpha = alpha_of(a_amax, b_amax)
     out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
     _nvfp4_gemm_kernel[grid](
-        a_words, a_scale, b_words, b_scale, alpha, bias if bias is not None else alpha, out,
-        rows, cols, k_words, a_words.stride(0), a_scale.stride(0), b_words.stride(0), b_scale.stride(0),
+        a_words, a_scale, b_operand, b_scale, alpha, bias if bias is not None else alpha, out,
+        rows, cols, k_words, a_words.stride(0), a_scale.stride(0), b_operand.stride(0), b_scale.stride(0),
         out.stride(0),
         ALPHA_PER_ROW=alpha.numel() != 1, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
-        EVEN_K=k_words % (config.block_k // 8) == 0, USE_PTX=config.use_ptx,
+        EVEN_K=k_words % (config.block_k // 8) == 0, USE_PTX=config.use_ptx, B_DEQUANTIZED=config.dequantize_b_first,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
-def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = True) -> torch.Tensor:
-    """BF16 [rows, K] = fp4 code value * E4M3 block scale (exact; the global factor is not applied)."""
+def dequantize_into(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, use_ptx: bool = True) -> torch.Tensor:
+    """Decode packed FP4 [rows, K/2] with E4M3 scales [rows, K/16] into out [rows, K]:
+    BF16 out gets fp4 * scale, FP16 out gets fp4 * scale * 2^-6 (both exact; no global factor)."""
     rows, k_words = data.shape[0], data.shape[1] // 4
     words = packed_words(data)
     scale = scale.contiguous().view(torch.uint8)
-    out = torch.empty(rows, k_words * 8, dtype=torch.bfloat16, device=data.device)
     block_rows, block_words = 32, 32
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(k_words, block_words))
     _dequantize_kernel[grid](words, scale, out, rows, k_words, words.stride(0), scale.stride(0), out.stride(0),
@@ -272,20 +293,43 @@ def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = 
     return out
 
 
-def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
-                           bias=None, accumulate_into=None, use_ptx: bool = True) -> torch.Tensor:
-    """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel."""
-    a_values = dequantize_to_bf16(a_data, a_scale, use_ptx)
-    b_values = dequantize_to_bf16(b_data, b_scale, use_ptx)
-    acc = torch.mm(a_values, b_values.t(), out_dtype=torch.float32)
-    del a_values, b_values
-    alpha = alpha_of(a_amax, b_amax)
+def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = True) -> torch.Tensor:
+    """BF16 [rows, K] = fp4 code value * E4M3 block scale (exact; the global factor is not applied)."""
+    out = torch.empty(data.shape[0], data.shape[1] * 2, dtype=torch.bfloat16, device=data.device)
+    return dequantize_into(data, scale, out, use_ptx)
+
+
+def apply_epilogue(acc: torch.Tensor, alpha: torch.Tensor, bias, out: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= acc * alpha (+ bias), FP32 math, one pass."""
     rows, cols = acc.shape
-    out = output_tensor(rows, cols, out_dtype, accumulate_into, acc.device)
     block_m, block_n = 32, 128
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
     _epilogue_kernel[grid](acc, alpha, bias if bias is not None else alpha, out, rows, cols,
                            acc.stride(0), out.stride(0),
                            ALPHA_PER_ROW=alpha.numel() != 1, HAS_BIAS=bias is not None,
-                           ACCUMULATE=accumulate_into is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+                           ACCUMULATE=accumulate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+
+
+def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
+                           bias=None, accumulate_into=None, use_ptx: bool = True,
+                           rows_per_chunk: int | None = DEFAULT_ROWS_PER_CHUNK) -> torch.Tensor:
+    """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel.
+
+    rows_per_chunk: run A in row chunks through reused BF16/FP32 buffers (less memory, and the FP32
+    chunk can stay in L2 between the matmul and the epilogue); None: one pass over all rows.
+    """
+    rows, cols = a_data.shape[0], b_data.shape[0]
+    chunk = rows if rows_per_chunk is None else min(rows, rows_per_chunk)
+    b_values = dequantize_to_bf16(b_data, b_scale, use_ptx)
+    alpha = alpha_of(a_amax, b_amax)
+    out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
+    a_values = torch.empty(chunk, a_data.shape[1] * 2, dtype=torch.bfloat16, device=a_data.device)
+    acc = torch.empty(chunk, cols, dtype=torch.float32, device=a_data.device)
+    for start in range(0, rows, chunk):
+        stop = min(start + chunk, rows)
+        a_chunk, acc_chunk = a_values[:stop - start], acc[:stop - start]
+        dequantize_into(a_data[start:stop], a_scale[start:stop], a_chunk, use_ptx)
+        torch.mm(a_chunk, b_values.t(), out_dtype=torch.float32, out=acc_chunk)
+        apply_epilogue(acc_chunk, alpha[start:stop] if alpha.numel() != 1 else alpha, bias, out[start:stop],
+                       accumulate_into is not None)
     return out

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 TOLERANCE = dict(atol=8e-3, rtol=8e-3)
 PLAIN = gemm_hopper.FusedConfig(use_ptx=False)
 SMALL_TILES = gemm_hopper.FusedConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+B_FIRST = gemm_hopper.FusedConfig(block_n=256, num_stages=3, dequantize_b_first=True)
 RECIPE = nv.NVFP4Recipe()
 ROW_SCALED = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
 
@@ -81,7 +82,9 @@ def test_fused_and_dequantize_paths_match_reference(m, n, k, name):
     check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
     check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=PLAIN), ref)
     check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=SMALL_TILES), ref)
+    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=B_FIRST), ref)
     check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=96), ref)
 
 
 @pytest.mark.parametrize("name", ["fprop", "wgrad"])
@@ -90,7 +93,9 @@ def test_largest_shape(name):
     args = operands(*layout(name, *layer_operands(m, n, k, seed=7)))
     ref = reference.gemm_reference(*args)
     check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=B_FIRST), ref)
     check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=1024), ref)
 
 
 @pytest.mark.parametrize("use_ptx", [True, False])
@@ -103,7 +108,13 @@ def test_dequantize_to_bf16_is_exact(use_ptx):
         assert torch.equal(out.float(), expected)
 
 
-@pytest.mark.parametrize("path", ["fused", "dequantize"])
+PATHS = {"fused": gemm_hopper.gemm_fused,
+         "fused_b_first": lambda *args, **kw: gemm_hopper.gemm_fused(*args, config=B_FIRST, **kw),
+         "dequantize": gemm_hopper.gemm_dequantize_matmul,
+         "dequantize_chunked": lambda *args, **kw: gemm_hopper.gemm_dequantize_matmul(*args, rows_per_chunk=160, **kw)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_accumulate_into_fp32(path, with_bias):
     m, n, k = 640, 384, 320
@@ -112,21 +123,19 @@ def test_accumulate_into_fp32(path, with_bias):
     main_grad = torch.randn(rows, cols, device="cuda")
     before = main_grad.clone()
     bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16) if with_bias else None
-    run = gemm_hopper.gemm_fused if path == "fused" else gemm_hopper.gemm_dequantize_matmul
-    returned = run(*args, bias=bias, accumulate_into=main_grad)
+    returned = PATHS[path](*args, bias=bias, accumulate_into=main_grad)
     assert returned is main_grad
     expected = before + reference.gemm_reference(*args) + (0 if bias is None else bias.float())
     torch.testing.assert_close(main_grad, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["fused", "dequantize"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_output_dtypes_and_bias(path, out_dtype):
-    x, w, _ = layer_operands(200, 136, 176, seed=5)
+    x, w, _ = layer_operands(208, 144, 176, seed=5)
     args = operands(x, "rowwise", w, "rowwise")
-    bias = torch.randn(136, device="cuda")
-    run = gemm_hopper.gemm_fused if path == "fused" else gemm_hopper.gemm_dequantize_matmul
-    out = run(*args, out_dtype=out_dtype, bias=bias)
+    bias = torch.randn(144, device="cuda")
+    out = PATHS[path](*args, out_dtype=out_dtype, bias=bias)
     assert out.dtype == out_dtype
     torch.testing.assert_close(out.float(), (reference.gemm_reference(*args) + bias).to(out_dtype).float(), **TOLERANCE)
 
@@ -136,8 +145,11 @@ def test_row_scaled_activation(path, monkeypatch):
     monkeypatch.setenv("NVFP4_HOPPER_GEMM", path)
     x, w, _ = layer_operands(272, 192, 256, seed=9, recipe=ROW_SCALED)
     assert x.amax_rowwise.numel() == 272
-    out = gemm(x, w, backend="emulated")
-    check_bf16(out, reference.gemm_reference(*operands(x, "rowwise", w, "rowwise")))
+    args = operands(x, "rowwise", w, "rowwise")
+    ref = reference.gemm_reference(*args)
+    check_bf16(gemm(x, w, backend="emulated"), ref)
+    for run in PATHS.values():
+        check_bf16(run(*args, out_dtype=torch.bfloat16), ref)
 
 
 @pytest.mark.parametrize("path", ["fused", "dequantize"])
