@@ -443,6 +443,13 @@ def with_sdpa_attention(spec):
     return _swap_submodules(spec, replace)
 
 
+def with_sequence_parallel_norm(spec):
+    """Any Megatron spec with its local norms replaced by NVFP4Norm (which supports sequence parallelism)."""
+    def replace(field: str, value):
+        return NVFP4Norm if isinstance(value, type) and issubclass(value, _MEGATRON_NORMS) else value
+    return _swap_submodules(spec, replace)
+
+
 def get_gpt_layer_nvfp4_spec(*, recipe: Optional[NVFP4Recipe] = None, bf16: bool = False,
                              sdpa_attention: bool = False, **local_spec_kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with linear_qkv/proj/fc1/fc2 in NVFP4 and SP-capable norms.
@@ -521,4 +528,4 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
 
 __all__ = ["MEGATRON_CORE_VERSION", "NVFP4ColumnParallelLinear", "NVFP4Norm", "NVFP4RowParallelLinear",
            "SDPACoreAttention", "bf16_layer_counts", "get_gpt_decoder_block_nvfp4_spec", "get_gpt_layer_nvfp4_spec",
-           "with_sdpa_attention"]
+           "with_sdpa_attention", "with_sequence_parallel_norm"]

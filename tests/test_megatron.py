@@ -273,6 +273,14 @@ def _gpt_worker(rank, world_size):
     for name, param in sp_bf16.named_parameters():
         torch.testing.assert_close(param.main_grad, reference_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
+    # Megatron's own local linears under SP with the SP norm (the BF16 baseline of benchmarks/megatron_gpt.py).
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from nvfp4_dist.parallel.megatron import with_sequence_parallel_norm
+    local_sp_spec = TransformerBlockSubmodules(
+        layer_specs=[with_sequence_parallel_norm(get_gpt_layer_local_spec())] * 3, layer_norm=NVFP4Norm)
+    torch.testing.assert_close(_gpt_loss(_gpt(sp_config, local_sp_spec, seed=11)), reference_loss, rtol=1e-5,
+                               atol=1e-5)
+
     # NVFP4 model with the first and last layers in BF16, SP on.
     nvfp4 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=1, bf16_last_layers=1),
                  seed=11)

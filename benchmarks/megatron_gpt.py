@@ -1,0 +1,138 @@
+"""Megatron-Core GPTModel: NVFP4 spec vs Megatron's local BF16 spec, TP=4 with sequence parallelism, same batch.
+
+Measures training forward+backward (no optimizer step: the FP32 optimizer state is the same for both and
+would only dilute the memory ratio) of a model whose linears dominate: hidden 8192, SwiGLU ffn 28672,
+64 heads, seq 4096. Both models use torch SDPA attention (Megatron's local DotProductAttention would
+materialise [b, heads, s, s] scores) and the SP-capable NVFP4Norm (Megatron's local norm refuses SP);
+the baseline's linears are Megatron's own ColumnParallelLinear / RowParallelLinear in BF16.
+Reports tokens/s, peak memory and the NVFP4/BF16 ratios (targets: >= 1.10x tokens/s, <= 0.8x memory).
+
+    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--overlap] [--out benchmarks/results/megatron_gpt.json]
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nvfp4_dist import NVFP4Recipe
+from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
+                                          with_sdpa_attention, with_sequence_parallel_norm)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--ffn", type=int, default=28672)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--overlap", action="store_true", help="NVFP4 recipe.overlap (issue 7 schedule)")
+    parser.add_argument("--out", default="benchmarks/results/megatron_gpt.json")
+    return parser.parse_args()
+
+
+def build(spec_name: str, args, tp: int) -> GPTModel:
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+        tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False)
+    if spec_name == "nvfp4":
+        recipe = NVFP4Recipe.from_env(overlap=True) if args.overlap else None
+        spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, bf16_first_layers=0, bf16_last_layers=0,
+                                                sdpa_attention=True)
+    else:
+        layer = with_sequence_parallel_norm(with_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm")))
+        spec = TransformerBlockSubmodules(layer_specs=[layer] * args.layers, layer_norm=NVFP4Norm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                    max_sequence_length=args.seq, position_embedding_type="rope").cuda()
+
+
+def measure(spec_name: str, args, tp: int) -> dict:
+    """Tokens/s and peak memory of forward+backward on one fixed batch."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = build(spec_name, args, tp)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).cuda()
+    positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.micro_batch, -1)
+
+    def step():
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        loss = step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    result = {"tokens_per_s": args.micro_batch * args.seq * args.iters / elapsed,
+              "step_ms": 1000 * elapsed / args.iters,
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "loss": float(loss)}
+    del model
+    return result
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("NVFP4_COMMIT", "unknown")
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group(backend="nccl", device_id=torch.device("cuda", local_rank))
+    tp = torch.distributed.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    results = {name: measure(name, args, tp) for name in ("local_bf16", "nvfp4")}
+    speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+    memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
+    if torch.distributed.get_rank() == 0:
+        print(f"GPT {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, seq {args.seq}, "
+              f"micro-batch {args.micro_batch}, TP={tp} SP, overlap={args.overlap}")
+        print(f"{'spec':<12}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'loss':>9}")
+        for name, r in results.items():
+            print(f"{name:<12}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['peak_memory_gib']:>10.2f}"
+                  f"{r['loss']:>9.4f}")
+        print(f"NVFP4/BF16: tokens/s {speedup:.3f}x (target >= 1.10), peak memory {memory:.3f}x (target <= 0.80)")
+        record = {"benchmark": "megatron_gpt", "device": torch.cuda.get_device_name(), "gpus": tp,
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
+                  "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
+                  "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as handle:
+            json.dump(record, handle, indent=1)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
