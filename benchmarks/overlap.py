@@ -1,0 +1,362 @@
+"""Comm/GEMM overlap of the NVFP4 column+row parallel pair (SP on): overlapped vs plain, one run per TP size.
+
+For each (tokens, hidden, ffn): column-parallel hidden -> ffn, then row-parallel ffn -> hidden, sequence parallel,
+activations [tokens/TP, 1, hidden] per rank. Times (median over iterations of CUDA events, the slowest rank's)
+for the forward and for forward+backward:
+  comm        the pair's communication alone, as the plain layers issue it (amax all-reduces, NVFP4 all-gathers,
+              BF16 reduce-scatters) on tensors of the layer's sizes
+  ring comm   the same transfers as the overlapped layers issue them (P2P rings with no GEMM in them)
+  GEMMs       the pair's NVFP4 GEMM kernels alone, on pre-quantized operands
+  no-comm     the pair on a one-rank group with this rank's shard shapes and all tokens: every GEMM and
+              quantization of a TP rank, no communication
+  plain       the TP pair, overlap off
+  overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters)
+  exposed     overlapped - no-comm (issue 7 defines overlapped - GEMMs; both are in the JSON)
+It prints a table and writes JSON (--out, default benchmarks/results/overlap_<gpu>_tp<N>.json), plus a timeline
+picture of one plain and one overlapped forward+backward step of the first shape (rank 0's CUDA kernels from
+torch.profiler, lanes: NCCL comm, GEMM, other) and the chrome traces, into --out-dir.
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/overlap.py
+    python benchmarks/overlap.py --render-trace TRACE.json [TRACE2.json] --png out.png   # re-draw a timeline
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+SHAPES = [(16384, 8192, 28672), (8192, 4096, 14336)]  # (tokens, hidden, ffn)
+GEMM_KERNEL_MARKERS = ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas")
+TARGET_OVERLAP_RATIO = 1.1
+TARGET_SPEEDUP_TP4 = 1.15
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_label() -> str:
+    """'h200' from 'NVIDIA H200' (the last word of the device name, lower case)."""
+    return torch.cuda.get_device_name().split()[-1].lower()
+
+
+def time_ms(step, iters: int, warmup: int) -> float:
+    """Median CUDA-event time of step() in ms, the slowest rank's."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    median = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The measured steps.
+
+class Pair:
+    """A column+row parallel pair (SP on) over `group`, with its inputs and output gradient."""
+
+    def __init__(self, tokens, hidden, ffn, group, recipe):
+        from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
+        world_size = dist.get_world_size(group)
+        torch.manual_seed(0)
+        self.column = ColumnParallelLinear(hidden, ffn, sequence_parallel=True, tp_group=group, recipe=recipe,
+                                           device="cuda")
+        self.row = RowParallelLinear(ffn, hidden, sequence_parallel=True, tp_group=group, recipe=recipe,
+                                     device="cuda")
+        self.plain_comms = (self.column.comm, self.row.comm)
+        self.x = torch.randn(tokens // world_size, 1, hidden, device="cuda").bfloat16().requires_grad_(True)
+        self.dy = torch.randn(tokens // world_size, 1, hidden, device="cuda").bfloat16()
+
+    def use_overlap(self, overlapped: bool) -> None:
+        from nvfp4_dist.parallel.overlap import overlapped_comm
+        column_comm, row_comm = self.plain_comms
+        if overlapped:
+            column_comm, row_comm = overlapped_comm(column_comm), overlapped_comm(row_comm)
+        self.column.comm, self.row.comm = column_comm, row_comm
+
+    def forward(self):
+        return self.row(self.column(self.x)[0])[0]
+
+    def forward_backward(self):
+        for parameter in (self.x, self.column.weight, self.column.bias, self.row.weight, self.row.bias):
+            parameter.grad = None
+        self.forward().backward(self.dy)
+
+
+def comm_steps(tokens, hidden, ffn, group, recipe):
+    """(forward, forward+backward) callables issuing the pair's communication alone, plain and ring."""
+    from nvfp4_dist import ops
+    from nvfp4_dist.parallel import comm as C
+    from nvfp4_dist.parallel import overlap as O
+    world_size = dist.get_world_size(group)
+    local = torch.randn(tokens // world_size, hidden, device="cuda").bfloat16()
+    xq = ops.quantize(local, "activation", recipe=recipe)
+    dyq = ops.quantize(local, "gradient", recipe=recipe)
+    partial = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    chunk = partial[:tokens // world_size]
+    amaxes = [torch.ones(1, device="cuda") for _ in range(2)]
+
+    def plain_forward():
+        C.all_reduce_amax(amaxes, group)
+        C.all_gather_nvfp4(xq.rowwise_only(), group)
+        C.reduce_scatter_bf16(partial, group)
+
+    def plain_backward():
+        C.all_reduce_amax(amaxes, group)
+        finish_x = C.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
+        finish_dy = C.all_gather_nvfp4(dyq.columnwise_only(), group, async_op=True)[1]
+        C.all_gather_nvfp4(dyq.rowwise_only(), group)
+        C.reduce_scatter_bf16(partial, group)
+        finish_x(), finish_dy()
+
+    def ring_forward():
+        C.all_reduce_amax(amaxes, group)
+        O.ring_all_gather_consume(O._rowwise_pieces(xq), lambda tensors, source: None, group)
+        O.ring_reduce_scatter_produce(lambda destination: chunk, group)
+
+    def ring_backward():
+        C.all_reduce_amax(amaxes, group)
+        finish_x = C.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
+        carry = O.ColumnwiseCarry(dyq.columnwise_only(), group)
+        carry.start(world_size)
+        O.ring_all_gather_consume(O._rowwise_pieces(dyq) + carry.pieces(), lambda tensors, source: None, group)
+        O.ring_reduce_scatter_produce(lambda destination: chunk, group)
+        finish_x()
+
+    return {"plain": (plain_forward, lambda: (plain_forward(), plain_backward())),
+            "ring": (ring_forward, lambda: (ring_forward(), ring_backward()))}
+
+
+def gemm_steps(tokens, hidden, ffn_local, recipe):
+    """(forward, forward+backward) callables running the pair's six NVFP4 GEMMs on pre-quantized operands."""
+    from nvfp4_dist import ops
+    from nvfp4_dist.gemm import gemm
+
+    def operand(rows, cols, role):
+        return ops.quantize(torch.randn(rows, cols, device="cuda").bfloat16(), role, recipe=recipe)
+    x, w1, h = operand(tokens, hidden, "activation"), operand(ffn_local, hidden, "weight"), \
+        operand(tokens, ffn_local, "activation")
+    w2, dy, dh = operand(hidden, ffn_local, "weight"), operand(tokens, hidden, "gradient"), \
+        operand(tokens, ffn_local, "gradient")
+    bf16 = torch.bfloat16
+
+    def forward():
+        gemm(x, w1, out_dtype=bf16)                                                   # column fprop
+        gemm(h, w2, out_dtype=bf16)                                                   # row fprop
+
+    def backward():
+        gemm(dy, w2, b_copy="columnwise", out_dtype=bf16)                             # row dgrad
+        gemm(dy, h, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32)  # row wgrad
+        gemm(dh, w1, b_copy="columnwise", out_dtype=bf16)                             # column dgrad
+        gemm(dh, x, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32)  # column wgrad
+
+    return forward, lambda: (forward(), backward())
+
+
+def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup) -> dict:
+    world_size = dist.get_world_size(group)
+    result = dict(tokens=tokens, hidden=hidden, ffn=ffn, tp=world_size)
+    comm = comm_steps(tokens, hidden, ffn, group, recipe)
+    gemms = gemm_steps(tokens, hidden, ffn // world_size, recipe)
+    no_comm = Pair(tokens, hidden, ffn // world_size, self_group, recipe)
+    pair = Pair(tokens, hidden, ffn, group, recipe)
+    for phase, index in (("fwd", 0), ("fwd+bwd", 1)):
+        times = {"comm": time_ms(comm["plain"][index], iters, warmup),
+                 "ring_comm": time_ms(comm["ring"][index], iters, warmup),
+                 "gemms": time_ms(gemms[index], iters, warmup),
+                 "no_comm": time_ms(no_comm.forward if index == 0 else no_comm.forward_backward, iters, warmup)}
+        for name, overlapped in (("plain", False), ("overlapped", True)):
+            pair.use_overlap(overlapped)
+            times[name] = time_ms(pair.forward if index == 0 else pair.forward_backward, iters, warmup)
+        times.update(exposed_comm=times["overlapped"] - times["no_comm"],
+                     exposed_comm_vs_gemms=times["overlapped"] - times["gemms"],
+                     speedup=times["plain"] / times["overlapped"],
+                     overlapped_over_max_no_comm_comm=times["overlapped"] / max(times["no_comm"], times["comm"]),
+                     overlapped_over_max_gemms_comm=times["overlapped"] / max(times["gemms"], times["comm"]))
+        result[phase] = times
+    del no_comm, pair
+    torch.cuda.empty_cache()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timeline picture.
+
+def kernel_lane(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "comm (NCCL)"
+    if any(marker in lowered for marker in GEMM_KERNEL_MARKERS):
+        return "GEMM"
+    return "other kernels"
+
+
+def trace_kernels(trace_path: str) -> list:
+    """[(lane, start_ms, duration_ms, stream)] of the CUDA kernels in a chrome trace, from its first kernel."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        raise ValueError(f"trace_path={trace_path!r}: no CUDA kernel events in the trace")
+    first = min(e["ts"] for e in kernels)
+    return [(kernel_lane(e["name"]), (e["ts"] - first) / 1e3, e["dur"] / 1e3, e.get("args", {}).get("stream"))
+            for e in kernels]
+
+
+def render_timeline(trace_paths: list, titles: list, png_path: str) -> None:
+    """One panel per trace, lanes comm / GEMM / other, time in ms on a shared axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lanes = ["comm (NCCL)", "GEMM", "other kernels"]
+    colors = {"comm (NCCL)": "tab:red", "GEMM": "tab:blue", "other kernels": "tab:gray"}
+    panels = [trace_kernels(path) for path in trace_paths]
+    end = max(start + duration for kernels in panels for _, start, duration, _ in kernels)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(14, 1.6 + 1.3 * len(panels)), squeeze=False, sharex=True)
+    for axis, kernels, title in zip(axes[:, 0], panels, titles):
+        for row, lane in enumerate(lanes):
+            bars = [(start, duration) for name, start, duration, _ in kernels if name == lane]
+            axis.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors[lane])
+        busy = {lane: sum(d for name, _, d, _ in kernels if name == lane) for lane in lanes}
+        span = max(start + duration for _, start, duration, _ in kernels)
+        axis.set_yticks(range(len(lanes)), [f"{lane}\n{busy[lane]:.1f} ms busy" for lane in lanes])
+        axis.set_ylim(len(lanes) - 0.5, -0.5)
+        axis.set_title(f"{title}: {span:.1f} ms", fontsize=10, loc="left")
+        axis.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlim(0, end)
+    axes[-1, 0].set_xlabel("time since the step's first kernel (ms)")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=130)
+    plt.close(figure)
+
+
+def profile_step(step, trace_path: str, warmup: int) -> None:
+    """Run step() under torch.profiler (every rank, in lockstep); rank 0 writes the chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        profiler.export_chrome_trace(trace_path)
+
+
+def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict:
+    pair = Pair(tokens, hidden, ffn, group, recipe)
+    paths = {}
+    for name, overlapped in (("plain", False), ("overlapped", True)):
+        pair.use_overlap(overlapped)
+        paths[name] = os.path.join(out_dir, f"overlap_trace_{label}_{name}.json")
+        profile_step(pair.forward_backward, paths[name], warmup)
+    png = os.path.join(out_dir, f"overlap_timeline_{label}.png")
+    if dist.get_rank() == 0:
+        shape = f"tokens={tokens} hidden={hidden} ffn={ffn} TP={dist.get_world_size(group)}"
+        render_timeline([paths["plain"], paths["overlapped"]],
+                        [f"plain fwd+bwd, {shape}", f"overlapped fwd+bwd, {shape}"], png)
+    del pair
+    torch.cuda.empty_cache()
+    return {"png": png, "traces": paths}
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def print_table(report: dict) -> None:
+    header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'GEMMs':>7} "
+              f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7}")
+    print(f"\n{report['gpu']}, TP={report['tp']}, times in ms (median, slowest rank); exposed = overlapped - no-comm; "
+          f"ovl/max = overlapped / max(no-comm, comm)")
+    print(header)
+    print("-" * len(header))
+    for r in report["shapes"]:
+        for phase in ("fwd", "fwd+bwd"):
+            t = r[phase]
+            print(f"{r['tokens']:>6},{r['hidden']:>5},{r['ffn']:>5} {r['tp']:>2} {phase:>7} | {t['comm']:7.2f} "
+                  f"{t['ring_comm']:7.2f} {t['gemms']:7.2f} {t['no_comm']:7.2f} | {t['plain']:7.2f} "
+                  f"{t['overlapped']:7.2f} {t['exposed_comm']:7.2f} {t['speedup']:7.3f} "
+                  f"{t['overlapped_over_max_no_comm_comm']:7.3f}")
+    for name, met in report["targets"].items():
+        print(f"target {name}: {'met' if met else 'NOT met'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/overlap_<gpu>_tp<N>.json)")
+    parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"),
+                        help="folder for the timeline PNG and chrome traces")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES),
+                        help="tokens,hidden,ffn;... (default: %(default)s)")
+    parser.add_argument("--no-timeline", action="store_true", help="skip the profiled timeline step")
+    parser.add_argument("--render-trace", nargs="+", metavar="TRACE", help="only draw TRACE.json file(s) to --png")
+    parser.add_argument("--png", help="picture path for --render-trace")
+    args = parser.parse_args()
+    if args.render_trace:
+        if not args.png:
+            parser.error("--render-trace needs --png")
+        render_timeline(args.render_trace, [os.path.basename(p) for p in args.render_trace], args.png)
+        print(f"wrote {args.png}")
+        return
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+
+    import nvfp4_dist as nv
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for tokens, hidden, ffn in shapes:
+        if tokens % (16 * world_size) or ffn % (16 * world_size) or hidden % 16:
+            raise ValueError(f"--shapes {tokens},{hidden},{ffn}: tokens and ffn must be multiples of 16 * TP "
+                             f"({16 * world_size}) and hidden of 16")
+    group = dist.group.WORLD
+    self_group = [dist.new_group([r]) for r in range(world_size)][rank]
+    recipe = nv.NVFP4Recipe()
+    label = f"{gpu_label()}_tp{world_size}"
+    report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
+                  torch=torch.__version__, tp=world_size, recipe=str(recipe), shapes=[])
+    for tokens, hidden, ffn in shapes:
+        report["shapes"].append(measure_shape(tokens, hidden, ffn, group, self_group, recipe, args.iters,
+                                              args.warmup))
+        if rank == 0:
+            print(json.dumps(report["shapes"][-1]), flush=True)
+    ratios = [r[phase]["overlapped_over_max_no_comm_comm"] for r in report["shapes"] for phase in ("fwd", "fwd+bwd")]
+    report["targets"] = {f"overlapped <= {TARGET_OVERLAP_RATIO} x max(no-comm, comm)":
+                         all(ratio <= TARGET_OVERLAP_RATIO for ratio in ratios)}
+    if world_size == 4:
+        report["targets"][f"fwd+bwd speedup >= {TARGET_SPEEDUP_TP4} at TP=4"] = all(
+            r["fwd+bwd"]["speedup"] >= TARGET_SPEEDUP_TP4 for r in report["shapes"])
+    if not args.no_timeline:
+        os.makedirs(args.out_dir, exist_ok=True)
+        report["timeline"] = timeline(*shapes[0], group, recipe, args.out_dir, label, args.warmup)
+    if rank == 0:
+        out = args.out or os.path.join("benchmarks", "results", f"overlap_{label}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+        print_table(report)
+        print(f"wrote {out}" + (f" and {report['timeline']['png']}" if "timeline" in report else ""))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
