@@ -20,6 +20,7 @@ import torch
 import triton
 
 from nvfp4_dist import gemm_hopper, reference
+from nvfp4_dist.reference.quantize import decode_scale
 
 SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
     (8192, 8192, 8192),
@@ -88,7 +89,7 @@ def measure_shape(m: int, n: int, k: int, fused_config, rows_per_chunk, device) 
     a_bf16 = gemm_hopper.dequantize_to_bf16(a[0], a[1])
     b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
     bf16_ms = time_ms(lambda: torch.matmul(a_bf16, b_bf16.t()))
-    expected = torch.matmul(a_bf16, b_bf16.t()).float() * gemm_hopper.alpha_of(a[2], b[2])
+    expected = torch.matmul(a_bf16, b_bf16.t()).float() * decode_scale(a[2]) * decode_scale(b[2])
     del a_bf16, b_bf16
     row = dict(m=m, n=n, k=k, bf16_matmul_ms=bf16_ms, bf16_matmul_tflops=tflops(m, n, k, bf16_ms))
     output_bytes = m * n * 2
@@ -109,11 +110,10 @@ def sweep(m: int, n: int, k: int, device) -> dict:
     b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
     acc = torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-    alpha = gemm_hopper.alpha_of(a[2], b[2])
     parts = {"bf16_matmul": lambda: torch.matmul(a_bf16, b_bf16.t()),
              "bf16_matmul_fp32_out": lambda: torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32),
              "dequantize_a": lambda: gemm_hopper.dequantize_to_bf16(a[0], a[1]),
-             "epilogue": lambda: gemm_hopper.apply_epilogue(acc, alpha, None, out, False)}
+             "epilogue": lambda: gemm_hopper.apply_epilogue(acc, a[2], b[2], None, out, False)}
     results = {"parts_ms": {name: time_ms(fn) for name, fn in parts.items()}, "candidates": {}}
     print(results["parts_ms"], flush=True)
     del a_bf16, b_bf16, acc, out

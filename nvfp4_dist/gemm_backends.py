@@ -2,8 +2,9 @@
 
 cublaslt: Blackwell cuBLASLt block-scaled NVFP4 (gemm_blackwell).
 emulated: Hopper exact-block emulation in Triton (gemm_hopper); NVFP4_HOPPER_GEMM picks
-          "fused" (dequantization inside the GEMM, the default) or "dequantize" (BF16 operand
-          copies feeding cuBLAS).
+          "dequantize" (BF16 operand copies feeding cuBLAS, the default: the faster on H100,
+          see benchmarks/results/gemm_h100.json) or "fused" (dequantization inside a Triton GEMM,
+          far less extra memory).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def finish_output(out: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor 
 
 
 def hopper_path() -> str:
-    """The emulated backend's path: NVFP4_HOPPER_GEMM, default "fused"."""
-    path = os.environ.get(_HOPPER_PATH_ENV) or "fused"
+    """The emulated backend's path: NVFP4_HOPPER_GEMM, default "dequantize"."""
+    path = os.environ.get(_HOPPER_PATH_ENV) or "dequantize"
     if path not in HOPPER_PATHS:
         raise ValueError(f"environment variable {_HOPPER_PATH_ENV}={path!r}: allowed are {HOPPER_PATHS}")
     return path

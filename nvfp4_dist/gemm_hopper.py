@@ -8,7 +8,8 @@ s 0 0 e1 e0 m 0 0 encode exactly fp4value * 2^-6 (E4M3 subnormals cover the 0.5 
 so the hardware E4M3 -> FP16 conversion does the decoding. Products with the block
 scale, fp4 * scale * 2^-6, lie in [2^-16, 42] with at most 6 significant bits: exact
 in FP16. The fused GEMM feeds those FP16 tiles to the tensor cores and multiplies the
-FP32 accumulator by 2^12 * alpha in the epilogue.
+FP32 accumulator by 2^12 * alpha in the epilogue. alpha = S_dec(a) * S_dec(b) is computed
+inside the kernels from the amax tensors (no host sync, no extra launches).
 
 Two paths:
 - gemm_fused: dequantization inside the GEMM's K loop (packed tiles loaded, decoded in
@@ -24,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference.quantize import decode_scale
 
 # E4M3-packed FP4 values carry 2^-6 each; a product of two carries 2^-12.
 _OPERAND_EXPONENT_CORRECTION = tl.constexpr(4096.0)
@@ -61,6 +61,26 @@ mul.rn.f16x2 t0, t0, s2;
 mov.b32 {$5, $7}, t0;
 }
 """)
+
+
+@triton.jit
+def _decode_scale(amax):
+    """S_dec = 1 / S_enc with S_enc = min(2688 / amax, FLT_MAX), 1 where that is 0 (SPEC 2.2): the
+    reference's two correctly rounded FP32 divisions."""
+    s_enc = tl.math.div_rn(tl.zeros_like(amax) + 2688.0, amax)
+    s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+    return tl.math.div_rn(tl.zeros_like(s_enc) + 1.0, s_enc)
+
+
+@triton.jit
+def _alpha(a_amax_ptr, b_amax_ptr, rows, row_mask, ALPHA_PER_ROW: tl.constexpr):
+    """FP32 alpha = S_dec(a) * S_dec(b): a column [rows, 1] when A is row-scaled, else a scalar."""
+    b_s_dec = _decode_scale(tl.load(b_amax_ptr))
+    if ALPHA_PER_ROW:
+        return (_decode_scale(tl.load(a_amax_ptr + rows, mask=row_mask, other=1.0)) * b_s_dec)[:, None]
+    else:
+        return _decode_scale(tl.load(a_amax_ptr)) * b_s_dec
 
 
 @triton.jit
@@ -101,7 +121,7 @@ def _word_scales(scale_bytes, ROWS: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, alpha_ptr, bias_ptr, out_ptr,
+def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr,
                        M, N, K_WORDS, stride_a, stride_a_scale, stride_b, stride_b_scale, stride_out,
                        ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
                        EVEN_K: tl.constexpr, USE_PTX: tl.constexpr, B_DEQUANTIZED: tl.constexpr,
@@ -167,10 +187,7 @@ def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, alpha_ptr, bias_p
         b_scale_ptrs += SCALES
 
     acc = acc * _OPERAND_EXPONENT_CORRECTION  # exact power of two
-    if ALPHA_PER_ROW:
-        acc = acc * tl.load(alpha_ptr + load_m)[:, None]
-    else:
-        acc = acc * tl.load(alpha_ptr)
+    acc = acc * _alpha(a_amax_ptr, b_amax_ptr, load_m, load_m < M, ALPHA_PER_ROW)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + load_n).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows_m[:, None] * stride_out + rows_n[None, :]
@@ -199,7 +216,7 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, K_WORDS, stride_data,
 
 
 @triton.jit
-def _epilogue_kernel(acc_ptr, alpha_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
+def _epilogue_kernel(acc_ptr, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
                      ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out (+)= acc * alpha (+ bias) in FP32, cast to out's dtype."""
@@ -207,10 +224,7 @@ def _epilogue_kernel(acc_ptr, alpha_ptr, bias_ptr, out_ptr, M, N, stride_acc, st
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (row < M)[:, None] & (col < N)[None, :]
     acc = tl.load(acc_ptr + row[:, None] * stride_acc + col[None, :], mask=mask, other=0.0)
-    if ALPHA_PER_ROW:
-        acc = acc * tl.load(alpha_ptr + row, mask=row < M, other=0.0)[:, None]
-    else:
-        acc = acc * tl.load(alpha_ptr)
+    acc = acc * _alpha(a_amax_ptr, b_amax_ptr, row, row < M, ALPHA_PER_ROW)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + col, mask=col < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + row[:, None] * stride_out + col[None, :]
@@ -233,7 +247,7 @@ class FusedConfig:
     dequantize_b_first: bool = False  # decode B to FP16 in a separate pass, only A inside the GEMM
 
 
-DEFAULT_FUSED_CONFIG = FusedConfig()
+DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # fastest fused variant on H100 (benchmarks/gemm.py)
 DEFAULT_ROWS_PER_CHUNK = None  # gemm_dequantize_matmul: all rows in one pass
 
 
@@ -242,11 +256,6 @@ def packed_words(data: torch.Tensor) -> torch.Tensor:
     if data.stride(1) != 1 or data.stride(0) % 4 or data.storage_offset() % 4:
         data = data.contiguous()
     return data.view(torch.int32)
-
-
-def alpha_of(a_amax: torch.Tensor, b_amax: torch.Tensor) -> torch.Tensor:
-    """FP32 alpha = S_dec(a) * S_dec(b): shape (1,), or (M,) when A is row-scaled."""
-    return (decode_scale(a_amax).reshape(-1) * decode_scale(b_amax).reshape(-1)).contiguous()
 
 
 def output_tensor(rows: int, cols: int, out_dtype: torch.dtype, accumulate_into, device) -> torch.Tensor:
@@ -266,14 +275,14 @@ def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=to
         b_scale = a_scale  # unused by the kernel
     else:
         b_operand, b_scale = packed_words(b_data), b_scale.contiguous().view(torch.uint8)
-    alpha = alpha_of(a_amax, b_amax)
+    a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
     out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
     _nvfp4_gemm_kernel[grid](
-        a_words, a_scale, b_operand, b_scale, alpha, bias if bias is not None else alpha, out,
+        a_words, a_scale, b_operand, b_scale, a_amax, b_amax, bias if bias is not None else a_amax, out,
         rows, cols, k_words, a_words.stride(0), a_scale.stride(0), b_operand.stride(0), b_scale.stride(0),
         out.stride(0),
-        ALPHA_PER_ROW=alpha.numel() != 1, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+        ALPHA_PER_ROW=a_amax.numel() != 1, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
         EVEN_K=k_words % (config.block_k // 8) == 0, USE_PTX=config.use_ptx, B_DEQUANTIZED=config.dequantize_b_first,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -299,14 +308,15 @@ def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = 
     return dequantize_into(data, scale, out, use_ptx)
 
 
-def apply_epilogue(acc: torch.Tensor, alpha: torch.Tensor, bias, out: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= acc * alpha (+ bias), FP32 math, one pass."""
+def apply_epilogue(acc: torch.Tensor, a_amax: torch.Tensor, b_amax: torch.Tensor, bias, out: torch.Tensor,
+                   accumulate: bool) -> None:
+    """out (+)= acc * S_dec(a_amax) * S_dec(b_amax) (+ bias), FP32 math, one pass."""
     rows, cols = acc.shape
     block_m, block_n = 32, 128
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-    _epilogue_kernel[grid](acc, alpha, bias if bias is not None else alpha, out, rows, cols,
+    _epilogue_kernel[grid](acc, a_amax, b_amax, bias if bias is not None else a_amax, out, rows, cols,
                            acc.stride(0), out.stride(0),
-                           ALPHA_PER_ROW=alpha.numel() != 1, HAS_BIAS=bias is not None,
+                           ALPHA_PER_ROW=a_amax.numel() != 1, HAS_BIAS=bias is not None,
                            ACCUMULATE=accumulate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
 
 
@@ -321,7 +331,7 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
     rows, cols = a_data.shape[0], b_data.shape[0]
     chunk = rows if rows_per_chunk is None else min(rows, rows_per_chunk)
     b_values = dequantize_to_bf16(b_data, b_scale, use_ptx)
-    alpha = alpha_of(a_amax, b_amax)
+    a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
     out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
     a_values = torch.empty(chunk, a_data.shape[1] * 2, dtype=torch.bfloat16, device=a_data.device)
     acc = torch.empty(chunk, cols, dtype=torch.float32, device=a_data.device)
@@ -330,6 +340,6 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
         a_chunk, acc_chunk = a_values[:stop - start], acc[:stop - start]
         dequantize_into(a_data[start:stop], a_scale[start:stop], a_chunk, use_ptx)
         torch.mm(a_chunk, b_values.t(), out_dtype=torch.float32, out=acc_chunk)
-        apply_epilogue(acc_chunk, alpha[start:stop] if alpha.numel() != 1 else alpha, bias, out[start:stop],
-                       accumulate_into is not None)
+        apply_epilogue(acc_chunk, a_amax[start:stop] if a_amax.numel() != 1 else a_amax, b_amax, bias,
+                       out[start:stop], accumulate_into is not None)
     return out
