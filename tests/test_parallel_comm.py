@@ -24,15 +24,15 @@ def assert_bytes_equal(got, expected, what):
     assert (got.rht, got.block_2d, got.row_scaled) == (expected.rht, expected.block_2d, expected.row_scaled), what
 
 
-def sharded_then_gathered(local, role, recipe, rank, sr_seed, async_op):
+def sharded_then_gathered(local, role, recipe, rank, sr_seed, async_op, packed=None):
     """SPEC 9: reduce amaxes, quantize the shard (global SR positions), gather in NVFP4."""
     amaxes = list(operand_amaxes(local, role, recipe))
     all_reduce_amax(amaxes)
     q = quantize_operand(local, role, recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=sr_seed,
                          sr_row_offset=rank * local.shape[0])
     if not async_op:
-        return all_gather_nvfp4(q)
-    handle, finish = all_gather_nvfp4(q, async_op=True)
+        return all_gather_nvfp4(q, packed=packed)
+    handle, finish = all_gather_nvfp4(q, async_op=True, packed=packed)
     assert handle is not None
     return finish()
 
@@ -47,42 +47,44 @@ CASES = [  # (role, recipe, dtype, async)
 ]
 
 
-def _check_comm(rank, world_size):
+def _check_comm(rank, world_size, device="cpu", packed=None):
+    """All checks on one rank; on GPUs the result is also compared with the CPU reference byte for byte."""
     local_rows, cols = 32, 48
     torch.manual_seed(0)
-    full = torch.randn(world_size * local_rows, cols) * torch.logspace(-2, 2, cols)
+    full = (torch.randn(world_size * local_rows, cols) * torch.logspace(-2, 2, cols)).to(device)
     for index, (role, recipe, dtype, async_op) in enumerate(CASES):
         x = full.to(dtype)
         local = x.chunk(world_size)[rank]
         seed = 1234 + index
-        got = sharded_then_gathered(local, role, recipe, rank, seed, async_op)
+        got = sharded_then_gathered(local, role, recipe, rank, seed, async_op, packed)
         expected = quantize_operand(x, role, recipe, sr_seed=seed)
         assert_bytes_equal(got, expected, (role, recipe, dtype))
+        if x.is_cuda:
+            assert_bytes_equal(got.to("cpu"), quantize_operand(x.cpu(), role, recipe, sr_seed=seed), "vs CPU")
 
     # Row-scaled activations: no amax reduction, the per-row amaxes travel with their rows (SPEC 6).
     recipe = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
     x = full.to(torch.bfloat16)
     q = nv.quantize(x.chunk(world_size)[rank], "activation", columnwise=False, recipe=recipe)
-    assert_bytes_equal(all_gather_nvfp4(q), nv.quantize(x, "activation", columnwise=False, recipe=recipe),
+    assert_bytes_equal(all_gather_nvfp4(q, packed=packed), nv.quantize(x, "activation", columnwise=False, recipe=recipe),
                        "row-scaled")
 
     # amax all-reduce: MAX, in place, None entries left alone, one tensor per entry.
-    a, b = torch.tensor([float(rank)]), torch.tensor([10.0 - rank])
+    a, b = torch.tensor([float(rank)], device=device), torch.tensor([10.0 - rank], device=device)
     result = all_reduce_amax([a, None, b])
     assert result[1] is None and a.item() == world_size - 1 and b.item() == 10.0
 
     # BF16 primitives.
-    parts = [torch.full((4, 3), float(r + 1), dtype=torch.bfloat16) for r in range(world_size)]
+    parts = [torch.full((4, 3), float(r + 1), dtype=torch.bfloat16, device=device) for r in range(world_size)]
     assert torch.equal(all_gather_bf16(parts[rank]), torch.cat(parts))
     handle, finish = all_gather_bf16(parts[rank], async_op=True)
     assert torch.equal(finish(), torch.cat(parts))
-    stacked = torch.arange(world_size * 2 * 3, dtype=torch.bfloat16).reshape(world_size * 2, 3) * (rank + 1)
-    total = torch.arange(world_size * 2 * 3, dtype=torch.bfloat16).reshape(world_size * 2, 3) * sum(
-        r + 1 for r in range(world_size))
+    ramp = torch.arange(world_size * 2 * 3, dtype=torch.bfloat16, device=device).reshape(world_size * 2, 3)
+    stacked, total = ramp * (rank + 1), ramp * sum(r + 1 for r in range(world_size))
     assert torch.equal(reduce_scatter_bf16(stacked), total.chunk(world_size)[rank])
     assert torch.equal(all_reduce_bf16(stacked.clone()), total)
     with pytest.raises(ValueError, match="divisible"):
-        reduce_scatter_bf16(torch.zeros(world_size + 1, 2))
+        reduce_scatter_bf16(torch.zeros(world_size + 1, 2, device=device))
     assert dist.get_world_size() == world_size
 
 

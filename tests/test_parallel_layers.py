@@ -26,14 +26,14 @@ BACKWARD_SEED = 11
 TP1_OUTPUT_TOLERANCE, TP1_ROW_GRAD_TOLERANCE, TP1_COLUMN_GRAD_TOLERANCE = 0.1, 0.15, 0.25
 
 
-def full_tensors(world_size, in_features, out_features, dtype=torch.bfloat16):
+def full_tensors(world_size, in_features, out_features, device="cpu", dtype=torch.bfloat16):
     generator = torch.Generator().manual_seed(42)
     seq = SEQ_PER_RANK * world_size
     x = torch.randn(seq, BATCH, in_features, generator=generator).to(dtype)
     dy = torch.randn(seq, BATCH, out_features, generator=generator).to(dtype)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.1
     bias = torch.randn(out_features, generator=generator)
-    return x, dy, weight, bias
+    return tuple(t.to(device) for t in (x, dy, weight, bias))
 
 
 def run(layer, x, dy):
@@ -72,7 +72,7 @@ def assert_near_tp1(got, expected, what, tolerance):
 
 
 def tp1_result(x, dy, weight, bias, recipe):
-    layer = Linear(weight.shape[1], weight.shape[0], recipe=recipe)
+    layer = Linear(weight.shape[1], weight.shape[0], recipe=recipe, device=x.device)
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.bias.copy_(bias)
@@ -83,10 +83,11 @@ def tp1_result(x, dy, weight, bias, recipe):
     return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
-def check_column(rank, world_size, sequence_parallel, recipe, keep_input_columnwise=False):
+def check_column(rank, world_size, sequence_parallel, recipe, keep_input_columnwise=False, device="cpu"):
     out_features = LOCAL_FEATURES * world_size
-    x, dy, weight, bias = full_tensors(world_size, COLUMN_IN, out_features)
+    x, dy, weight, bias = full_tensors(world_size, COLUMN_IN, out_features, device)
     layer = ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=sequence_parallel, recipe=recipe,
+                                 device=device,
                                  init_method=lambda w: w.copy_(weight), keep_input_columnwise=keep_input_columnwise)
     with torch.no_grad():
         layer.bias.copy_(bias.chunk(world_size)[rank])
@@ -129,10 +130,10 @@ def check_column(rank, world_size, sequence_parallel, recipe, keep_input_columnw
     return y, dx, dw
 
 
-def check_row(rank, world_size, sequence_parallel, recipe):
+def check_row(rank, world_size, sequence_parallel, recipe, device="cpu"):
     in_features = LOCAL_FEATURES * world_size
-    x, dy, weight, bias = full_tensors(world_size, in_features, ROW_OUT)
-    layer = RowParallelLinear(in_features, ROW_OUT, sequence_parallel=sequence_parallel, recipe=recipe,
+    x, dy, weight, bias = full_tensors(world_size, in_features, ROW_OUT, device)
+    layer = RowParallelLinear(in_features, ROW_OUT, sequence_parallel=sequence_parallel, recipe=recipe, device=device,
                               init_method=lambda w: w.copy_(weight))
     with torch.no_grad():
         layer.bias.copy_(bias)
@@ -168,18 +169,19 @@ def check_row(rank, world_size, sequence_parallel, recipe):
     assert_near_tp1(dw, dw1.chunk(world_size, dim=-1)[rank], what + " dW", TP1_ROW_GRAD_TOLERANCE)
 
 
-def check_options(rank, world_size):
+def check_options(rank, world_size, recipe=nv.NVFP4Recipe(), device="cpu"):
     """keep_input_columnwise, gather_output, input_is_parallel=False, skip_bias_add, BF16 fallback."""
-    recipe = nv.NVFP4Recipe()
-    y_default, dx_default, dw_default = check_column(rank, world_size, True, recipe)
-    y_kept, dx_kept, dw_kept = check_column(rank, world_size, True, recipe, keep_input_columnwise=True)
+    y_default, dx_default, dw_default = check_column(rank, world_size, True, recipe, device=device)
+    y_kept, dx_kept, dw_kept = check_column(rank, world_size, True, recipe, keep_input_columnwise=True,
+                                            device=device)
     assert torch.equal(y_kept, y_default) and torch.equal(dx_kept, dx_default) and torch.equal(dw_kept, dw_default)
 
     out_features = LOCAL_FEATURES * world_size
-    x, dy, weight, bias = full_tensors(world_size, COLUMN_IN, out_features)
-    gathered = ColumnParallelLinear(COLUMN_IN, out_features, gather_output=True, recipe=recipe,
+    x, dy, weight, bias = full_tensors(world_size, COLUMN_IN, out_features, device)
+    gathered = ColumnParallelLinear(COLUMN_IN, out_features, gather_output=True, recipe=recipe, device=device,
                                     init_method=lambda w: w.copy_(weight))
-    plain = ColumnParallelLinear(COLUMN_IN, out_features, recipe=recipe, init_method=lambda w: w.copy_(weight))
+    plain = ColumnParallelLinear(COLUMN_IN, out_features, recipe=recipe, device=device,
+                                 init_method=lambda w: w.copy_(weight))
     y_gathered, dx_gathered, dw_gathered, _, _ = run(gathered, x, dy)
     y_plain, dx_plain, dw_plain, _, _ = run(plain, x, dy.chunk(world_size, dim=-1)[rank])
     assert y_gathered.shape[-1] == out_features
@@ -187,10 +189,10 @@ def check_options(rank, world_size):
     assert torch.equal(dx_gathered, dx_plain) and torch.equal(dw_gathered, dw_plain)
 
     in_features = LOCAL_FEATURES * world_size
-    x, dy, weight, bias = full_tensors(world_size, in_features, ROW_OUT)
+    x, dy, weight, bias = full_tensors(world_size, in_features, ROW_OUT, device)
     scattering = RowParallelLinear(in_features, ROW_OUT, input_is_parallel=False, skip_bias_add=True, recipe=recipe,
-                                   init_method=lambda w: w.copy_(weight))
-    parallel_in = RowParallelLinear(in_features, ROW_OUT, skip_bias_add=True, recipe=recipe,
+                                   device=device, init_method=lambda w: w.copy_(weight))
+    parallel_in = RowParallelLinear(in_features, ROW_OUT, skip_bias_add=True, recipe=recipe, device=device,
                                     init_method=lambda w: w.copy_(weight))
     y_s, dx_s, dw_s, _, bias_s = run(scattering, x, dy)
     y_p, dx_p, dw_p, _, bias_p = run(parallel_in, x.chunk(world_size, dim=-1)[rank], dy)
@@ -200,18 +202,18 @@ def check_options(rank, world_size):
 
     # BF16 fallback column(SP) -> row(SP) pair equals the unsharded BF16 math (within BF16 sum order).
     column = ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=True, bf16_fallback=True,
-                                  params_dtype=torch.bfloat16)
+                                  params_dtype=torch.bfloat16, device=device)
     row = RowParallelLinear(out_features, COLUMN_IN, sequence_parallel=True, bf16_fallback=True,
-                            params_dtype=torch.bfloat16)
+                            params_dtype=torch.bfloat16, device=device)
     torch.manual_seed(5)
-    full_column = torch.nn.Linear(COLUMN_IN, out_features, dtype=torch.bfloat16)
-    full_row = torch.nn.Linear(out_features, COLUMN_IN, dtype=torch.bfloat16)
+    full_column = torch.nn.Linear(COLUMN_IN, out_features, dtype=torch.bfloat16, device=device)
+    full_row = torch.nn.Linear(out_features, COLUMN_IN, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
         column.weight.copy_(full_column.weight.chunk(world_size)[rank])
         column.bias.copy_(full_column.bias.chunk(world_size)[rank])
         row.weight.copy_(full_row.weight.chunk(world_size, dim=-1)[rank])
         row.bias.copy_(full_row.bias)
-    x, dy, _, _ = full_tensors(world_size, COLUMN_IN, COLUMN_IN)
+    x, dy, _, _ = full_tensors(world_size, COLUMN_IN, COLUMN_IN, device)
     x_local = x.chunk(world_size)[rank].clone().requires_grad_(True)
     y_local = row(column(x_local)[0])[0]
     y_local.backward(dy.chunk(world_size)[rank])
