@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 
@@ -45,8 +46,10 @@ def git_commit() -> str:
 
 
 def gpu_label() -> str:
-    """'h200' from 'NVIDIA H200' (the last word of the device name, lower case)."""
-    return torch.cuda.get_device_name().split()[-1].lower()
+    """'h200' from 'NVIDIA H200', 'h100' from 'NVIDIA H100 80GB HBM3' (else the name, lower case, no spaces)."""
+    name = torch.cuda.get_device_name()
+    model = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name)
+    return (model.group(0) if model else name.replace(" ", "_")).lower()
 
 
 def time_ms(step, iters: int, warmup: int) -> float:
