@@ -131,7 +131,7 @@ def comm_steps(tokens, hidden, ffn, group, recipe):
 
     def ring_forward():
         C.all_reduce_amax(amaxes, group)
-        O.ring_all_gather_consume(O._rowwise_pieces(xq), lambda tensors, source: None, group)
+        O.ring_all_gather_consume(O.rowwise_pieces(xq), lambda tensors, source: None, group)
         O.ring_reduce_scatter_produce(lambda destination: chunk, group)
 
     def ring_backward():
@@ -139,7 +139,7 @@ def comm_steps(tokens, hidden, ffn, group, recipe):
         finish_x = C.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
         carry = O.ColumnwiseCarry(dyq.columnwise_only(), group)
         carry.start(world_size)
-        O.ring_all_gather_consume(O._rowwise_pieces(dyq) + carry.pieces(), lambda tensors, source: None, group)
+        O.ring_all_gather_consume(O.rowwise_pieces(dyq) + carry.pieces(), lambda tensors, source: None, group)
         O.ring_reduce_scatter_produce(lambda destination: chunk, group)
         finish_x()
 

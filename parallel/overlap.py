@@ -22,8 +22,8 @@ overlapped_comm(plain_comm):
   the input's columnwise copy is re-gathered by an asynchronous all-gather issued before it.
 The all-gather side is bit-identical to the plain path when the GEMM's rows do not depend on how many rows
 it is given (reference backend, the fused Hopper kernel); the reduce-scatter side sums in ring order
-(FP32 adds, rounded to the output dtype each hop), so it matches the plain reduce-scatter within W-1
-roundings of the output dtype.
+(FP32 adds, rounded to the output dtype each hop): it and the plain reduce-scatter are each within W-1
+roundings of the exact sum.
 """
 from __future__ import annotations
 
@@ -105,13 +105,13 @@ def ring_reduce_scatter_produce(produce: Callable[[int], torch.Tensor], group=No
 # ----------------------------------------------------------------------------------------------------------
 # Pipelined NVFP4 GEMMs on the ring.
 
-def _rowwise_pieces(q: NVFP4Tensor) -> list:
+def rowwise_pieces(q: NVFP4Tensor) -> list:
     """What travels of q's rowwise copy: packed data, scales as bytes, and the per-row amaxes when row-scaled."""
     pieces = [q.rowwise_data, q.rowwise_scale.view(torch.uint8)]
     return pieces + [q.amax_rowwise] if q.row_scaled else pieces
 
 
-def _rowwise_chunk(q: NVFP4Tensor, pieces: Sequence[torch.Tensor]) -> NVFP4Tensor:
+def rowwise_chunk(q: NVFP4Tensor, pieces: Sequence[torch.Tensor]) -> NVFP4Tensor:
     """One rank's chunk of q (rowwise copy only) from its received pieces; per-tensor amaxes are shared."""
     data, scale = pieces[0], pieces[1].view(torch.float8_e4m3fn)
     amax = pieces[2] if q.row_scaled else q.amax_rowwise
@@ -170,7 +170,7 @@ def ring_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype
     n = operand(b, b_copy, "b")[0].shape[0]
     rows = a.rows
     out = torch.empty((world_size * rows, n), dtype=out_dtype, device=a.device)
-    pieces = _rowwise_pieces(a)
+    pieces = rowwise_pieces(a)
     rowwise_count = len(pieces)
     place_columnwise = None
     if carry is not None:
@@ -178,7 +178,7 @@ def ring_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype
         pieces += carry.pieces()
 
     def consume(tensors: Sequence[torch.Tensor], source: int) -> None:
-        chunk = _rowwise_chunk(a, tensors[:rowwise_count])
+        chunk = rowwise_chunk(a, tensors[:rowwise_count])
         out[source * rows:(source + 1) * rows].copy_(
             gemm(chunk, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe))
         if place_columnwise is not None:

@@ -194,7 +194,7 @@ def check_ring_gemms(rank, world_size):
     # All-gather side: chunks consumed from ranks rank, rank-1, ...; each fills its own rows.
     sources = []
     with count_calls((O, "gemm")) as counts:
-        original_chunk = O._rowwise_chunk
+        original_chunk = O.rowwise_chunk
 
         def recording_chunk(q_, pieces):
             chunk = original_chunk(q_, pieces)
@@ -202,13 +202,13 @@ def check_ring_gemms(rank, world_size):
                 chunk.rowwise_data, gathered.rowwise_data[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK])]
             sources.append(matches)
             return chunk
-        O._rowwise_chunk = recording_chunk
+        O.rowwise_chunk = recording_chunk
         try:
             carry = O.ColumnwiseCarry(q.columnwise_only(), None)
             y = O.ring_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32,
                                      carry=carry)
         finally:
-            O._rowwise_chunk = original_chunk
+            O.rowwise_chunk = original_chunk
     assert counts["gemm"] == world_size
     assert sources == [[source] for source in O.all_gather_order(rank, world_size)], sources
     assert torch.equal(y, gemm(gathered, weight_q, out_dtype=torch.float32))
