@@ -1,0 +1,117 @@
+"""NVFP4 all-gather (amax all-reduce + data and scales) vs BF16 all-gather of the same logical tensor.
+
+The logical tensor is [M, hidden] in BF16 of 16, 64, 256 and 512 MB, sharded along M over the group.
+NVFP4 moves one copy (rowwise data + E4M3 scales: 0.5625 bytes per element); its time includes the
+amax MAX all-reduce that must precede the cast (SPEC 9). Quantization itself is not timed here.
+Reported per size: median times (max over ranks), bus bandwidth ((W-1)/W * gathered bytes / time),
+the amax all-reduce alone, and BF16 time / NVFP4 time. Targets on 4 H200s: >= 3.0x at 256 MB and above,
+>= 2.4x at 64 MB, >= 1.5x at 16 MB.
+
+    torchrun --nproc-per-node 4 benchmarks/allgather.py [--sizes-mb 16 64 256 512] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+import nvfp4_dist as nv
+from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax
+
+TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
+
+
+def median_ms(fn, warmup: int = 5, iterations: int = 20) -> float:
+    """Median over iterations of the CUDA time of fn, the maximum over ranks."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+def bench_size(size_mb: int, hidden: int, world_size: int, rank: int) -> dict:
+    rows = size_mb * 2 ** 20 // 2 // hidden
+    if rows % (16 * world_size):
+        raise ValueError(f"size {size_mb} MB with hidden={hidden}: {rows} rows do not split into multiples of 16")
+    local = torch.randn(rows // world_size, hidden, device="cuda", dtype=torch.bfloat16) * (rank + 1)
+    recipe = nv.NVFP4Recipe()
+    amax = nv.compute_amaxes(local, "activation", columnwise=False, recipe=recipe)[0]
+    all_reduce_amax([amax])
+    q = nv.quantize(local, "activation", columnwise=False, recipe=recipe, amax_rowwise=amax)
+    nvfp4_bytes = world_size * (q.rowwise_data.numel() + q.rowwise_scale.numel())
+    bf16_bytes = world_size * local.numel() * 2
+    amax_scratch = amax.clone()
+
+    bf16_ms = median_ms(lambda: all_gather_bf16(local))
+    amax_ms = median_ms(lambda: all_reduce_amax([amax_scratch]))
+    gather_ms = median_ms(lambda: all_gather_nvfp4(q))
+    packed_ms = median_ms(lambda: all_gather_nvfp4(q, packed=True))
+    nvfp4_ms = median_ms(lambda: (all_reduce_amax([amax_scratch]), all_gather_nvfp4(q)))
+
+    def bus_gbps(nbytes, ms):
+        return (world_size - 1) / world_size * nbytes / (ms * 1e-3) / 1e9
+
+    return dict(size_mb=size_mb, rows=rows, hidden=hidden, bf16_ms=bf16_ms, bf16_bus_gbps=bus_gbps(bf16_bytes, bf16_ms),
+                amax_allreduce_ms=amax_ms, nvfp4_gather_only_ms=gather_ms, nvfp4_packed_gather_only_ms=packed_ms,
+                nvfp4_ms=nvfp4_ms, nvfp4_bus_gbps=bus_gbps(nvfp4_bytes, nvfp4_ms), nvfp4_bytes=nvfp4_bytes,
+                bf16_bytes=bf16_bytes, ratio=bf16_ms / nvfp4_ms, ratio_gather_only=bf16_ms / gather_ms,
+                target=TARGETS.get(size_mb))
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256, 512])
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--out", default=None, help="default benchmarks/results/allgather_tp<W>.json")
+    args = parser.parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = [bench_size(size, args.hidden, world_size, rank) for size in args.sizes_mb]
+    if rank == 0:
+        header = (f"{'MB':>4} | {'BF16 ms':>8} {'bus GB/s':>8} | {'amax ms':>7} {'gather':>7} {'packed':>7} "
+                  f"{'NVFP4 ms':>8} {'bus GB/s':>8} | {'ratio':>6} {'target':>6}")
+        print(f"all-gather over {world_size} x {torch.cuda.get_device_name()}")
+        print(header)
+        print("-" * len(header))
+        for r in rows:
+            target = f"{r['target']:.1f}x" if r["target"] else "-"
+            print(f"{r['size_mb']:>4} | {r['bf16_ms']:>8.3f} {r['bf16_bus_gbps']:>8.1f} | {r['amax_allreduce_ms']:>7.3f} "
+                  f"{r['nvfp4_gather_only_ms']:>7.3f} {r['nvfp4_packed_gather_only_ms']:>7.3f} {r['nvfp4_ms']:>8.3f} "
+                  f"{r['nvfp4_bus_gbps']:>8.1f} | {r['ratio']:>5.2f}x {target:>6}")
+        out = pathlib.Path(args.out or f"benchmarks/results/allgather_tp{world_size}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(benchmark="allgather", world_size=world_size, gpu=torch.cuda.get_device_name(),
+                                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                       commit=git_commit(), torch=torch.__version__, results=rows), indent=1))
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

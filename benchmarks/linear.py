@@ -1,0 +1,128 @@
+"""nvfp4_dist.Linear vs torch.nn.Linear in BF16 on one GPU: forward+backward time and saved memory.
+
+For each (tokens, in, out): the median time of one forward+backward of each layer (weights cached, as
+in every micro-batch after the first of an optimizer step), its breakdown into NVFP4 quantization (input
+and output gradient, both copies), the three GEMMs (on pre-quantized operands) and the rest, the weight
+quantization done once per optimizer step, and the bytes each layer saves for backward.
+
+    python benchmarks/linear.py [--shapes 16384,8192,8192 16384,8192,28672] [--out benchmarks/results/linear.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+
+import torch
+
+import nvfp4_dist as nv
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.linear import Linear, quantize_operand
+
+DEFAULT_SHAPES = ["16384,8192,8192", "16384,8192,28672"]
+
+
+def median_ms(fn, warmup: int = 3, iterations: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def saved_bytes(module, x) -> int:
+    """Bytes autograd keeps for backward beyond the parameters and the cached quantized weight."""
+    excluded = {p.data_ptr() for p in module.parameters()}
+    cache = getattr(module, "weight_cache", None)
+    if cache is not None and cache.quantized is not None:
+        excluded |= {t.data_ptr() for t in cache.quantized.tensors() if t is not None}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in excluded and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return total
+
+
+def bench_shape(tokens: int, in_features: int, out_features: int, recipe: nv.NVFP4Recipe) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
+    baseline = torch.nn.Linear(in_features, out_features, device="cuda", dtype=torch.bfloat16)
+    layer = Linear(in_features, out_features, device="cuda", dtype=torch.bfloat16, recipe=recipe)
+    layer.load_state_dict(baseline.state_dict())
+
+    def step(module):
+        module(x).backward(dy)
+        x.grad = None
+        module.weight.grad = module.bias.grad = None
+
+    bf16_ms = median_ms(lambda: step(baseline))
+    nvfp4_ms = median_ms(lambda: step(layer))
+
+    xq = quantize_operand(x.detach(), "activation", recipe)
+    dyq = quantize_operand(dy, "gradient", recipe, sr_seed=1)
+    wq = layer.weight_cache.get(layer.weight, recipe)
+    quantize_ms = median_ms(lambda: (quantize_operand(x.detach(), "activation", recipe),
+                                     quantize_operand(dy, "gradient", recipe, sr_seed=1)))
+    weight_quantize_ms = median_ms(lambda: nv.quantize(layer.weight.detach(), "weight", recipe=recipe))
+    gemm_ms = median_ms(lambda: (
+        gemm(xq, wq, bias=layer.bias, recipe=recipe),
+        gemm(dyq, wq, b_copy="columnwise", recipe=recipe),
+        gemm(dyq, xq, a_copy="columnwise", b_copy="columnwise", recipe=recipe)))
+    bf16_saved, nvfp4_saved = saved_bytes(baseline, x), saved_bytes(layer, x)
+    return dict(tokens=tokens, in_features=in_features, out_features=out_features,
+                bf16_ms=bf16_ms, nvfp4_ms=nvfp4_ms, speedup=bf16_ms / nvfp4_ms,
+                nvfp4_quantize_ms=quantize_ms, nvfp4_gemm_ms=gemm_ms,
+                nvfp4_other_ms=nvfp4_ms - quantize_ms - gemm_ms, weight_quantize_once_per_step_ms=weight_quantize_ms,
+                bf16_saved_bytes=bf16_saved, nvfp4_saved_bytes=nvfp4_saved,
+                saved_ratio=nvfp4_saved / bf16_saved, saved_bytes_reduction=bf16_saved - nvfp4_saved)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="tokens,in,out triples")
+    parser.add_argument("--out", default="benchmarks/results/linear.json")
+    args = parser.parse_args()
+    recipe = nv.NVFP4Recipe.from_env()
+    rows = [bench_shape(*map(int, shape.split(",")), recipe) for shape in args.shapes]
+    header = (f"{'tokens':>6} {'in':>6} {'out':>6} | {'BF16 ms':>8} {'NVFP4 ms':>8} {'speedup':>7} | "
+              f"{'quant':>6} {'GEMM':>6} {'other':>6} {'Wquant':>6} | {'saved BF16':>10} {'NVFP4':>10} {'ratio':>5}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['in_features']:>6} {r['out_features']:>6} | {r['bf16_ms']:>8.2f} "
+              f"{r['nvfp4_ms']:>8.2f} {r['speedup']:>6.2f}x | {r['nvfp4_quantize_ms']:>6.2f} "
+              f"{r['nvfp4_gemm_ms']:>6.2f} {r['nvfp4_other_ms']:>6.2f} {r['weight_quantize_once_per_step_ms']:>6.2f} | "
+              f"{r['bf16_saved_bytes'] / 2**20:>8.0f}MB {r['nvfp4_saved_bytes'] / 2**20:>8.0f}MB {r['saved_ratio']:>5.3f}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(benchmark="linear", gpu=torch.cuda.get_device_name(),
+                                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),
+                                   torch=torch.__version__, recipe=repr(recipe), results=rows), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
