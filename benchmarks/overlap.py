@@ -257,7 +257,7 @@ def profile_step(step, trace_path: str, warmup: int) -> None:
         step()
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         step()
         torch.cuda.synchronize()
     if dist.get_rank() == 0:
