@@ -1,0 +1,153 @@
+"""Effective bandwidth of the NVFP4 quantization kernels against a device-to-device copy (same run).
+
+Bytes counted are those that must move: the input read once, every output written once. Each
+kernel's GB/s is compared with torch's copy of a BF16 tensor of the same element count (bytes
+read + written). "cast" times the cast kernel alone (amax given, as after an amax all-reduce);
+"amax+cast" adds the amax pass before it.
+
+    python benchmarks/quantize.py [--sizes 4096 8192 16384] [--out benchmarks/results/quantize.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+
+import torch
+
+from nvfp4_dist import kernels
+from nvfp4_dist._extension import load_extension
+
+BLOCK = 16
+
+
+def time_ms(fn, repeats: int = 20, batches: int = 5) -> float:
+    """Median over batches of the mean time of `repeats` back-to-back calls, by CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(batches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / repeats)
+    return sorted(samples)[len(samples) // 2]
+
+
+def quantized_bytes(rows: int, cols: int, copies: int) -> int:
+    """Packed codes plus E4M3 scales of `copies` copies."""
+    return copies * (rows * cols // 2 + rows * cols // BLOCK)
+
+
+def run_size(size: int) -> list[dict]:
+    extension = load_extension()
+    stream = torch.cuda.current_stream().cuda_stream
+    rows = cols = size
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    x32 = torch.randn(rows, cols, device="cuda", dtype=torch.float32) if size <= 8192 else None
+    copy_target = torch.empty_like(x)
+    copy_ms = time_ms(lambda: copy_target.copy_(x))
+    copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
+
+    amax = kernels.compute_amaxes(x)[0]
+    _, amax_rht = kernels.compute_amaxes(x, rht=True)
+    row_amax = kernels.compute_amaxes(x, columnwise=False, row_scaled=True)[0]
+    row_data = torch.empty(rows, cols // 2, dtype=torch.uint8, device="cuda")
+    row_scale = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device="cuda")
+    col_data = torch.empty(cols, rows // 2, dtype=torch.uint8, device="cuda")
+    col_scale = torch.empty(cols, rows // BLOCK, dtype=torch.uint8, device="cuda")
+    scratch = torch.empty(1, dtype=torch.float32, device="cuda")
+    scratch2 = torch.empty(1, dtype=torch.float32, device="cuda")
+
+    def cast(inp, *, rowwise=True, columnwise=True, block_2d=False, rht=False, sr=False, row_scaled=False,
+             amax_col=None):
+        a_row = row_amax if row_scaled else amax
+        a_col = amax_col if amax_col is not None else amax
+        return lambda: extension.quantize(
+            inp, a_row if rowwise else None, a_col if columnwise else None, row_data if rowwise else None,
+            row_scale if rowwise else None, col_data if columnwise else None, col_scale if columnwise else None,
+            row_scaled, block_2d, rht, True, sr, 12345, 0, stream)
+
+    def amax_pass(inp):
+        return lambda: extension.amax_tensor(inp, scratch, stream)
+
+    def rht_amax_pass(inp):
+        return lambda: extension.amax_rht(inp, True, scratch2, scratch, stream)
+
+    def chain(*fns):
+        def run():
+            for fn in fns:
+                fn()
+        return run
+
+    q = kernels.quantize_tensor(x)
+    dequant_out = torch.empty_like(x)
+    both, one = quantized_bytes(rows, cols, 2), quantized_bytes(rows, cols, 1)
+    in_bytes = x.numel() * x.element_size()
+    cases = [
+        ("amax (per tensor)", amax_pass(x), in_bytes),
+        ("amax (RHT columnwise + plain)", rht_amax_pass(x), in_bytes),
+        ("1D cast rowwise+columnwise", cast(x), in_bytes + both),
+        ("1D amax+cast rowwise+columnwise", chain(amax_pass(x), cast(x)), in_bytes + both),
+        ("1D cast rowwise only", cast(x, columnwise=False), in_bytes + one),
+        ("1D cast columnwise only", cast(x, rowwise=False), in_bytes + one),
+        ("1D cast row-scaled rowwise", cast(x, columnwise=False, row_scaled=True), in_bytes + one),
+        ("2D cast (16x16) both copies", cast(x, block_2d=True), in_bytes + both),
+        ("1D SR cast rowwise+columnwise", cast(x, sr=True), in_bytes + both),
+        ("RHT cast (rowwise + RHT columnwise)", cast(x, rht=True, amax_col=amax_rht), in_bytes + both),
+        ("RHT amax+cast", chain(rht_amax_pass(x), cast(x, rht=True, amax_col=amax_rht)), in_bytes + both),
+        ("RHT SR cast", cast(x, rht=True, sr=True, amax_col=amax_rht), in_bytes + both),
+        ("dequantize rowwise -> bf16", lambda: extension.dequantize_rowwise(
+            q.rowwise_data, q.rowwise_scale.view(torch.uint8), q.amax_rowwise, False, dequant_out, stream),
+         one + in_bytes),
+    ]
+    if x32 is not None:
+        cases.append(("1D cast rowwise+columnwise, FP32 input", cast(x32), x32.numel() * 4 + both))
+    results = [dict(kernel="copy (bf16, read+write)", size=size, ms=copy_ms, gbps=copy_gbps, fraction_of_copy=1.0)]
+    for name, fn, nbytes in cases:
+        ms = time_ms(fn)
+        gbps = nbytes / ms / 1e6
+        results.append(dict(kernel=name, size=size, ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps))
+    return results
+
+
+def git_commit() -> str:
+    if os.environ.get("NVFP4_COMMIT"):
+        return os.environ["NVFP4_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--out", default="benchmarks/results/quantize.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
+    results = []
+    for size in args.sizes:
+        results += run_size(size)
+        torch.cuda.empty_cache()
+    print(f"{'kernel':42s} {'size':>6s} {'ms':>9s} {'GB/s':>8s} {'of copy':>8s}")
+    for r in results:
+        print(f"{r['kernel']:42s} {r['size']:6d} {r['ms']:9.4f} {r['gbps']:8.0f} {r['fraction_of_copy']:8.1%}")
+    report = dict(benchmark="quantize", gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
+                  commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda, results=results)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""CPU-side checks of the CUDA kernel layer: no GPU needed.
+
+- nvfp4_dist.kernels imports without CUDA and mirrors the reference's signatures;
+- the extension loader fails with a RuntimeError that says how to build;
+- the kernels' element numerics (csrc/nvfp4_numerics.cuh, host-compiled with nvcc) equal the
+  reference byte for byte: block scales, RNE and stochastic codes, Philox bits, the RHT sums;
+- csrc/compile_check.sh compiles every kernel for sm_90a and sm_100a.
+"""
+import ctypes
+import inspect
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from nvfp4_dist import _extension, kernels, reference
+from nvfp4_dist.formats import pack_fp4
+from nvfp4_dist.reference.philox import philox4x32
+
+CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
+
+# Host entry points over csrc/nvfp4_numerics.cuh, composed exactly as csrc/quantize.cu composes them.
+HARNESS = r"""
+#include "nvfp4_numerics.cuh"
+using namespace nvfp4;
+extern "C" {
+// Rows of 16-element blocks along the last dim; amax per tensor (amax_count 1) or per row.
+void quantize_rows(const float* x, long rows, long cols, const float* amax, long amax_count, int stochastic,
+                   unsigned long long seed, long row_offset, long col_offset, unsigned stream,
+                   unsigned char* codes, unsigned char* scales) {
+  for (long r = 0; r < rows; ++r) {
+    const float s_enc = encode_scale(amax[amax_count == 1 ? 0 : r]);
+    const float s_dec = decode_scale(s_enc);
+    for (long b = 0; b < cols / kBlockSize; ++b) {
+      const float* v = x + r * cols + b * kBlockSize;
+      float block_amax = 0.0f;
+      for (int i = 0; i < kBlockSize; ++i) block_amax = fmaxf(block_amax, fabsf(v[i]));
+      const unsigned char scale = block_scale_e4m3(block_amax, s_enc);
+      const float encode = block_encode_factor(scale, s_dec);
+      scales[r * (cols / kBlockSize) + b] = scale;
+      for (int i = 0; i < kBlockSize; ++i) {
+        const float scaled = clamp_fp4(v[i] * encode);
+        const long column = col_offset + b * kBlockSize + i;
+        const PhiloxWords words = stochastic_rounding_words(row_offset + r, column >> 3, stream, seed);
+        codes[r * cols + b * kBlockSize + i] = static_cast<unsigned char>(
+            stochastic ? fp4_code_stochastic(scaled, bits_of_column(words, column & 7)) : fp4_code_rne(scaled));
+      }
+    }
+  }
+}
+void philox(const unsigned* counters, long n, unsigned k0, unsigned k1, unsigned* out) {
+  for (long i = 0; i < n; ++i) {
+    const PhiloxWords w = philox4x32_10(counters[4 * i], counters[4 * i + 1], counters[4 * i + 2], counters[4 * i + 3], k0, k1);
+    for (int j = 0; j < 4; ++j) out[4 * i + j] = w.w[j];
+  }
+}
+void rht(const float* chunks, long n, int random_sign, int inverse, float* out) {
+  for (long c = 0; c < n; ++c) {
+    float in[kBlockSize], result[kBlockSize];
+    for (int i = 0; i < kBlockSize; ++i) in[i] = chunks[c * kBlockSize + i];
+    if (inverse) { if (random_sign) inverse_rht_chunk<true>(in, result); else inverse_rht_chunk<false>(in, result); }
+    else { if (random_sign) rht_chunk<true>(in, result); else rht_chunk<false>(in, result); }
+    for (int i = 0; i < kBlockSize; ++i) out[c * kBlockSize + i] = result[i];
+  }
+}
+void dequantize_codes(const unsigned char* codes, const unsigned char* scales, long rows, long cols, const float* amax,
+                      float* out) {
+  const float s_dec = decode_scale(encode_scale(amax[0]));
+  for (long r = 0; r < rows; ++r)
+    for (long c = 0; c < cols; ++c)
+      out[r * cols + c] = (fp4_value(codes[r * cols + c]) * e4m3_to_float(scales[r * (cols / kBlockSize) + c / kBlockSize])) * s_dec;
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def numerics(tmp_path_factory):
+    """The harness compiled by nvcc for the host, loaded through ctypes."""
+    directory = tmp_path_factory.mktemp("numerics")
+    source = directory / "harness.cu"
+    source.write_text(HARNESS)
+    library = directory / "libharness.so"
+    subprocess.run(["nvcc", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", f"-I{CSRC}",
+                    str(source), "-o", str(library)], check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(library))
+
+
+def pointer(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.c_void_p)
+
+
+def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset=(0, 0), stream=0):
+    x_np = np.ascontiguousarray(x.to(torch.float32).numpy())
+    rows, cols = x_np.shape
+    amax_np = np.ascontiguousarray(amax.numpy().astype(np.float32))
+    codes = np.zeros((rows, cols), dtype=np.uint8)
+    scales = np.zeros((rows, cols // 16), dtype=np.uint8)
+    lib.quantize_rows(pointer(x_np), ctypes.c_long(rows), ctypes.c_long(cols), pointer(amax_np),
+                      ctypes.c_long(amax_np.size), ctypes.c_int(sr_seed is not None), ctypes.c_ulonglong(sr_seed or 0),
+                      ctypes.c_long(offset[0]), ctypes.c_long(offset[1]), ctypes.c_uint(stream),
+                      pointer(codes), pointer(scales))
+    return pack_fp4(torch.from_numpy(codes)), torch.from_numpy(scales)
+
+
+def test_kernels_mirror_reference_signatures():
+    for name in ("compute_amaxes", "quantize_tensor", "dequantize_tensor", "swap_first_dims", "swizzle_scales"):
+        ours, theirs = inspect.signature(getattr(kernels, name)), inspect.signature(getattr(reference, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+        assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()], name
+
+
+def test_kernels_reject_cpu_tensors_with_value_error():
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        kernels.quantize_tensor(torch.randn(32, 32))
+
+
+def test_extension_failure_says_how_to_build(monkeypatch):
+    monkeypatch.setattr(_extension, "_module", None)
+    if torch.version.cuda is None:
+        with pytest.raises(RuntimeError, match="python -m nvfp4_dist.build"):
+            _extension.load_extension()
+    import torch.utils.cpp_extension as cpp_extension
+
+    def broken_load(**_):
+        raise OSError("ninja: not found")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    monkeypatch.setattr(_extension, "arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])
+    monkeypatch.setattr(_extension, "build_directory", lambda: pathlib.Path("/tmp"))
+    with pytest.raises(RuntimeError, match=r"ninja: not found.*python -m nvfp4_dist.build"):
+        _extension.load_extension()
+
+
+def test_sources_are_every_cu_file_plus_bindings():
+    sources = [pathlib.Path(s).name for s in _extension.source_files()]
+    assert "bindings.cpp" in sources and "quantize.cu" in sources and "amax.cu" in sources
+    assert "-fmad=false" in _extension.NVCC_FLAGS and not any("fast-math" in f for f in _extension.NVCC_FLAGS)
+
+
+def wide_range(rows, cols, seed, low=-20, high=20):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=generator)
+    return x * torch.exp2(torch.randint(low, high, (rows, cols // 16, 1), generator=generator).float()).repeat_interleave(16, 1).reshape(rows, cols)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("row_scaled", [False, True])
+def test_block_numerics_match_reference(numerics, row_scaled):
+    x = wide_range(256, 512, seed=1)
+    x[3] = 0.0
+    x[4, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.1, 6.0, -6.0, 1e-30, -1e-30, 3.0, 4.0, 0.5])
+    amax = reference.compute_row_amax(x) if row_scaled else reference.compute_amax(x)
+    data, scale = reference.quantize_blocks(x, amax)
+    host_data, host_scale = host_quantize(numerics, x, amax)
+    assert torch.equal(host_scale, scale.view(torch.uint8))
+    assert torch.equal(host_data, data)
+
+
+@needs_nvcc
+def test_bin_edges_and_extremes_match_reference(numerics):
+    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
+    x = edges.repeat(64, 4)
+    amax = torch.tensor([2688.0])
+    for candidate in (amax, torch.tensor([0.0]), torch.tensor([float("inf")]), torch.tensor([3.4e38]), torch.tensor([1e-30])):
+        data, scale = reference.quantize_blocks(x, candidate)
+        host_data, host_scale = host_quantize(numerics, x, candidate)
+        assert torch.equal(host_scale, scale.view(torch.uint8)), candidate
+        assert torch.equal(host_data, data), candidate
+
+
+@needs_nvcc
+@pytest.mark.parametrize("offset", [(0, 0), (48, 13), (7, 8)])
+def test_stochastic_rounding_matches_reference(numerics, offset):
+    x = wide_range(64, 256, seed=2, low=-3, high=3)
+    amax = reference.compute_amax(x)
+    seed = 0xDEADBEEF_12345678
+    data, scale = reference.quantize_blocks(x, amax, sr_seed=seed, sr_offset=offset, sr_stream=1)
+    host_data, host_scale = host_quantize(numerics, x, amax, sr_seed=seed, offset=offset, stream=1)
+    assert torch.equal(host_scale, scale.view(torch.uint8))
+    assert torch.equal(host_data, data)
+
+
+@needs_nvcc
+def test_philox_matches_reference(numerics):
+    generator = torch.Generator().manual_seed(3)
+    counters = torch.randint(0, 2 ** 32, (1000, 4), generator=generator, dtype=torch.int64)
+    key = (0x89ABCDEF, 0x01234567)
+    want = torch.stack(philox4x32(tuple(counters.t()), key), dim=1)
+    counters_np = np.ascontiguousarray(counters.numpy().astype(np.uint32))
+    out = np.zeros((1000, 4), dtype=np.uint32)
+    numerics.philox(pointer(counters_np), ctypes.c_long(1000), ctypes.c_uint(key[0]), ctypes.c_uint(key[1]), pointer(out))
+    assert torch.equal(torch.from_numpy(out.astype(np.int64)), want)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("random_sign", [True, False])
+def test_rht_sums_match_torch_cpu_matmul(numerics, random_sign):
+    """FP32 sums in index order equal torch's CPU matmul bit for bit, also where they round."""
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.randn(20000, 16, generator=generator)
+         * torch.exp2(torch.randint(-30, 30, (20000, 16), generator=generator).float())).to(torch.bfloat16)
+    chunks = np.ascontiguousarray(x.float().numpy())
+    h = reference.rht_matrix(random_sign)
+    for inverse, want in ((0, torch.matmul(x.float(), h)), (1, torch.matmul(x.float(), h.t()))):
+        out = np.zeros_like(chunks)
+        numerics.rht(pointer(chunks), ctypes.c_long(chunks.shape[0]), ctypes.c_int(random_sign), ctypes.c_int(inverse),
+                     pointer(out))
+        assert torch.equal(torch.from_numpy(out).view(torch.int32), want.view(torch.int32)), f"inverse={inverse}"
+
+
+@needs_nvcc
+def test_dequantize_numerics_match_reference(numerics):
+    x = wide_range(64, 128, seed=5, low=-4, high=4)
+    amax = reference.compute_amax(x)
+    data, scale = reference.quantize_blocks(x, amax)
+    codes = np.ascontiguousarray(torch.stack([data & 0xF, data >> 4], -1).flatten(-2).numpy())
+    scales = np.ascontiguousarray(scale.view(torch.uint8).numpy())
+    amax_np = amax.numpy().astype(np.float32)
+    out = np.zeros((64, 128), dtype=np.float32)
+    numerics.dequantize_codes(pointer(codes), pointer(scales), ctypes.c_long(64), ctypes.c_long(128), pointer(amax_np),
+                              pointer(out))
+    want = reference.dequantize_blocks(data, scale, amax)
+    assert torch.equal(torch.from_numpy(out).view(torch.int32), want.view(torch.int32))
+
+
+@needs_nvcc
+def test_compile_check_passes():
+    """Every csrc/*.cu compiles for sm_90a and sm_100a, and bindings.cpp against torch's headers."""
+    result = subprocess.run(["bash", str(CSRC / "compile_check.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -1,0 +1,289 @@
+"""The CUDA quantization kernels (nvfp4_dist.kernels) against the reference, byte for byte (SPEC 11).
+
+Codes, unpadded scales and amax must be identical. The reference runs on the GPU (the same torch
+ops, correctly rounded, give the same bits as on the CPU; test_gpu_reference_equals_cpu_reference
+checks that), except the RHT, whose FP32 matmul runs on the CPU: its summation order is the SPEC's.
+"""
+import pytest
+import torch
+
+import nvfp4_dist as nv
+from nvfp4_dist import kernels, reference
+from nvfp4_dist.formats import FP4_MAGNITUDES, fp4_to_float
+from nvfp4_dist.reference.copies import COLUMNWISE_STREAM, ROWWISE_STREAM
+from nvfp4_dist.reference.quantize import compute_amax, decode_scale, quantize_blocks
+
+SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 4096), (4096, 4096), (8192, 8192)]
+RHT_SHAPES = SHAPES + [(8192, 11328), (16384, 4096)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CONFIGS = {
+    "1d": dict(),
+    "rowwise_only": dict(columnwise=False),
+    "columnwise_only": dict(rowwise=False),
+    "2d": dict(block_2d=True),
+    "row_scaled": dict(columnwise=False, row_scaled=True),
+    "sr": dict(sr_seed=0x1234_5678_9ABC_DEF0, sr_row_offset=48),
+    "sr_unaligned_offset": dict(sr_seed=987654321, sr_row_offset=13),
+}
+
+
+@pytest.fixture(autouse=True)
+def _gpu(cuda_device):
+    """Every test here needs the GPU; outputs land in memory dirtied beforehand (unwritten bytes show)."""
+    garbage = torch.full((64 << 20,), 0x77, dtype=torch.uint8, device=cuda_device)
+    del garbage
+    yield
+
+
+def random_input(shape, dtype, seed, device="cuda"):
+    """Normal values with per-16-block magnitudes spread over many octaves, and a few outliers."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows, cols = shape
+    x = torch.randn(rows, cols, generator=generator, device=device)
+    octaves = torch.randint(-6, 7, (rows, cols // 16, 1), generator=generator, device=device).float()
+    x = (x.reshape(rows, cols // 16, 16) * torch.exp2(octaves)).reshape(rows, cols)
+    return x.to(dtype)
+
+
+def assert_same(q, r, copies=("rowwise", "columnwise")):
+    """Identical codes, scales and amax for each copy present in the reference r."""
+    for copy in copies:
+        data, ref_data = getattr(q, f"{copy}_data"), getattr(r, f"{copy}_data")
+        if ref_data is None:
+            assert data is None, f"{copy}: kernel wrote a copy the reference has not"
+            continue
+        ref_data = ref_data.to(data.device)
+        mismatches = (data != ref_data).sum().item()
+        assert mismatches == 0, f"{copy} data: {mismatches} of {data.numel()} bytes differ"
+        scale = getattr(q, f"{copy}_scale").view(torch.uint8)
+        ref_scale = getattr(r, f"{copy}_scale").to(scale.device).view(torch.uint8)
+        assert torch.equal(scale, ref_scale), f"{copy} scale: {(scale != ref_scale).sum().item()} differ"
+        amax = getattr(q, f"amax_{copy}")
+        ref_amax = getattr(r, f"amax_{copy}").to(amax.device)
+        assert torch.equal(amax.view(torch.int32), ref_amax.view(torch.int32)), f"amax_{copy}: {amax} vs {ref_amax}"
+
+
+def rht_reference(x, *, rowwise=True, columnwise=True, rht_random_sign=True, sr_seed=None, sr_row_offset=0):
+    """reference.quantize_tensor with RHT, its transform computed on the CPU, the rest on the GPU."""
+    x2d = x.reshape(-1, x.shape[-1])
+    source = reference.rht_transpose(x2d.cpu(), rht_random_sign).to(x.device)
+    r = nv.NVFP4Tensor(shape=x.shape, dtype=x.dtype, rht=columnwise, rht_random_sign=rht_random_sign)
+    if rowwise:
+        r.amax_rowwise = compute_amax(x2d)
+        r.rowwise_data, r.rowwise_scale = quantize_blocks(x2d, r.amax_rowwise, sr_seed=sr_seed,
+                                                          sr_offset=(sr_row_offset, 0), sr_stream=ROWWISE_STREAM)
+    if columnwise:
+        r.amax_columnwise = compute_amax(source)
+        r.columnwise_data, r.columnwise_scale = quantize_blocks(source, r.amax_columnwise, sr_seed=sr_seed,
+                                                                sr_offset=(0, sr_row_offset),
+                                                                sr_stream=COLUMNWISE_STREAM)
+    return r
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quantize_matches_reference(shape, dtype, config):
+    x = random_input(shape, dtype, seed=shape[0] * 7 + shape[1] + list(CONFIGS).index(config))
+    options = CONFIGS[config]
+    q = kernels.quantize_tensor(x, **options)
+    r = reference.quantize_tensor(x, **options)
+    assert_same(q, r)
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rn", "sr"])
+@pytest.mark.parametrize("shape", RHT_SHAPES, ids=str)
+def test_rht_cast_matches_reference(shape, sr):
+    x = random_input(shape, torch.bfloat16, seed=shape[0] + shape[1])
+    options = dict(sr_seed=2024 + shape[0], sr_row_offset=32) if sr else {}
+    q = kernels.quantize_tensor(x, rht=True, **options)
+    assert_same(q, rht_reference(x, **options))
+
+
+@pytest.mark.parametrize("random_sign", [True, False])
+def test_rht_wide_dynamic_range_matches_cpu_reference(random_sign):
+    """Chunks whose exact sums do not fit FP32: the summation order decides, and must be the CPU matmul's."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(4096, 4096, generator=generator) * torch.exp2(torch.randint(-24, 24, (4096, 4096), generator=generator).float())
+    x = x.to(torch.bfloat16)
+    q = kernels.quantize_tensor(x.cuda(), rht=True, rht_random_sign=random_sign)
+    r = reference.quantize_tensor(x, rht=True, rht_random_sign=random_sign)
+    assert_same(q, r)
+
+
+def test_gpu_reference_equals_cpu_reference():
+    """The premise of running the reference on the GPU above."""
+    x = random_input((1024, 4096), torch.bfloat16, seed=3)
+    for options in (dict(), dict(block_2d=True), dict(sr_seed=11, sr_row_offset=5)):
+        assert_same(reference.quantize_tensor(x, **options), reference.quantize_tensor(x.cpu(), **options))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rht", [False, True], ids=["plain", "rht"])
+def test_compute_amaxes(dtype, rht):
+    if rht and dtype != torch.bfloat16:
+        pytest.skip("the RHT takes BF16 input only")
+    x = random_input((4096, 4096), dtype, seed=5)
+    x_for_reference = x.cpu() if rht else x
+    for row_scaled in (False, True):
+        got = kernels.compute_amaxes(x, rht=rht, row_scaled=row_scaled)
+        want = reference.compute_amaxes(x_for_reference, rht=rht, row_scaled=row_scaled)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu().view(torch.int32), w.cpu().view(torch.int32))
+
+
+def special_inputs(dtype):
+    """All-zero, largest finite, subnormal and FP4/E4M3 bin-edge inputs of `dtype`, [256, 256]."""
+    info = torch.finfo(dtype)
+    rows = cols = 256
+    zeros = torch.zeros(rows, cols, dtype=dtype)
+    largest = torch.full((rows, cols), info.max, dtype=dtype)
+    largest[::3] = -info.max
+    largest[1::7, ::5] = 1.0
+    subnormal = (torch.randint(-8, 9, (rows, cols)).float() * info.smallest_normal / 16).to(dtype)
+    # Global amax 2688 gives S_enc = 1; a block holding 6 then has s_b = 1 and e_b = 1, so each value
+    # is its own scaled value: put every FP4 midpoint, its neighbours and -0.0 there.
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0], dtype=torch.float32)
+    edges = torch.cat([midpoints, -midpoints, torch.tensor(FP4_MAGNITUDES), -torch.tensor(FP4_MAGNITUDES)])
+    bin_edges = edges.repeat(rows * cols // edges.numel()).reshape(rows, cols)
+    bin_edges[:, 0::16] = 6.0
+    bin_edges[:, 8::32] = -0.0
+    bin_edges[0, 1] = 2688.0
+    bin_edges[5, 17::16] = 0.1  # blocks with tiny amax: E4M3 scale underflow paths
+    return {"zeros": zeros, "largest": largest, "subnormal": subnormal, "bin_edges": bin_edges.to(dtype)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["zeros", "largest", "subnormal", "bin_edges"])
+def test_special_inputs(dtype, kind):
+    x = special_inputs(dtype)[kind].cuda()
+    for options in (dict(), dict(block_2d=True), dict(sr_seed=99), dict(row_scaled=True, columnwise=False)):
+        assert_same(kernels.quantize_tensor(x, **options), reference.quantize_tensor(x, **options))
+    if dtype == torch.bfloat16:
+        assert_same(kernels.quantize_tensor(x, rht=True), reference.quantize_tensor(x.cpu(), rht=True))
+
+
+def test_non_contiguous_and_3d_inputs():
+    base = random_input((4096, 1024), torch.bfloat16, seed=9)
+    transposed = base.t()                       # [1024, 4096], strides (1, 1024)
+    sliced = base[:, 256:768]                   # [4096, 512], row stride 1024
+    offset = base.reshape(-1)[4:4 + 1024 * 512].reshape(1024, 512)  # contiguous, not 16-byte aligned
+    three_d = random_input((2048, 512), torch.float32, seed=4).reshape(16, 128, 512)
+    for x in (transposed, sliced, offset, three_d):
+        assert_same(kernels.quantize_tensor(x), reference.quantize_tensor(x))
+    assert_same(kernels.quantize_tensor(transposed, rht=True, sr_seed=3),
+                rht_reference(transposed.contiguous(), sr_seed=3))
+
+
+def test_unsupported_inputs_raise_value_error():
+    x = torch.randn(100, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.quantize_tensor(x)  # columnwise copy needs rows % 16 == 0
+    assert_same(kernels.quantize_tensor(x, columnwise=False), reference.quantize_tensor(x, columnwise=False))
+    with pytest.raises(ValueError, match="last dim"):
+        kernels.quantize_tensor(torch.randn(64, 40, device="cuda"))
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.quantize_tensor(torch.randn(64, 64, device="cuda"), rht=True)
+    with pytest.raises(ValueError, match="rht"):
+        kernels.quantize_tensor(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16), rht=True, block_2d=True)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.quantize_tensor(torch.randn(64, 64, device="cuda", dtype=torch.float64))
+    with pytest.raises(ValueError, match="sr_seed"):
+        kernels.quantize_tensor(torch.randn(64, 64, device="cuda"), sr_seed=-1)
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.quantize_tensor(torch.randn(64, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", ["1d", "2d", "row_scaled", "rht", "rht_plain_sign"])
+def test_dequantize_matches_reference(dtype, config):
+    x = random_input((1024, 2048), torch.bfloat16 if config.startswith("rht") else dtype, seed=1)
+    options = {"1d": {}, "2d": dict(block_2d=True), "row_scaled": dict(row_scaled=True, columnwise=False),
+               "rht": dict(rht=True), "rht_plain_sign": dict(rht=True, rht_random_sign=False)}[config]
+    q = kernels.quantize_tensor(x, **options)
+    q_cpu = q.to("cpu")
+    for copy in ("rowwise", "columnwise"):
+        if getattr(q, f"{copy}_data") is None:
+            continue
+        got = kernels.dequantize_tensor(q, dtype, copy)
+        want = reference.dequantize_tensor(q_cpu, dtype, copy)   # the CPU reference: the SPEC's sum order
+        assert got.shape == x.shape
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"{copy}: {(got.cpu() != want).sum()} differ"
+
+
+@pytest.mark.parametrize("shape", [(128, 4), (300, 17), (4096, 256), (1, 1), (8192, 704)], ids=str)
+def test_swizzle_scales(shape):
+    scale = torch.randint(0, 127, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    got = kernels.swizzle_scales(scale)
+    want = reference.swizzle_scales(scale)
+    assert got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    padded = reference.unswizzle_scales(got, *reference.padded_scale_shape(*shape))
+    assert padded.view(torch.uint8)[shape[0]:].eq(0).all() and padded.view(torch.uint8)[:, shape[1]:].eq(0).all()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype,cols", [(torch.uint8, 2048), (torch.float8_e4m3fn, 256), (torch.uint8, 13),
+                                        (torch.bfloat16, 6)], ids=str)
+def test_swap_first_dims(world_size, dtype, cols):
+    gathered = torch.randint(0, 255, (world_size * 384, cols), dtype=torch.uint8, device="cuda")
+    gathered = gathered.view(dtype) if dtype.itemsize == 1 else gathered[:, : cols * 2].contiguous().view(dtype)
+    got = kernels.swap_first_dims(gathered, world_size)
+    assert torch.equal(got.view(torch.uint8), reference.swap_first_dims(gathered, world_size).view(torch.uint8))
+
+
+def test_sharded_sr_equals_full_tensor():
+    """Shards quantized with their sr_row_offset and gathered equal the full tensor quantized at once."""
+    world_size, x = 4, random_input((4096, 2048), torch.bfloat16, seed=12)
+    seed, local_rows = 31337, 4096 // 4
+    full = kernels.quantize_tensor(x, rht=True, sr_seed=seed)
+    shards = [kernels.quantize_tensor(x[r * local_rows:(r + 1) * local_rows], rht=True, sr_seed=seed,
+                                      sr_row_offset=r * local_rows, amax_rowwise=full.amax_rowwise,
+                                      amax_columnwise=full.amax_columnwise) for r in range(world_size)]
+    assert torch.equal(torch.cat([s.rowwise_data for s in shards]), full.rowwise_data)
+    gathered = torch.cat([s.columnwise_data for s in shards])
+    assert torch.equal(kernels.swap_first_dims(gathered, world_size), full.columnwise_data)
+
+
+def test_stochastic_rounding_statistics():
+    """SPEC 7 on 8192 x 8192: each code is a neighbour of the exact scaled value, the mean over
+    draws converges to it (closer than round-to-nearest), and two draws differ."""
+    x = random_input((8192, 8192), torch.bfloat16, seed=21)
+    nearest = kernels.quantize_tensor(x, columnwise=False)
+    amax = nearest.amax_rowwise
+    denominator = nearest.rowwise_scale.float() * decode_scale(amax)
+    encode = torch.div(torch.ones_like(denominator), denominator).clamp(max=torch.finfo(torch.float32).max)  # SPEC 2.4
+    exact = (x.float().reshape(8192, -1, 16) * encode[:, :, None]).clamp(-6, 6).reshape(8192, 8192)
+    mags = torch.tensor(FP4_MAGNITUDES, device="cuda")
+    lower = mags[(torch.bucketize(exact.abs(), mags, right=True) - 1).clamp(0, 7)]
+    upper = mags[torch.bucketize(exact.abs(), mags, right=True).clamp(max=7)]
+    draws, total = 32, torch.zeros_like(exact)
+    previous = None
+    for draw in range(draws):
+        q = kernels.quantize_tensor(x, columnwise=False, sr_seed=1000 + draw, amax_rowwise=amax)
+        assert torch.equal(q.rowwise_scale.view(torch.uint8), nearest.rowwise_scale.view(torch.uint8))
+        values = fp4_to_float(q.rowwise_data)
+        magnitude = values.abs()
+        assert ((magnitude == lower) | (magnitude == upper)).all(), "an SR code is not a neighbour of its value"
+        if previous is not None:
+            assert not torch.equal(previous, q.rowwise_data), "two SR draws are identical"
+        previous = q.rowwise_data
+        total += values
+    mean_error = (total / draws - exact).abs().mean().item()
+    nearest_error = (fp4_to_float(nearest.rowwise_data) - exact).abs().mean().item()
+    assert mean_error < nearest_error / 2, (mean_error, nearest_error)
+    # Unbiased: the signed mean error over all elements is far below the per-element spread.
+    assert abs((total / draws - exact).mean().item()) < 1e-3
+
+
+def test_ops_dispatch_to_kernels():
+    """nvfp4_dist.quantize on a CUDA tensor runs the kernels and equals the reference."""
+    x = random_input((512, 1024), torch.bfloat16, seed=8)
+    recipe = nv.NVFP4Recipe()
+    for role in ("activation", "weight", "gradient"):
+        q = nv.quantize(x, role, recipe=recipe, sr_seed=5)
+        options = nv.ops.quantize_options(role, recipe)
+        sr = options.pop("stochastic_rounding")
+        r = (rht_reference(x, sr_seed=5 if sr else None, rht_random_sign=options["rht_random_sign"]) if options["rht"]
+             else reference.quantize_tensor(x, sr_seed=5 if sr else None, **options))
+        assert_same(q, r)
