@@ -135,6 +135,7 @@ def fastest(results: dict, names) -> str:
 
 
 def git_commit() -> str:
+    """HEAD of the checkout ("unknown" where the copy has no git metadata, e.g. the lent GPU machine)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
