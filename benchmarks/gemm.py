@@ -90,7 +90,7 @@ def measure_shape(m: int, n: int, k: int, fused_config, rows_per_chunk, device) 
     b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
     bf16_ms = time_ms(lambda: torch.matmul(a_bf16, b_bf16.t()))
     expected = torch.matmul(a_bf16, b_bf16.t()).float() * decode_scale(a[2]) * decode_scale(b[2])
-    del a_bf16, b_bf16
+    a_bf16 = b_bf16 = None  # free before the NVFP4 paths run
     row = dict(m=m, n=n, k=k, bf16_matmul_ms=bf16_ms, bf16_matmul_tflops=tflops(m, n, k, bf16_ms))
     output_bytes = m * n * 2
     for name, fn in (("fused", run_fused(a, b, fused_config)), ("dequantize_matmul", run_dequantize(a, b, rows_per_chunk))):
@@ -116,7 +116,7 @@ def sweep(m: int, n: int, k: int, device) -> dict:
              "epilogue": lambda: gemm_hopper.apply_epilogue(acc, a[2], b[2], None, out, False)}
     results = {"parts_ms": {name: time_ms(fn) for name, fn in parts.items()}, "candidates": {}}
     print(results["parts_ms"], flush=True)
-    del a_bf16, b_bf16, acc, out
+    a_bf16 = b_bf16 = acc = out = None  # free before the candidates run
     candidates = {name: run_fused(a, b, config) for name, config in FUSED_CANDIDATES.items()}
     candidates.update({name: run_dequantize(a, b, chunk) for name, chunk in DEQUANTIZE_CANDIDATES.items()})
     for name, fn in candidates.items():
