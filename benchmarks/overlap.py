@@ -16,7 +16,7 @@ It prints a table and writes JSON (--out, default benchmarks/results/overlap_<gp
 picture of one plain and one overlapped forward+backward step of the first shape (rank 0's CUDA kernels from
 torch.profiler, lanes: NCCL comm, GEMM, other) and the chrome traces, into --out-dir.
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/overlap.py
+    torchrun --standalone --nproc-per-node 4 benchmarks/overlap.py   # NVFP4_HOPPER_GEMM=fused|dequantize: GEMM path
     python benchmarks/overlap.py --render-trace TRACE.json [TRACE2.json] --png out.png   # re-draw a timeline
 """
 from __future__ import annotations
@@ -286,8 +286,8 @@ def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict
 def print_table(report: dict) -> None:
     header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'GEMMs':>7} "
               f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7}")
-    print(f"\n{report['gpu']}, TP={report['tp']}, times in ms (median, slowest rank); exposed = overlapped - no-comm; "
-          f"ovl/max = overlapped / max(no-comm, comm)")
+    print(f"\n{report['gpu']}, TP={report['tp']}, Hopper GEMM path {report['hopper_gemm']}; times in ms (median, "
+          f"slowest rank); exposed = overlapped - no-comm; ovl/max = overlapped / max(no-comm, comm)")
     print(header)
     print("-" * len(header))
     for r in report["shapes"]:
@@ -323,6 +323,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
 
     import nvfp4_dist as nv
+    from nvfp4_dist.gemm_backends import hopper_path
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -336,7 +337,7 @@ def main() -> None:
     recipe = nv.NVFP4Recipe()
     label = f"{gpu_label()}_tp{world_size}"
     report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
-                  torch=torch.__version__, tp=world_size, recipe=str(recipe), shapes=[])
+                  torch=torch.__version__, tp=world_size, recipe=str(recipe), hopper_gemm=hopper_path(), shapes=[])
     for tokens, hidden, ffn in shapes:
         report["shapes"].append(measure_shape(tokens, hidden, ffn, group, self_group, recipe, args.iters,
                                               args.warmup))

@@ -4,9 +4,9 @@ Run: `pytest -q tests_multigpu/test_overlap_gpu.py` (each test launches torchrun
 world directly: `torchrun --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py`.
 Build the CUDA kernels first (`python -m nvfp4_dist.build`): the ranks quantize with them.
 
-Expected, per GEMM path of the Hopper emulated backend:
-- fused Triton kernel (default): each output row depends only on its own row of A, so the all-gather side
-  (column fprop, row dgrad, both wgrads, bias grads) is bit-identical to the plain layers;
+Expected, per GEMM path of the Hopper emulated backend (both are run, whichever is the default):
+- fused Triton kernel (NVFP4_HOPPER_GEMM=fused): each output row depends only on its own row of A, so the
+  all-gather side (column fprop, row dgrad, both wgrads, bias grads) is bit-identical to the plain layers;
 - dequantize + cuBLAS (NVFP4_HOPPER_GEMM=dequantize): cuBLAS may pick another kernel for a chunk's row
   count, so within accumulation-order tolerance: rtol = 8e-3, atol = 8e-3 * rms(expected) (SPEC 11's GEMM
   tolerance).
