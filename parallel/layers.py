@@ -271,12 +271,18 @@ class _ParallelLinear(torch.nn.Module):
             return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
-        if recipe.overlap:
-            raise ValueError("recipe.overlap=True: the overlapped TP schedule is not part of these layers yet; "
-                             "use overlap=False")
+        if recipe.overlap and self.world_size > 1:
+            comm = self._overlapped(comm)
         weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
         return nvfp4_linear(x, self.weight, bias, recipe, weight_q=weight_q, comm=comm,
                             accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
+
+    def _overlapped(self, comm: LinearComm) -> LinearComm:
+        """The ring-pipelined twin of `comm` (recipe.overlap, SPEC 9 "Overlap"), built once."""
+        if getattr(self, "_overlapped_comm", None) is None:
+            from .overlap import overlapped_comm  # overlap.py builds on this module's comm classes
+            self._overlapped_comm = overlapped_comm(comm)
+        return self._overlapped_comm
 
     def _uses_nvfp4(self) -> bool:
         return not self.bf16_fallback and nvfp4_enabled()

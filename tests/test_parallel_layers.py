@@ -226,6 +226,51 @@ def check_options(rank, world_size, recipe=nv.NVFP4Recipe(), device="cpu"):
                                rtol=2e-2, atol=5e-2)
 
 
+def check_row_scaled_and_megatron_hooks(rank, world_size, device="cpu", recipe_backend="auto"):
+    """Row-scaled column(SP): per-row amaxes gathered, BF16 backward. main_grad + delayed wgrad. overlap switch."""
+    from nvfp4_dist import reference as R
+    recipe = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False,
+                            gemm_backend=recipe_backend)
+    out_features = LOCAL_FEATURES * world_size
+    x, dy, weight, bias = full_tensors(world_size, COLUMN_IN, out_features, device)
+    layer = ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=True, recipe=recipe, device=device,
+                                 init_method=lambda w: w.copy_(weight))
+    with torch.no_grad():
+        layer.bias.copy_(bias.chunk(world_size)[rank])
+    y, dx, dw, _, _ = run(layer, x.chunk(world_size)[rank], dy.chunk(world_size, dim=-1)[rank])
+    xq_row, _ = quantize_activation(x.reshape(-1, COLUMN_IN), recipe, columnwise=False)
+    x_deq = R.dequantize_tensor(xq_row, x.dtype, "rowwise")
+    partials = []
+    for r, (w_r, dy_r, b_r) in enumerate(zip(weight.chunk(world_size), dy.chunk(world_size, dim=-1),
+                                             bias.chunk(world_size))):
+        wq = quantize_weight(w_r, recipe)
+        dy2d = dy_r.reshape(-1, LOCAL_FEATURES)
+        partials.append((dy2d @ R.dequantize_tensor(wq, dy.dtype, "rowwise")).reshape(x.shape).chunk(world_size)[rank])
+        if r == rank:
+            assert_equal(y, fprop(xq_row, wq, b_r, x.dtype).reshape(*x.shape[:-1], LOCAL_FEATURES), "row-scaled y")
+            assert_equal(dw, (dy2d.t() @ x_deq).to(weight.dtype), "row-scaled dW")
+    assert_reduced(dx, partials, "row-scaled dx")
+
+    exact = nv.NVFP4Recipe(gemm_backend=recipe_backend)
+    make = lambda **options: ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=True,  # noqa: E731
+                                                  recipe=exact, device=device, init_method=lambda w: w.copy_(weight),
+                                                  **options)
+    plain = run(make(), x.chunk(world_size)[rank], dy.chunk(world_size, dim=-1)[rank])
+    hooked = make(accumulate_into_main_grad=True, delay_wgrad=True)
+    hooked.weight.main_grad = torch.zeros_like(hooked.weight, dtype=torch.float32)
+    got = run(hooked, x.chunk(world_size)[rank], dy.chunk(world_size, dim=-1)[rank])
+    assert got[2] is None and not bool(hooked.weight.main_grad.any()) and len(hooked.wgrad_store) == 1
+    assert torch.equal(got[1], plain[1])
+    hooked.backward_dw()
+    assert torch.equal(hooked.weight.main_grad, plain[2])
+
+    overlapped = ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=True, device=device,
+                                      recipe=exact.replace(overlap=True), init_method=lambda w: w.copy_(weight))
+    got = run(overlapped, x.chunk(world_size)[rank], dy.chunk(world_size, dim=-1)[rank])
+    assert type(overlapped._overlapped_comm).__name__ == "OverlappedColumnParallelComm"
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
+
+
 def _check_layers(rank, world_size, which):
     recipes = {"default": nv.NVFP4Recipe(), "no_rht_no_2d": nv.NVFP4Recipe(rht=False, weight_2d=False)}
     if which == "column":
@@ -238,6 +283,7 @@ def _check_layers(rank, world_size, which):
         check_row(rank, world_size, True, recipes["no_rht_no_2d"])
     else:
         check_options(rank, world_size)
+        check_row_scaled_and_megatron_hooks(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

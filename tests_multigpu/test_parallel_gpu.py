@@ -63,6 +63,7 @@ def test_recipe_variants_and_options():
     layer_checks.check_column(rank, world_size, True, EXACT.replace(rht=False, weight_2d=False), device="cuda")
     layer_checks.check_row(rank, world_size, True, EXACT.replace(rht=False, weight_2d=False), device="cuda")
     layer_checks.check_options(rank, world_size, EXACT, device="cuda")
+    layer_checks.check_row_scaled_and_megatron_hooks(rank, world_size, device="cuda", recipe_backend="reference")
 
 
 def test_default_gemm_backend_layers_run():
