@@ -5,11 +5,13 @@ Watchdog protocol (a TCPStore side channel hosted by rank 0, separate from the p
 every `interval_s` each rank's watchdog thread publishes a liveness counter, its last completed
 step and what its threads are doing (inside a collective or not), and reads everyone else's.
 - A rank whose liveness counter stops changing for `timeout_s` has died (or is frozen).
-- A rank whose step stops changing for `timeout_s` is stalled; among stalled ranks the ones not
+- When a rank's step stops changing for `timeout_s` the job is stalled; the ranks then not
   waiting inside a collective are the hung ones (the others wait for them). Stall detection
   starts once a rank completed its first step, so start-up work (kernel builds) is exempt.
-On a verdict the lowest live rank prints it and every live rank exits with WATCHDOG_EXIT_CODE,
-which makes torchrun, mpirun, srun or nvfp4-train's own launcher stop the job.
+- Rank 0 closing its store connections (repeated failures of store calls) means it is gone.
+On a verdict the lowest live rank prints it and publishes it in the store; every live rank
+exits with WATCHDOG_EXIT_CODE, which makes torchrun, mpirun, srun or nvfp4-train's own
+launcher stop the job.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import time
 
 WATCHDOG_EXIT_CODE = 3
 FINISHED = "finished"
+VERDICT_KEY = "verdict"
+STORE_FAILURES_TO_GIVE_UP = 3  # consecutive failed store calls: the host closed its sockets
 FAULT_KINDS = ("kill", "hang", "nan", "crash-in-save")
 # Frames from these paths mean a thread waits in communication.
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,
@@ -118,7 +122,9 @@ class FaultInjection:
 
 
 def describe_exit(code: int) -> str:
-    """'exit code 1' or 'killed by SIGKILL' for a child's return code."""
+    """'exit code 1', 'killed by SIGKILL' or the watchdog's exit, for a child's return code."""
+    if code == WATCHDOG_EXIT_CODE:
+        return f"exit code {code}: its watchdog stopped it, see the report above"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -198,20 +204,24 @@ class Watchdog:
     def _run(self) -> None:
         ranks = {rank: RankState() for rank in range(self.world_size)}
         counter = 0
+        failures = 0
         while not self._stopping.wait(self.interval_s):
             counter += 1
             now = time.monotonic()
             try:
                 self._publish(counter)
+                if self.store.check([VERDICT_KEY]):
+                    self._follow(self.store.get(VERDICT_KEY).decode())
+                    return
                 self._read(ranks, now)
-                self._store_failing_since = None
+                failures = 0
                 verdict, silent = self._judge(ranks, now)
-            except Exception as error:  # the store's host (rank 0) is gone or unreachable
-                self._store_failing_since = self._store_failing_since or now
-                if now - self._store_failing_since < self.timeout_s:
+            except Exception as error:  # the store's host (rank 0) closed its connections: it is gone
+                failures += 1
+                if failures < STORE_FAILURES_TO_GIVE_UP:
                     continue
                 verdict, silent = (f"rank 0 is unreachable (it hosts the watchdog store; it died or its node "
-                                 f"is down): {type(error).__name__}: {error}"), {0}
+                                   f"is down): {type(error).__name__}: {str(error).splitlines()[0]}"), {0}
             if verdict is not None:
                 self._stop_job(verdict, silent)
                 return
@@ -247,7 +257,8 @@ class Watchdog:
         stalled = {r for r, s in ranks.items() if s.step >= 1 and now - s.step_since > self.timeout_s}
         if not stalled:
             return None, set()
-        hung = sorted(r for r in stalled if not ranks[r].in_collective)
+        # Ranks wait in collectives for the ones that are not in one: those hang.
+        hung = sorted(r for r, s in ranks.items() if not s.in_collective)
         if hung:
             details = "; ".join(f"rank {r} at step {ranks[r].step + 1} (not in a collective; at {ranks[r].where})"
                                 for r in hung)
@@ -257,13 +268,28 @@ class Watchdog:
                 f"({details}): mismatched collectives or a network hang"), finished
 
     def _stop_job(self, verdict: str, silent: set) -> None:
+        """Report (lowest rank still able to), tell the others through the store, exit."""
         self.verdict = verdict
         self._verdict_ready.set()
         reporter = min(set(range(self.world_size)) - silent)
         if self.rank == reporter:
             print(f"nvfp4-train watchdog (rank {self.rank}): stopping the job: {verdict}", file=sys.stderr, flush=True)
+            try:
+                self.store.set(VERDICT_KEY, f"{self.rank}|{verdict}")
+            except Exception:  # the store is gone with rank 0: the others find out by themselves
+                pass
+            time.sleep(2 * self.interval_s)  # the other ranks read the verdict and stop first
         else:
-            time.sleep(3 * self.interval_s)  # let the reporting rank print first
+            time.sleep(3 * self.interval_s)  # the reporting rank prints first
+        self.exit_fn(WATCHDOG_EXIT_CODE)
+
+    def _follow(self, published: str) -> None:
+        """Another rank's watchdog stopped the job: exit too."""
+        reporter, verdict = published.split("|", 1)
+        self.verdict = verdict
+        self._verdict_ready.set()
+        print(f"nvfp4-train watchdog (rank {self.rank}): stopping, as rank {reporter} reported", file=sys.stderr,
+              flush=True)
         self.exit_fn(WATCHDOG_EXIT_CODE)
 
 

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--bf16-last-layers", type=int, default=0)
     recipe.add_argument("--gemm-backend", choices=("auto", "cublaslt", "emulated", "reference"), default="auto")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=150)
+    train.add_argument("--steps", type=int, default=100)
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--min-lr", type=float, default=3e-4)
     train.add_argument("--warmup-steps", type=int, default=20)
@@ -235,7 +235,7 @@ def launch_local(argv: list, nproc: int, grace_s: float) -> int:
         workers.append(subprocess.Popen([sys.executable, "-m", "nvfp4_dist.launch.train", *argv], env=env))
     failed = None
     try:
-        while any(worker.poll() is None for worker in workers):
+        while [worker.poll() for worker in workers].count(None):  # poll every worker, in rank order
             if failed is None:
                 failed = next(((rank, w.returncode) for rank, w in enumerate(workers)
                                if w.returncode not in (None, 0)), None)
@@ -255,8 +255,8 @@ def launch_local(argv: list, nproc: int, grace_s: float) -> int:
     if failed is None:
         return 0
     rank, code = failed
-    print(f"nvfp4-train: rank {rank} failed ({describe_exit(code)}); stopped the job's other "
-          f"{nproc - 1} process(es)", file=sys.stderr, flush=True)
+    print(f"nvfp4-train: rank {rank} exited first ({describe_exit(code)}); the job is stopped",
+          file=sys.stderr, flush=True)
     return code if code > 0 else 1
 
 
@@ -500,6 +500,11 @@ def run_worker(plan: Plan) -> int:
                   file=sys.stderr, flush=True)
         watchdog.stop()
         return NONFINITE_EXIT_CODE
+    except ValueError as error:  # a bad setting met on this rank (for example a checkpoint of another shape)
+        sys.stderr.write(f"nvfp4-train (rank {rank}): error: {error}\n")
+        sys.stderr.flush()
+        watchdog.stop()
+        return 2
     except Exception:
         watchdog.hold(args.watchdog_timeout + 5)  # lets the watchdog name a dead or hung rank first
         raise

@@ -1,0 +1,103 @@
+"""nvfp4-train end to end on CPU (2 gloo processes, TP=2): loss, logs, checkpoints, resume, flag validation."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nvfp4_dist.launch import checkpoint, train
+
+# A small, quick configuration (tokens per rank: 4 x 64 = 256).
+QUICK = ["--micro-batch", "4", "--warmup-steps", "2", "--lr", "3e-3", "--no-progress", "--log-every", "1"]
+
+
+def run_train(out_dir, *flags, timeout=240):
+    command = [sys.executable, "-m", "nvfp4_dist.launch.train", *QUICK, "--out-dir", str(out_dir), *flags]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(out_dir):
+    with open(out_dir / "metrics.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_short_run_trains_saves_and_resumes_exactly(tmp_path):
+    full = run_train(tmp_path / "full", "--steps", "8", "--save-every", "4")
+    assert full.returncode == 0, full.stderr[-3000:]
+    records = metrics(tmp_path / "full")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    losses = [r["loss"] for r in records]
+    assert all(loss == loss and abs(loss) < 1e3 for loss in losses), losses
+    assert losses[-1] < losses[0] - 0.3, losses  # byte-level start ~ln(256)=5.5 falls quickly
+    assert "summary:" in full.stdout and "loss " in full.stdout
+    log = (tmp_path / "full" / "train.log").read_text()
+    assert "step 8/8" in log and "saved checkpoint" in log
+    assert checkpoint.latest_step(tmp_path / "full" / "checkpoints") == 8
+
+    # The same job killed during step 5 and started again: steps 5..8 reproduce the losses exactly.
+    killed = run_train(tmp_path / "split", "--steps", "8", "--save-every", "4", "--inject-fault", "kill:5:0",
+                       "--watchdog-timeout", "3")
+    assert killed.returncode != 0
+    assert checkpoint.latest_step(tmp_path / "split" / "checkpoints") == 4
+    resumed = run_train(tmp_path / "split", "--steps", "8", "--save-every", "4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from the step-4 checkpoint" in resumed.stdout
+    records = metrics(tmp_path / "split")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [r["loss"] for r in records] == losses
+
+
+def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
+    first = run_train(tmp_path, "--steps", "1", "--save-every", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = run_train(tmp_path, "--steps", "2", "--hidden", "128", "--heads", "4")
+    assert other.returncode != 0
+    assert "--hidden: checkpoint 64, now 128" in other.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "3"], "--tp=3 does not divide the number of processes (2)"),
+    (["--nproc", "4", "--tp", "3"], "--tp=3 does not divide the number of processes (4)"),
+    (["--hidden", "72", "--heads", "4"], "--hidden=72: must be a multiple of 16"),
+    (["--hidden", "80", "--heads", "4"], "--hidden=80: each of the --tp=2 shards (40) must be a multiple of 16"),
+    (["--ffn", "100"], "--ffn=100: must be a multiple of 16"),
+    (["--seq-length", "60", "--micro-batch", "1"], "--seq-length=60 x --micro-batch=1"),
+    (["--sp", "--seq-length", "48", "--micro-batch", "1"], "(--sp) = 24 tokens per rank"),
+    (["--heads", "3", "--hidden", "96"], "--tp=2 must divide --heads=3"),
+    (["--row-scaled-activation"], "--row-scaled-activation conflicts with RHT"),
+    (["--row-scaled-activation", "--no-rht"], "--row-scaled-activation conflicts with RHT"),
+    (["--bf16-first-layers", "2", "--bf16-last-layers", "1"], "exceed --layers=2"),
+    (["--gemm-backend", "cublaslt"], "--gemm-backend=cublaslt needs CUDA"),
+    (["--inject-fault", "explode:3"], "--inject-fault='explode:3'"),
+    (["--steps", "0"], "--steps=0: must be >= 1"),
+])
+def test_bad_flags_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch, flags, message):
+    for variable in ("WORLD_SIZE", *train.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(train, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--device", "cpu", "--out-dir", str(tmp_path / "out"), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_world_size_from_a_launcher_is_checked(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setattr(train, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", "--tp", "4"])
+    assert "--tp=4 does not divide the number of processes (6)" in capsys.readouterr().err
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_min_lr():
+    args = train.build_parser().parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3",
+                                            "--min-lr", "1e-4"])
+    plan = train.Plan(args, 2, "cpu", "gpt", 2, 256, "fp32", None, None)
+    assert train.learning_rate(plan, 5) == pytest.approx(5e-4)
+    assert train.learning_rate(plan, 10) == pytest.approx(1e-3)
+    assert train.learning_rate(plan, 100) == pytest.approx(1e-4)
+    assert 1e-4 < train.learning_rate(plan, 55) < 1e-3
