@@ -550,6 +550,7 @@ def train(plan: Plan, device, rank: int, watchdog) -> int:
     reporter = Reporter(plan, enabled=rank == 0)
     describe = (f"{plan.model} model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}, ffn {plan.ffn}, "
                 f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on "
+                f"{plan.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', plan.world_size))} node(s), "
                 f"{plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
                 f"{'on' if args.overlap else 'off'}); recipe {plan.recipe}")
     reporter.line(describe)
