@@ -28,9 +28,13 @@ __global__ void __launch_bounds__(kThreads) dequantize_rowwise_kernel(const uint
   const float s_dec = decode_scale(encode_scale(amax[per_row_amax ? row : 0]));
   float values[kBlockSize];
   decode_block(*reinterpret_cast<const uint2*>(data + block * (kBlockSize / 2)), scale[block], s_dec, values);
-  OutT* destination = out + block * kBlockSize;
+  alignas(16) OutT converted[kBlockSize];
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) destination[i] = from_float<OutT>(values[i]);
+  for (int i = 0; i < kBlockSize; ++i) converted[i] = from_float<OutT>(values[i]);
+  uint4* destination = reinterpret_cast<uint4*>(out + block * kBlockSize);  // 16-byte aligned: 16 elements
+  const uint4* source = reinterpret_cast<const uint4*>(converted);
+#pragma unroll
+  for (int v = 0; v < static_cast<int>(sizeof(converted) / 16); ++v) destination[v] = source[v];
 }
 
 // One thread per (column k of x, 16-row block): lanes take consecutive k so the writes of each

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -71,38 +72,73 @@ NVFP4_HD float e4m3_to_float(uint8_t byte) {
 // e_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX) (SPEC 2.4).
 NVFP4_HD float block_encode_factor(uint8_t scale, float s_dec) {
   const float denominator = e4m3_to_float(scale) * s_dec;
+#ifdef __CUDA_ARCH__
+  return fminf(__frcp_rn(denominator), kFltMax);  // the correctly rounded 1 / denominator
+#else
   return fminf(1.0f / denominator, kFltMax);
+#endif
 }
 
 NVFP4_HD float clamp_fp4(float v) { return fminf(fmaxf(v, -kFp4Max), kFp4Max); }
 
-// Code of a value in [-6, 6], round to nearest even on the E2M1 grid (SPEC 2.5).
-// A negative value that rounds to 0 gives code 8; -0.0 gives code 0 (sign test v < 0).
-NVFP4_HD uint32_t fp4_code_rne(float v) {
-  const float a = fabsf(v);
-  uint32_t magnitude = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return magnitude | (v < 0.0f ? 8u : 0u);
+// x + kRoundMagic holds round-to-nearest-even(x) in its low mantissa bits, for 0 <= x < 2^22.
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23, whose ulp is 1
+
+// floor(x) + kRoundMagic for 0 <= x < 2^22 (one FADD rounding down on the GPU).
+NVFP4_HD float add_magic_round_down(float x) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rd(x, kRoundMagic);
+#else
+  return floorf(x) + kRoundMagic;
+#endif
 }
+
+// Index 0..7 of the FP4 magnitude nearest to a >= 0 (ties to the even code; above 6 gives 7), SPEC 2.5.
+// The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6]; rounding a on each step gives the
+// candidates rint(2a), rint(a) + 2 and rint(a/2) + 4, and the smallest of them (and 7) is the index.
+// Each candidate is one exactly-rounded FMA/FADD into the magic constant's integer bits.
+NVFP4_HD uint32_t fp4_index_rne(float a) {
+  const float fine = fmaf(a, 2.0f, kRoundMagic);
+  const float middle = a + (kRoundMagic + 2.0f);
+  const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
+  const float best = fminf(fminf(fine, middle), fminf(coarse, kRoundMagic + 7.0f));
+  return float_bits(best) & 0xFu;
+}
+
+// Code of a value (clamped to [-6, 6] or not: beyond 6 saturates), round to nearest even on the
+// E2M1 grid. A negative value that rounds to 0 gives code 8; -0.0 gives code 0 (sign test v < 0).
+NVFP4_HD uint32_t fp4_code_rne(float v) { return fp4_index_rne(fabsf(v)) | (v < 0.0f ? 8u : 0u); }
 
 // Magnitude of FP4 code index 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 NVFP4_HD float fp4_magnitude(uint32_t index) {
   return index < 4 ? 0.5f * static_cast<float>(index) : (index == 4 ? 2.0f : (index == 5 ? 3.0f : (index == 6 ? 4.0f : 6.0f)));
 }
 
+// Exact FP32 value of an FP4 code: E2M1 bits placed in an FP16 are the value times 2^-14.
 NVFP4_HD float fp4_value(uint32_t code) {
+  const uint16_t half_bits = static_cast<uint16_t>(((code & 7u) << 9) | ((code & 8u) << 12));
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(half_bits)) * 16384.0f;
+#else
   const float magnitude = fp4_magnitude(code & 7u);
+  (void)half_bits;
   return (code & 8u) ? -magnitude : magnitude;
+#endif
 }
 
 // Stochastic rounding of v in [-6, 6] with 16 random bits (SPEC 7, reference/quantize.py):
 // up in magnitude iff float(bits) < p * 65536, p = (|v| - lo) / (hi - lo).
+// On the step of a's range (0.5, 1 or 2), q = a / step is exact, lo / step = floor(q), and
+// p = q - floor(q) equals the reference's correctly rounded division (both are exact).
 NVFP4_HD uint32_t fp4_code_stochastic(float v, uint32_t bits16) {
   const float a = fabsf(v);
-  const uint32_t lower = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f) + (a >= 6.0f);
-  const float lower_value = fp4_magnitude(lower);
-  const float upper_value = fp4_magnitude(lower < 7 ? lower + 1 : 7);
-  const float gap = upper_value - lower_value;
-  const float probability_up = gap > 0.0f ? (a - lower_value) / gap : 0.0f;
+  const bool fine = a < 2.0f, middle = a < 4.0f;
+  const float inverse_step = fine ? 2.0f : (middle ? 1.0f : 0.5f);
+  const uint32_t first_index = fine ? 0u : (middle ? 2u : 4u);
+  const float q = a * inverse_step;
+  const float floor_plus_magic = add_magic_round_down(q);
+  const float probability_up = q - (floor_plus_magic - kRoundMagic);
+  const uint32_t lower = (float_bits(floor_plus_magic) & 0xFu) + first_index;
   uint32_t magnitude = lower + (static_cast<float>(bits16) < probability_up * 65536.0f ? 1u : 0u);
   magnitude = magnitude > 7 ? 7 : magnitude;
   return magnitude | (v < 0.0f ? 8u : 0u);

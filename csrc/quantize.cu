@@ -10,6 +10,7 @@ namespace nvfp4 {
 namespace {
 
 constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
+constexpr int kMinTilesPerMultiprocessor = 3;  // caps registers at 85 so 3 tiles overlap load and math
 constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
 constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
 constexpr int kRowwiseItemsPerThread = kTileRows * kColBlocksPerTile / kThreads;        // (row, 16-col block)
@@ -87,10 +88,10 @@ __device__ __forceinline__ void read_column_pair(const uint8_t* tile, int row_bl
 }
 
 __device__ __forceinline__ float block_amax(const float (&values)[kBlockSize]) {
-  uint32_t running = 0;
+  float running = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) running = max(running, abs_bits(values[i]));
-  return __uint_as_float(running);
+  for (int i = 0; i < kBlockSize; ++i) running = fmaxf(running, fabsf(values[i]));
+  return running;
 }
 
 __device__ __forceinline__ uint2 pack_codes(const uint32_t (&codes)[kBlockSize]) {
@@ -108,7 +109,7 @@ __device__ __forceinline__ uint2 encode_block(const float (&values)[kBlockSize],
   uint32_t codes[kBlockSize];
   if constexpr (!kSR) {
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne(clamp_fp4(values[i] * encode));
+    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne(values[i] * encode);  // saturates above 6
   } else if ((sr_column & 7) == 0) {  // two Philox groups of 8 columns
 #pragma unroll
     for (int group = 0; group < 2; ++group) {
@@ -131,7 +132,7 @@ __device__ __forceinline__ uint2 encode_block(const float (&values)[kBlockSize],
 }
 
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
-__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const QuantizeArgs args) {
+__global__ void __launch_bounds__(kThreads, kMinTilesPerMultiprocessor) quantize_tile_kernel(const QuantizeArgs args) {
   extern __shared__ __align__(16) uint8_t tile[];
   __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
   __shared__ float tile_amax_2d[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
@@ -172,10 +173,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const QuantizeA
     __syncthreads();
     if (tid < kRowBlocksPerTile * kColBlocksPerTile) {
       const int row_block = tid >> 3, block = tid & 7;
-      uint32_t running = 0;
+      float running = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) running = max(running, __float_as_uint(block_amax_2d[row_block * kBlockSize + i][block]));
-      tile_amax_2d[row_block][block] = __uint_as_float(running);
+      for (int i = 0; i < kBlockSize; ++i) running = fmaxf(running, block_amax_2d[row_block * kBlockSize + i][block]);
+      tile_amax_2d[row_block][block] = running;
     }
     __syncthreads();
   }

@@ -52,6 +52,10 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
     }
   }
 }
+void fp4_codes(const float* v, long n, const unsigned* bits, int stochastic, unsigned char* out) {
+  for (long i = 0; i < n; ++i)
+    out[i] = static_cast<unsigned char>(stochastic ? fp4_code_stochastic(clamp_fp4(v[i]), bits[i]) : fp4_code_rne(v[i]));
+}
 void philox(const unsigned* counters, long n, unsigned k0, unsigned k1, unsigned* out) {
   for (long i = 0; i < n; ++i) {
     const PhiloxWords w = philox4x32_10(counters[4 * i], counters[4 * i + 1], counters[4 * i + 2], counters[4 * i + 3], k0, k1);
@@ -183,6 +187,44 @@ def test_stochastic_rounding_matches_reference(numerics, offset):
     host_data, host_scale = host_quantize(numerics, x, amax, sr_seed=seed, offset=offset, stream=1)
     assert torch.equal(host_scale, scale.view(torch.uint8))
     assert torch.equal(host_data, data)
+
+
+def rounding_probe_values() -> torch.Tensor:
+    """Every grid point and midpoint of E2M1 with its 4 neighbouring floats each side, both signs,
+    a dense sweep of [0, 8) and values far beyond 6."""
+    import struct
+    anchors = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0]
+    bits = torch.tensor([struct.unpack("<i", struct.pack("<f", a))[0] for a in anchors], dtype=torch.int64)
+    near = (bits[:, None] + torch.arange(-4, 5)[None, :]).clamp(min=0).flatten().to(torch.int32).view(torch.float32)
+    sweep = torch.linspace(0, 8, 400001)
+    extremes = torch.tensor([1e-45, 1e-38, 1e-20, 6.0000005, 100.0, 3.4e38, float("inf")])
+    values = torch.cat([near, sweep, extremes])
+    return torch.cat([values, -values])
+
+
+@needs_nvcc
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_fp4_rounding_matches_reference(numerics, stochastic):
+    from nvfp4_dist.formats import fp4_round_to_nearest_even
+    from nvfp4_dist.reference.quantize import _stochastic_codes
+    v = rounding_probe_values()
+    n = v.numel()
+    v_np = np.ascontiguousarray(v.numpy())
+    if stochastic:
+        v_np = np.clip(v_np, -6, 6)
+        rows = torch.arange(n, dtype=torch.int64)
+        want = _stochastic_codes(torch.from_numpy(v_np)[None, :], 77, (0, 0), 0)[0]
+        from nvfp4_dist.reference.philox import stochastic_rounding_bits
+        bits = stochastic_rounding_bits(torch.zeros_like(rows), rows, 0, 77).numpy().astype(np.uint32)
+    else:
+        want = fp4_round_to_nearest_even(torch.from_numpy(v_np).clamp(-6, 6))
+        bits = np.zeros(n, dtype=np.uint32)
+    out = np.zeros(n, dtype=np.uint8)
+    numerics.fp4_codes(pointer(v_np), ctypes.c_long(n), pointer(np.ascontiguousarray(bits)), ctypes.c_int(stochastic),
+                       pointer(out))
+    got = torch.from_numpy(out)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} differ, e.g. v={v_np[bad[:5].numpy()]} got {got[bad[:5]]} want {want[bad[:5]]}"
 
 
 @needs_nvcc
