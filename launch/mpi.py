@@ -153,22 +153,38 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, init_
     return environment
 
 
+OPTIONS_WITH_VALUES = ("--backend", "--timeout")
+
+
+def split_target(argv: list) -> tuple:
+    """(launcher options, target): the target starts at `-m MODULE` or at the first positional argument."""
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "-m" or not token.startswith("-"):
+            return argv[:index], argv[index:]
+        index += 2 if token in OPTIONS_WITH_VALUES else 1
+    return argv, []
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m nvfp4_dist.launch.mpi",
+        usage="python -m nvfp4_dist.launch.mpi [options] (SCRIPT | -m MODULE) [ARGS...]",
         description="Run a script or module under mpirun/srun with torch.distributed initialised from MPI.")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                         help="process-group backend (default: nccl with CUDA, else gloo)")
     parser.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     parser.add_argument("--no-init", action="store_true",
                         help="only export RANK/WORLD_SIZE/... and select the device; the target initialises itself")
-    parser.add_argument("-m", dest="module", default=None, help="run this module as __main__ (like python -m)")
-    parser.add_argument("target", nargs=argparse.REMAINDER, help="script path and its arguments (or the module's)")
-    args = parser.parse_args(argv)
-    if args.module is None and not args.target:
+    options, target = split_target(list(argv))
+    args = parser.parse_args(options)
+    if not target or target == ["-m"]:
         parser.error("give a script path or -m MODULE to run")
     if args.timeout <= 0:
         parser.error(f"--timeout={args.timeout}: must be > 0 seconds")
+    args.module = target[1] if target[0] == "-m" else None
+    args.target = target[2:] if args.module else target
     return args
 
 

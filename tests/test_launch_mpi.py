@@ -4,6 +4,7 @@ Needs mpi4py and an MPI runtime (CI: apt-get install libopenmpi-dev openmpi-bin;
 without them the MPI tests skip and say why (pytest -rs prints the reason)."""
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -76,9 +77,14 @@ def test_missing_mpi4py_says_what_to_install(monkeypatch):
         mpi.init_distributed()
 
 
-def test_cli_refuses_a_missing_target():
-    with pytest.raises(SystemExit):
-        mpi.parse_args([])
+def test_cli_splits_launcher_options_from_the_target():
+    args = mpi.parse_args(["--timeout", "30", "-m", "nvfp4_dist.launch.train", "--tp", "2"])
+    assert (args.timeout, args.module, args.target) == (30.0, "nvfp4_dist.launch.train", ["--tp", "2"])
+    args = mpi.parse_args(["--no-init", "train.py", "--timeout", "5", "-m", "x"])
+    assert (args.no_init, args.module, args.target) == (True, None, ["train.py", "--timeout", "5", "-m", "x"])
+    for bad in ([], ["--backend", "gloo"], ["-m"]):
+        with pytest.raises(SystemExit):
+            mpi.parse_args(bad)
 
 
 def test_single_process_without_mpirun():
@@ -117,11 +123,11 @@ def test_mpirun_two_ranks_module_without_init(tmp_path):
     env = mpi_env(tmp_path / "records")
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
     result = subprocess.run([*command, sys.executable, "-m", "nvfp4_dist.launch.mpi", "--no-init",
-                             "-m", "mpi_probe_module", "arg"], capture_output=True, text=True, env=env, timeout=120)
+                             "-m", "mpi_probe_module", "--arg", "1"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     records = probes(tmp_path / "records")
     assert [r["RANK"] for r in records] == ["0", "1"] and {r["sum"] for r in records} == {1.0}
-    assert all(r["argv"] == ["arg"] for r in records)
+    assert all(r["argv"] == ["--arg", "1"] for r in records)
 
 
 def test_mpirun_runs_nvfp4_train(tmp_path):
@@ -133,3 +139,23 @@ def test_mpirun_runs_nvfp4_train(tmp_path):
     assert "2 processes on 1 node(s), cpu (TP=2, DP=1" in result.stdout
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_slurm_mpi_recipe_with_stand_in_srun(tmp_path):
+    command = mpirun_command(2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    # Stand-in for `srun --mpi=pmix ...`: start the command as SLURM_NTASKS MPI ranks on this machine.
+    srun.write_text("#!/usr/bin/env bash\nwhile [[ \"$1\" == --* ]]; do shift; done\n"
+                    f"exec {' '.join(command[:1])} -np \"$SLURM_NTASKS\" {' '.join(command[3:])} \"$@\"\n")
+    srun.chmod(0o755)
+    env = mpi_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
+               SLURM_JOB_ID="7", PYTHON=sys.executable, OUT_DIR=str(tmp_path / "out"))
+    sbatch = pathlib.Path(mpi.__file__).parent / "slurm_mpi.sbatch"
+    result = subprocess.run(["bash", str(sbatch), "--device", "cpu", "--steps", "2", "--micro-batch", "4",
+                             "--no-progress"], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "2 processes on 1 node(s), cpu (TP=2" in result.stdout
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "2"
