@@ -42,7 +42,7 @@ try:
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-    from megatron.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+    from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
     raise ImportError(
         "nvfp4_dist.parallel.megatron needs megatron-core (0.16 to 0.19): "

@@ -16,7 +16,6 @@ import importlib.resources
 import json
 import os
 import time
-from functools import partial
 
 import torch
 import torch.nn.functional as F
