@@ -11,6 +11,7 @@ Reports tokens/s, peak memory and the NVFP4/BF16 ratios (targets: >= 1.10x token
 """
 import argparse
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -67,6 +68,7 @@ def build(spec_name: str, args, tp: int) -> GPTModel:
 
 def measure(spec_name: str, args, tp: int) -> dict:
     """Tokens/s and peak memory of forward+backward on one fixed batch."""
+    gc.collect()  # the previous spec's model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build(spec_name, args, tp)
