@@ -7,7 +7,7 @@ materialise [b, heads, s, s] scores) and the SP-capable NVFP4Norm (Megatron's lo
 the baseline's linears are Megatron's own ColumnParallelLinear / RowParallelLinear in BF16.
 Reports tokens/s, peak memory and the NVFP4/BF16 ratios (targets: >= 1.10x tokens/s, <= 0.8x memory).
 
-    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--overlap] [--out benchmarks/results/megatron_gpt.json]
+    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--no-overlap] [--out benchmarks/results/megatron_gpt.json]
 """
 import argparse
 import datetime
@@ -42,7 +42,8 @@ def parse_args():
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--overlap", action="store_true", help="NVFP4 recipe.overlap (issue 7 schedule)")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="NVFP4 recipe.overlap: ring-pipelined TP communication (default on)")
     parser.add_argument("--out", default="benchmarks/results/megatron_gpt.json")
     return parser.parse_args()
 
