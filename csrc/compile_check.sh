@@ -31,20 +31,23 @@ compile_cu() {
   fi
 }
 
+host_cxx="${CXX:-g++}"
+compile_bindings() {
+  if "$host_cxx" -c -std=c++17 -O0 -fPIC $torch_includes -I"$python_include" -I"$cuda_include" -I"$here" \
+       -DTORCH_EXTENSION_NAME=nvfp4_dist_C "$here/bindings.cpp" -o "$out/bindings.o" >"$out/bindings.log" 2>&1; then
+    echo "ok    bindings.cpp"
+  else
+    echo "FAIL  bindings.cpp"; cat "$out/bindings.log"; return 1
+  fi
+}
+
 status=0
-pids=()
+compile_bindings &
+pids=($!)
 for source in "$here"/*.cu; do
   compile_cu "$source" &
   pids+=($!)
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 0.2; done
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-
-host_cxx="${CXX:-g++}"
-if "$host_cxx" -c -std=c++17 -O0 -fPIC $torch_includes -I"$python_include" -I"$cuda_include" -I"$here" \
-     -DTORCH_EXTENSION_NAME=nvfp4_dist_C "$here/bindings.cpp" -o "$out/bindings.o" >"$out/bindings.log" 2>&1; then
-  echo "ok    bindings.cpp"
-else
-  echo "FAIL  bindings.cpp"; cat "$out/bindings.log"; status=1
-fi
 exit $status

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #include <cuda_fp16.h>
@@ -105,9 +106,49 @@ NVFP4_HD uint32_t fp4_index_rne(float a) {
   return float_bits(best) & 0xFu;
 }
 
-// Code of a value (clamped to [-6, 6] or not: beyond 6 saturates), round to nearest even on the
-// E2M1 grid. A negative value that rounds to 0 gives code 8; -0.0 gives code 0 (sign test v < 0).
-NVFP4_HD uint32_t fp4_code_rne(float v) { return fp4_index_rne(fabsf(v)) | (v < 0.0f ? 8u : 0u); }
+// 1.0f for v < 0 (down to the smallest subnormal), 0.0f for v >= 0 and for -0.0: (v * -2^75) * 2^75
+// saturated to [0, 1]. Two FMA-pipe multiplies instead of a compare and a select.
+NVFP4_HD float negative_as_float(float v) {
+  constexpr float kTwoPow75 = 37778931862957161709568.0f;
+  const float stretched = v * -kTwoPow75;
+#ifdef __CUDA_ARCH__
+  float result;
+  asm("mul.sat.f32 %0, %1, %2;" : "=f"(result) : "f"(stretched), "f"(kTwoPow75));
+  return result;
+#else
+  return fminf(fmaxf(stretched * kTwoPow75, 0.0f), 1.0f);
+#endif
+}
+
+// The FP4 code (0..15) of v as an exact small float, round to nearest even on the E2M1 grid,
+// saturating above 6 (SPEC 2.5). A negative value that rounds to 0 gives code 8; -0.0 gives 0.
+NVFP4_HD float fp4_code_rne_as_float(float v) {
+  const float a = fabsf(v);
+  const float fine = fmaf(a, 2.0f, kRoundMagic);
+  const float middle = a + (kRoundMagic + 2.0f);
+  const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
+  const float best = fminf(fminf(fine, middle), fminf(coarse, kRoundMagic + 7.0f));  // kRoundMagic + index
+  return fmaf(negative_as_float(v), 8.0f, best - kRoundMagic);
+}
+
+NVFP4_HD uint32_t fp4_code_rne(float v) { return static_cast<uint32_t>(fp4_code_rne_as_float(v)); }
+
+// Eight codes held as exact floats -> one word, element i in nibble i: pairs and quads are formed
+// by exact FMAs, a quad lands in the low 16 bits of quad + kRoundMagic, two quads make the word.
+NVFP4_HD uint32_t pack_eight_float_codes(const float* codes) {
+  uint32_t quads[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const float low_pair = fmaf(codes[4 * q + 1], 16.0f, codes[4 * q]);
+    const float high_pair = fmaf(codes[4 * q + 3], 16.0f, codes[4 * q + 2]);
+    quads[q] = float_bits(fmaf(high_pair, 256.0f, low_pair + kRoundMagic));
+  }
+#ifdef __CUDA_ARCH__
+  return __byte_perm(quads[0], quads[1], 0x5410);
+#else
+  return (quads[0] & 0xFFFFu) | (quads[1] << 16);
+#endif
+}
 
 // Magnitude of FP4 code index 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 NVFP4_HD float fp4_magnitude(uint32_t index) {
@@ -126,22 +167,34 @@ NVFP4_HD float fp4_value(uint32_t code) {
 #endif
 }
 
-// Stochastic rounding of v in [-6, 6] with 16 random bits (SPEC 7, reference/quantize.py):
-// up in magnitude iff float(bits) < p * 65536, p = (|v| - lo) / (hi - lo).
-// On the step of a's range (0.5, 1 or 2), q = a / step is exact, lo / step = floor(q), and
-// p = q - floor(q) equals the reference's correctly rounded division (both are exact).
+// ceil(a * scale - r) + magic for the stochastic-rounding candidates (0 <= a * scale < 2^22, 0 <= r < 1):
+// rounding up twice gives the exact ceiling, as one FMA and one FADD on the GPU.
+NVFP4_HD float ceil_scaled_minus_plus_magic(float a, float scale, float r, float magic) {
+#ifdef __CUDA_ARCH__
+  return __fadd_ru(__fmaf_ru(a, scale, -r), magic);
+#else
+  // a * scale - r is exact in double wherever its ceiling is in doubt (see the GPU tests).
+  return static_cast<float>(std::ceil(static_cast<double>(a) * scale - static_cast<double>(r))) + magic;
+#endif
+}
+
+// The FP4 code of v in [-6, 6] as an exact small float, rounded stochastically with 16 random bits
+// (SPEC 7, reference/quantize.py): up in magnitude iff float(bits) < p * 65536, p = (|v| - lo) / (hi - lo).
+// With r = bits / 65536 and the grid step of a's range (0.5, 1, 2), that is index = ceil(a / step - r)
+// plus the range's first index; as for round to nearest, the smallest of the three ranges'
+// candidates is the right one (a <= 6 keeps it <= 7).
+NVFP4_HD float fp4_code_stochastic_as_float(float v, uint32_t bits16) {
+  const float a = fminf(fabsf(v), kFp4Max);
+  const float r = bits_float(0x3F800000u | (bits16 << 7)) - 1.0f;  // bits16 / 65536, exact
+  const float fine = ceil_scaled_minus_plus_magic(a, 2.0f, r, kRoundMagic);
+  const float middle = ceil_scaled_minus_plus_magic(a, 1.0f, r, kRoundMagic + 2.0f);
+  const float coarse = ceil_scaled_minus_plus_magic(a, 0.5f, r, kRoundMagic + 4.0f);
+  const float best = fminf(fminf(fine, middle), coarse);  // kRoundMagic + index
+  return fmaf(negative_as_float(v), 8.0f, best - kRoundMagic);
+}
+
 NVFP4_HD uint32_t fp4_code_stochastic(float v, uint32_t bits16) {
-  const float a = fabsf(v);
-  const bool fine = a < 2.0f, middle = a < 4.0f;
-  const float inverse_step = fine ? 2.0f : (middle ? 1.0f : 0.5f);
-  const uint32_t first_index = fine ? 0u : (middle ? 2u : 4u);
-  const float q = a * inverse_step;
-  const float floor_plus_magic = add_magic_round_down(q);
-  const float probability_up = q - (floor_plus_magic - kRoundMagic);
-  const uint32_t lower = (float_bits(floor_plus_magic) & 0xFu) + first_index;
-  uint32_t magnitude = lower + (static_cast<float>(bits16) < probability_up * 65536.0f ? 1u : 0u);
-  magnitude = magnitude > 7 ? 7 : magnitude;
-  return magnitude | (v < 0.0f ? 8u : 0u);
+  return static_cast<uint32_t>(fp4_code_stochastic_as_float(v, bits16));
 }
 
 // Philox4x32-10, the same as curand's Philox4_32_10 and reference/philox.py.
@@ -190,41 +243,89 @@ NVFP4_HD uint32_t bits_of_column(const PhiloxWords& words, uint32_t column_in_gr
   return (column_in_group & 1u) ? (word >> 16) : (word & 0xFFFFu);
 }
 
-// The RHT sign of entry (i, j) of H = diag(s) . H16 / 4 (SPEC 5): true where the entry is -1/4.
+// The RHT sign vector s of H = diag(s) . H16 / 4 (SPEC 5): bit i set where s_i = -1.
 constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i set where s_i = -1: s = 1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1
 NVFP4_HD constexpr bool parity4(int v) { return ((v ^ (v >> 1) ^ (v >> 2) ^ (v >> 3)) & 1) != 0; }
-NVFP4_HD constexpr bool rht_entry_negative(int i, int j, bool random_sign) {
-  return parity4(i & j) != (random_sign && ((kRhtSignMask >> i) & 1u));
+
+// Rows 0..i of H16 tell apart the columns j modulo this many (the smallest power of 2 above i).
+NVFP4_HD constexpr int hadamard_prefix_classes(int i) { return i < 1 ? 1 : (i < 2 ? 2 : (i < 4 ? 4 : (i < 8 ? 8 : 16))); }
+
+// out[j] = sum over i = 0..15, in that order, of (-1)^popcount(i & j) * terms[i], each sum started
+// from 0.0f: the order of torch's CPU matmul of [., 16] x [16, 16]. Outputs whose sign patterns agree
+// on rows 0..i (j equal modulo hadamard_prefix_classes(i)) share those partial sums, which are the
+// same FP32 operations: 170 additions instead of 256, bit-identical results.
+NVFP4_HD void hadamard_sums_in_order(const float (&terms)[kBlockSize], float (&out)[kBlockSize]) {
+  float partial[kBlockSize];
+  partial[0] = 0.0f + terms[0];
+#pragma unroll
+  for (int i = 1; i < kBlockSize; ++i) {
+    const int previous = hadamard_prefix_classes(i - 1), classes = hadamard_prefix_classes(i);
+#pragma unroll
+    for (int c = classes - 1; c >= 0; --c) {
+      partial[c] = parity4(i & c) ? partial[c % previous] - terms[i] : partial[c % previous] + terms[i];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBlockSize; ++j) out[j] = partial[j];
 }
 
-// y = c . H for one 16-chunk, in FP32, summed in index order i = 0..15 (the order of torch's CPU
-// matmul of [., 16] x [16, 16], which every product c_i * (+-1/4) enters exactly).
+// y = c . H for one 16-chunk, H = diag(s) . H16 / 4: the sign s_i and the 1/4 enter the terms exactly.
 template <bool kRandomSign>
 NVFP4_HD void rht_chunk(const float (&c)[kBlockSize], float (&y)[kBlockSize]) {
-  float quarter[kBlockSize];
+  float terms[kBlockSize];
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) quarter[i] = c[i] * 0.25f;
-#pragma unroll
-  for (int j = 0; j < kBlockSize; ++j) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) acc = rht_entry_negative(i, j, kRandomSign) ? acc - quarter[i] : acc + quarter[i];
-    y[j] = acc;
-  }
+  for (int i = 0; i < kBlockSize; ++i) terms[i] = c[i] * ((kRandomSign && ((kRhtSignMask >> i) & 1u)) ? -0.25f : 0.25f);
+  hadamard_sums_in_order(terms, y);
 }
 
-// x = y . H^T for one 16-chunk (the inverse transform), summed in index order j = 0..15.
+// x = y . H^T for one 16-chunk (the inverse transform): x_i = s_i * sum_j y_j H16[i][j] / 4, the sign
+// of output i negating its whole sum exactly.
 template <bool kRandomSign>
 NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockSize]) {
-  float quarter[kBlockSize];
+  float terms[kBlockSize], sums[kBlockSize];
 #pragma unroll
-  for (int j = 0; j < kBlockSize; ++j) quarter[j] = y[j] * 0.25f;
+  for (int j = 0; j < kBlockSize; ++j) terms[j] = y[j] * 0.25f;
+  hadamard_sums_in_order(terms, sums);
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) {
-    float acc = 0.0f;
+  // 0 - sum, not -sum: an exactly-zero sum stays +0 as in the unshared sum, which never makes -0.
+  for (int i = 0; i < kBlockSize; ++i) x[i] = (kRandomSign && ((kRhtSignMask >> i) & 1u)) ? 0.0f - sums[i] : sums[i];
+}
+
+
+// Packed codes of one block of 16 values that are consecutive along the quantized dimension, round
+// to nearest even, or stochastic with the Philox bits of global row `sr_row`, global columns
+// sr_column .. sr_column + 15 of the copy in `stream` (SPEC 7).
+
+template <bool kSR>
+NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, uint64_t seed, uint32_t stream,
+                            int64_t sr_row, int64_t sr_column) {
+  if constexpr (!kSR) {
+    float codes[kBlockSize];
 #pragma unroll
-    for (int j = 0; j < kBlockSize; ++j) acc = rht_entry_negative(i, j, kRandomSign) ? acc - quarter[j] : acc + quarter[j];
-    x[i] = acc;
+    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne_as_float(values[i] * encode);
+    return make_uint2(pack_eight_float_codes(codes), pack_eight_float_codes(codes + 8));
+  } else {
+    uint32_t words[2];
+#pragma unroll
+    for (int group = 0; group < 2; ++group) {  // 8 columns: one Philox call, or one per element
+      float codes[8];                          // when the shard offset is not a multiple of 8
+      const int64_t first = sr_column + group * 8;
+      if ((first & 7) == 0) {
+        const PhiloxWords bits = stochastic_rounding_words(sr_row, first >> 3, stream, seed);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) codes[t] = fp4_code_stochastic_as_float(values[group * 8 + t] * encode, bits_of_column(bits, t));
+      } else {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const int64_t column = first + t;
+          const PhiloxWords bits = stochastic_rounding_words(sr_row, column >> 3, stream, seed);
+          codes[t] = fp4_code_stochastic_as_float(values[group * 8 + t] * encode,
+                                                  bits_of_column(bits, static_cast<uint32_t>(column & 7)));
+        }
+      }
+      words[group] = pack_eight_float_codes(codes);
+    }
+    return make_uint2(words[0], words[1]);
   }
 }
 

@@ -94,43 +94,6 @@ __device__ __forceinline__ float block_amax(const float (&values)[kBlockSize]) {
   return running;
 }
 
-__device__ __forceinline__ uint2 pack_codes(const uint32_t (&codes)[kBlockSize]) {
-  uint32_t words[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) words[i / 8] |= codes[i] << (4 * (i % 8));
-  return make_uint2(words[0], words[1]);
-}
-
-// Codes of one block of 16 values that are consecutive along the quantized dimension: global row
-// `sr_row`, global columns sr_column .. sr_column + 15 of the copy (for the Philox counter).
-template <bool kSR>
-__device__ __forceinline__ uint2 encode_block(const float (&values)[kBlockSize], float encode, uint64_t seed,
-                                              uint32_t stream, int64_t sr_row, int64_t sr_column) {
-  uint32_t codes[kBlockSize];
-  if constexpr (!kSR) {
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne(values[i] * encode);  // saturates above 6
-  } else if ((sr_column & 7) == 0) {  // two Philox groups of 8 columns
-#pragma unroll
-    for (int group = 0; group < 2; ++group) {
-      const PhiloxWords words = stochastic_rounding_words(sr_row, (sr_column >> 3) + group, stream, seed);
-#pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        const int i = group * 8 + t;
-        codes[i] = fp4_code_stochastic(clamp_fp4(values[i] * encode), bits_of_column(words, t));
-      }
-    }
-  } else {  // a shard offset that is not a multiple of 8: one Philox call per element
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) {
-      const int64_t column = sr_column + i;
-      const PhiloxWords words = stochastic_rounding_words(sr_row, column >> 3, stream, seed);
-      codes[i] = fp4_code_stochastic(clamp_fp4(values[i] * encode), bits_of_column(words, static_cast<uint32_t>(column & 7)));
-    }
-  }
-  return pack_codes(codes);
-}
-
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, kMinTilesPerMultiprocessor) quantize_tile_kernel(const QuantizeArgs args) {
   extern __shared__ __align__(16) uint8_t tile[];
@@ -220,7 +183,11 @@ __global__ void __launch_bounds__(kThreads, kMinTilesPerMultiprocessor) quantize
           float transformed[kBlockSize];
           rht_chunk<kRandomSign>(pair[j], transformed);
 #pragma unroll
-          for (int i = 0; i < kBlockSize; ++i) pair[j][i] = round_to_bf16(transformed[i]);
+          for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
+            const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
+            pair[j][i] = __low2float(rounded);
+            pair[j][i + 1] = __high2float(rounded);
+          }
         }
       }
 #pragma unroll

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from nvfp4_dist import _extension, kernels, reference
-from nvfp4_dist.formats import pack_fp4
 from nvfp4_dist.reference.philox import philox4x32
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
@@ -42,13 +41,11 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
       const unsigned char scale = block_scale_e4m3(block_amax, s_enc);
       const float encode = block_encode_factor(scale, s_dec);
       scales[r * (cols / kBlockSize) + b] = scale;
-      for (int i = 0; i < kBlockSize; ++i) {
-        const float scaled = clamp_fp4(v[i] * encode);
-        const long column = col_offset + b * kBlockSize + i;
-        const PhiloxWords words = stochastic_rounding_words(row_offset + r, column >> 3, stream, seed);
-        codes[r * cols + b * kBlockSize + i] = static_cast<unsigned char>(
-            stochastic ? fp4_code_stochastic(scaled, bits_of_column(words, column & 7)) : fp4_code_rne(scaled));
-      }
+      float block[kBlockSize];
+      for (int i = 0; i < kBlockSize; ++i) block[i] = v[i];
+      const uint2 packed = stochastic ? encode_block<true>(block, encode, seed, stream, row_offset + r, col_offset + b * kBlockSize)
+                                      : encode_block<false>(block, encode, seed, stream, row_offset + r, col_offset + b * kBlockSize);
+      std::memcpy(codes + r * (cols / 2) + b * (kBlockSize / 2), &packed, sizeof(packed));
     }
   }
 }
@@ -102,13 +99,13 @@ def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset
     x_np = np.ascontiguousarray(x.to(torch.float32).numpy())
     rows, cols = x_np.shape
     amax_np = np.ascontiguousarray(amax.numpy().astype(np.float32))
-    codes = np.zeros((rows, cols), dtype=np.uint8)
+    codes = np.zeros((rows, cols // 2), dtype=np.uint8)
     scales = np.zeros((rows, cols // 16), dtype=np.uint8)
     lib.quantize_rows(pointer(x_np), ctypes.c_long(rows), ctypes.c_long(cols), pointer(amax_np),
                       ctypes.c_long(amax_np.size), ctypes.c_int(sr_seed is not None), ctypes.c_ulonglong(sr_seed or 0),
                       ctypes.c_long(offset[0]), ctypes.c_long(offset[1]), ctypes.c_uint(stream),
                       pointer(codes), pointer(scales))
-    return pack_fp4(torch.from_numpy(codes)), torch.from_numpy(scales)
+    return torch.from_numpy(codes), torch.from_numpy(scales)
 
 
 def test_kernels_mirror_reference_signatures():
@@ -225,6 +222,32 @@ def test_fp4_rounding_matches_reference(numerics, stochastic):
     got = torch.from_numpy(out)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} differ, e.g. v={v_np[bad[:5].numpy()]} got {got[bad[:5]]} want {want[bad[:5]]}"
+
+
+@needs_nvcc
+def test_stochastic_rounding_ties_of_the_random_bits(numerics):
+    """Values whose p * 65536 is an integer, with bits just below, at and above it (the strict '<')."""
+    from nvfp4_dist.formats import fp4_neighbours
+    steps = torch.tensor([0.5] * 4 + [1.0] * 2 + [2.0])
+    lows = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    fractions = torch.tensor([0, 1, 2, 255, 32768, 40000, 65534, 65535], dtype=torch.float32)
+    a = (lows[:, None] + steps[:, None] * fractions[None, :] / 65536).flatten()
+    a = torch.cat([a, torch.tensor([6.0, 1e-30, 1e-45])])
+    v = torch.cat([a, -a]).repeat_interleave(3)
+    base = (torch.cat([fractions.repeat(7), torch.zeros(3)]).repeat(2).repeat_interleave(3)).long()
+    bits = (base + torch.tensor([-1, 0, 1]).repeat(v.numel() // 3)).clamp(0, 65535)
+    # the reference's rule, spelled out with injected bits (reference/quantize.py, _stochastic_codes)
+    magnitude = v.abs()
+    lower, lower_value, upper_value = fp4_neighbours(magnitude)
+    gap = upper_value - lower_value
+    probability_up = torch.where(gap > 0, torch.div(magnitude - lower_value, torch.where(gap > 0, gap, 1.0)), 0.0)
+    want = torch.where(bits.float() < probability_up * 65536.0, lower + 1, lower).clamp(max=7).to(torch.uint8)
+    want = want | torch.where(v < 0, 8, 0).to(torch.uint8)
+    v_np = np.ascontiguousarray(v.numpy())
+    bits_np = np.ascontiguousarray(bits.numpy().astype(np.uint32))
+    out = np.zeros(v.numel(), dtype=np.uint8)
+    numerics.fp4_codes(pointer(v_np), ctypes.c_long(v.numel()), pointer(bits_np), ctypes.c_int(1), pointer(out))
+    assert torch.equal(torch.from_numpy(out), want)
 
 
 @needs_nvcc
