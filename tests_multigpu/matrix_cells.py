@@ -10,10 +10,12 @@ W / TP data-parallel replicas each get their own data and check independently. P
    Blackwell; those backends are checked against the reference GEMM elsewhere, and by the b200 profile),
    partial outputs summed on one device. Tolerances (elementwise |got - want| <= allowed):
      exact                 everything that involves no cross-rank sum;
-     BF16 reduction        a sum of t BF16 partials (all-reduce / reduce-scatter, plain or ring):
-                           allowed = (t - 1) * 2^-8 * sum_r |partial_r|  (any order, t - 1 roundings),
-                           plus 2^-8 * |want| when a bias is added after the sum;
-     bias gradient         a BF16 sum over tokens: 2^-8 * |want| + tokens * 2^-23 * sum |dy|;
+     BF16 reduction        a sum of t > 1 BF16 partials (all-reduce / reduce-scatter, plain or ring):
+                           allowed = t * 2^-8 * sum_r |partial_r|  (t - 1 roundings in any order, and the
+                           emulation's one), plus one BF16 step (2^-7 * |want|) when a bias is added after;
+     bias gradient         a BF16 sum over tokens: one BF16 step + tokens * 2^-23 * sum |dy| (FP32 order);
+     row-scaled on CUDA    BF16 matmuls (cuBLAS may order the sums differently): one BF16 step
+                           + K * 2^-23 * (|a| @ |b|), carried through GELU backward in the MLP;
      overlap on CUDA       the above plus the GEMM accumulation tolerance of SPEC 11 (8e-3 * (|want| + mean
                            |want|)), since chunked GEMMs may tile differently.
 2. Cells with TP > 1 also against the same layer at TP = 1 (same full weights and data): relative L2
@@ -42,7 +44,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import nvfp4_dist
-from nvfp4_dist import reference as R
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
@@ -67,7 +68,8 @@ TP_SIZES = (1, 2, 4, 8)
 # shard gives >= 0.7.
 TP1_RELATIVE_TOLERANCE = 0.4
 MEGATRON_TP1_RELATIVE_TOLERANCE = 0.5
-BF16_STEP = 2.0 ** -8
+BF16_ROUNDING = 2.0 ** -8  # largest relative error of one rounding to BF16 (half a step)
+BF16_ULP = 2.0 ** -7  # largest relative size of one BF16 step: two roundings of nearby values may differ by it
 GEMM_TOLERANCE = 8e-3  # SPEC 11
 SR_SEED_BASE = 20260
 OVERLAP_UNAVAILABLE = "overlap unavailable"
@@ -236,17 +238,23 @@ class Checks:
             self.failures.append(f"{name} vs TP=1: relative L2 error {error:.3f} > {tolerance}")
 
 
-def reduced(partials: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of BF16 partials rounded once, the allowed error of any t-1-rounding order)."""
-    total = torch.stack([p.float() for p in partials]).sum(0)
-    magnitude = torch.stack([p.float().abs() for p in partials]).sum(0)
-    allowed = (len(partials) - 1) * BF16_STEP * magnitude
-    return total.to(partials[0].dtype), allowed
+def reduced(partials: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the (BF16 partial, allowed error) pairs, rounded once, and its allowed error.
+
+    A cross-rank sum in any order rounds t - 1 times and the emulation once, each by at most
+    2^-8 * sum_r |partial_r|: t * 2^-8 * sum_r |partial_r| (0 for t = 1), on top of the partials' own allowances.
+    """
+    values = [p for p, _ in partials]
+    total = torch.stack([p.float() for p in values]).sum(0)
+    magnitude = torch.stack([p.float().abs() for p in values]).sum(0)
+    roundings = len(values) if len(values) > 1 else 0
+    allowed = roundings * BF16_ROUNDING * magnitude + torch.stack([a for _, a in partials]).sum(0)
+    return total.to(values[0].dtype), allowed
 
 
 def bias_grad_allowed(want: torch.Tensor, dy2d: torch.Tensor) -> torch.Tensor:
     """One BF16 rounding of a token sum plus its FP32 accumulation error (any summation order)."""
-    return BF16_STEP * want.float().abs() + dy2d.shape[0] * 2.0 ** -23 * dy2d.float().abs().sum(0)
+    return BF16_ULP * want.float().abs() + dy2d.shape[0] * 2.0 ** -23 * dy2d.float().abs().sum(0)
 
 
 def gemm_allowance(want: torch.Tensor) -> torch.Tensor:
@@ -263,7 +271,11 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class Emulation:
-    """Quantize with the reference on the CPU; GEMMs and BF16 math on `device` like the layer."""
+    """Quantize with the reference on the CPU; GEMMs, dequantization and BF16 math on `device` like the layer.
+
+    Values come with their allowed error (zeros where exact): on CUDA the BF16 matmuls of the row-scaled
+    backward may pick another cuBLAS accumulation order than the layer's call did.
+    """
 
     def __init__(self, recipe: nvfp4_dist.NVFP4Recipe, device: torch.device):
         self.recipe, self.device = recipe, device
@@ -284,29 +296,48 @@ class Emulation:
         return self._to(row), self._to(col)
 
     def gemm(self, a, b, a_copy, b_copy, out_dtype, bias=None):
-        return nvfp4_dist.gemm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias,
-                               recipe=self.recipe)
+        """NVFP4 GEMM with the layer's backend: exact (a deterministic GEMM of the same shapes)."""
+        out = nvfp4_dist.gemm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias,
+                              recipe=self.recipe)
+        return out, torch.zeros(out.shape, device=out.device)
+
+    def matmul(self, a, b, out_dtype):
+        """(a @ b).to(out_dtype) in BF16 like the row-scaled backward, with its allowed error."""
+        out = (a @ b).to(out_dtype)
+        if self.device.type != "cuda":
+            return out, torch.zeros(out.shape, device=out.device)
+        products = a.float().abs() @ b.float().abs()
+        return out, BF16_ULP * out.float().abs() + a.shape[1] * 2.0 ** -23 * products
 
     def dequantized(self, q, dtype):
-        return R.dequantize_tensor(q.to("cpu"), dtype, "rowwise").to(self.device)
+        return nvfp4_dist.dequantize(q, dtype=dtype, copy="rowwise")
 
     # Column-parallel: weight [out/t, in] per shard, input shared (gathered under SP).
     def column_forward(self, x2d, w_full, b_full, t):
+        """Each shard's output [tokens, out/t] (exact) and what backward needs."""
         xq_row, xq_col = self.activation(x2d)
         wq = [self.weight(w) for w in w_full.chunk(t, 0)]
-        ys = [self.gemm(xq_row, wq[k], "rowwise", "rowwise", x2d.dtype, bias=b.detach())
+        ys = [self.gemm(xq_row, wq[k], "rowwise", "rowwise", x2d.dtype, bias=b.detach())[0]
               for k, b in enumerate(b_full.chunk(t, 0))]
         return ys, dict(xq_row=xq_row, xq_col=xq_col, wq=wq)
 
-    def column_backward(self, dy_shards, saved, seed, weight_dtype):
-        """(dx partials, dW per shard) for output-gradient shards [tokens, out/t]."""
+    def column_backward(self, dy_shards, saved, seed, weight_dtype, dy_allowed=None):
+        """([(dx partial, allowed)] per shard, [(dW, allowed)] per shard) for output-gradient shards.
+
+        dy_allowed: the shards' own allowed errors (row-scaled MLP on CUDA), carried through the BF16 matmuls.
+        """
         partials, weight_grads = [], []
         for k, dy2d in enumerate(dy_shards):
             wq = saved["wq"][k]
             if self.row_scaled:
-                partials.append(dy2d @ self.dequantized(wq, dy2d.dtype))
-                x_deq = self.dequantized(saved["xq_row"], dy2d.dtype)
-                weight_grads.append((dy2d.t() @ x_deq).to(weight_dtype))
+                w_deq, x_deq = self.dequantized(wq, dy2d.dtype), self.dequantized(saved["xq_row"], dy2d.dtype)
+                (dx, dx_allowed), (dw, dw_allowed) = (self.matmul(dy2d, w_deq, dy2d.dtype),
+                                                      self.matmul(dy2d.t(), x_deq, weight_dtype))
+                if dy_allowed is not None:
+                    dx_allowed = dx_allowed + dy_allowed[k] @ w_deq.float().abs()
+                    dw_allowed = dw_allowed + dy_allowed[k].t() @ x_deq.float().abs()
+                partials.append((dx, dx_allowed))
+                weight_grads.append((dw, dw_allowed))
             else:
                 dyq_row, dyq_col = self.gradient(dy2d, seed)
                 partials.append(self.gemm(dyq_row, wq, "rowwise", "columnwise", dy2d.dtype))
@@ -315,20 +346,21 @@ class Emulation:
 
     # Row-parallel: weight [out, in/t] per shard, input split along its last dim.
     def row_forward(self, x_shards, w_full, t):
+        """Each shard's partial output [tokens, out] (exact, before the reduction) and what backward needs."""
         xq = [self.activation(x2d) for x2d in x_shards]
         wq = [self.weight(w) for w in w_full.chunk(t, 1)]
         partials = [self.gemm(xq[k][0], wq[k], "rowwise", "rowwise", x_shards[k].dtype) for k in range(t)]
         return partials, dict(xq=xq, wq=wq)
 
     def row_backward(self, dy2d, saved, seed, weight_dtype):
-        """(dx per shard, dW per shard) for the full output gradient [tokens, out]."""
+        """([(dx, allowed)] per shard, [(dW, allowed)] per shard) for the full output gradient."""
         input_grads, weight_grads = [], []
         if not self.row_scaled:
             dyq_row, dyq_col = self.gradient(dy2d, seed)
         for (xq_row, xq_col), wq in zip(saved["xq"], saved["wq"]):
             if self.row_scaled:
-                input_grads.append(dy2d @ self.dequantized(wq, dy2d.dtype))
-                weight_grads.append((dy2d.t() @ self.dequantized(xq_row, dy2d.dtype)).to(weight_dtype))
+                input_grads.append(self.matmul(dy2d, self.dequantized(wq, dy2d.dtype), dy2d.dtype))
+                weight_grads.append(self.matmul(dy2d.t(), self.dequantized(xq_row, dy2d.dtype), weight_dtype))
             else:
                 input_grads.append(self.gemm(dyq_row, wq, "rowwise", "columnwise", dy2d.dtype))
                 weight_grads.append(self.gemm(dyq_col, xq_col, "columnwise", "columnwise", weight_dtype))
@@ -419,12 +451,14 @@ def emulate(cell: Cell, data: LayerData, tp: int, rank: int, recipe) -> tuple[di
     """(expected values, allowed errors) of run_layers' quantities on this rank, from the emulation."""
     emulation = Emulation(recipe.replace(overlap=False), data.x.device)
     sp = cell.sp and tp > 1
-    s = data.x.shape
-    tokens = s[0] * s[1]
+    seq, batch = data.x.shape[:2]
     want, allowed = {}, {}
 
-    def split_rows(t2d):  # this rank's rows of a [tokens, n] tensor under SP ([s/tp, b, n] of [s, b, n])
-        return t2d.reshape(s[0], s[1], -1).chunk(tp, 0)[rank] if sp else t2d.reshape(s[0], s[1], -1)
+    def rows(t2d):  # this rank's part of a [tokens, n] tensor as [s, b, n], or [s/tp, b, n] under SP
+        return t2d.reshape(seq, batch, -1).chunk(tp, 0)[rank] if sp else t2d.reshape(seq, batch, -1)
+
+    def expect(name, value_allowed, view=lambda t: t):
+        want[name], allowed[name] = view(value_allowed[0]), view(value_allowed[1])
 
     seeds = draw_seeds(2 if cell.kind == "mlp" else 1, recipe)
     x2d, dy2d = flat(data.x), flat(data.dy)
@@ -432,45 +466,44 @@ def emulate(cell: Cell, data: LayerData, tp: int, rank: int, recipe) -> tuple[di
         w1, b1 = data.weights[0], data.biases[0]
         hidden_shards, saved1 = emulation.column_forward(x2d, w1, b1, tp)
     if cell.kind == "column":
-        want["y"] = hidden_shards[rank].reshape(s[0], s[1], -1)
+        want["y"] = hidden_shards[rank].reshape(seq, batch, -1)
         dy_shards = [c.contiguous() for c in dy2d.chunk(tp, -1)]
         partials, weight_grads = emulation.column_backward(dy_shards, saved1, seeds[0], w1.dtype)
-        dx, dx_allowed = reduced(partials)
-        want["dx"], allowed["dx"] = split_rows(dx), split_rows(dx_allowed)
-        want["dW1"] = weight_grads[rank]
+        expect("dx", reduced(partials), rows)
+        expect("dW1", weight_grads[rank])
         want["db1"] = dy_shards[rank].sum(0).to(b1.dtype)
         allowed["db1"] = bias_grad_allowed(want["db1"], dy_shards[rank])
         return want, allowed
 
     if cell.kind == "row":
         row_inputs = [c.contiguous() for c in x2d.chunk(tp, -1)]
-        w2, b2, name = data.weights[0], data.biases[0], "1"
+        w2, b2, index = data.weights[0], data.biases[0], "1"
     else:
-        activations = [F.gelu(h) for h in hidden_shards]
-        row_inputs = activations
-        w2, b2, name = data.weights[1], data.biases[1], "2"
+        row_inputs = [F.gelu(h) for h in hidden_shards]
+        w2, b2, index = data.weights[1], data.biases[1], "2"
     partials, saved2 = emulation.row_forward(row_inputs, w2, tp)
     y_sum, y_allowed = reduced(partials)
-    y = split_rows(y_sum) + b2.to(y_sum.dtype)
-    want["y"] = y
-    allowed["y"] = split_rows(y_allowed) + (BF16_STEP * y.float().abs() if tp > 1 else 0)
+    want["y"] = rows(y_sum) + b2.to(y_sum.dtype)
+    allowed["y"] = rows(y_allowed) + (BF16_ULP * want["y"].float().abs() if tp > 1 else 0)
     dy_local = data.dy.chunk(tp, 0)[rank] if sp else data.dy
-    want[f"db{name}"] = dy_local.sum(dim=tuple(range(dy_local.dim() - 1))).to(b2.dtype)
-    allowed[f"db{name}"] = bias_grad_allowed(want[f"db{name}"], flat(dy_local))
+    want[f"db{index}"] = dy_local.sum(dim=tuple(range(dy_local.dim() - 1))).to(b2.dtype)
+    allowed[f"db{index}"] = bias_grad_allowed(want[f"db{index}"], flat(dy_local))
     input_grads, weight_grads = emulation.row_backward(dy2d, saved2, seeds[0], w2.dtype)
-    want[f"dW{name}"] = weight_grads[rank]
+    expect(f"dW{index}", weight_grads[rank])
     if cell.kind == "row":
-        want["dx"] = input_grads[rank].reshape(s[0], s[1], -1)
+        expect("dx", input_grads[rank], lambda t: t.reshape(seq, batch, -1))
         return want, allowed
 
-    # MLP: GELU backward on every shard, then the column-parallel backward.
-    dy_shards = [torch.ops.aten.gelu_backward(g, h) for g, h in zip(input_grads, hidden_shards)]
-    partials, weight_grads1 = emulation.column_backward(dy_shards, saved1, seeds[1], w1.dtype)
-    dx, dx_allowed = reduced(partials)
-    want["dx"], allowed["dx"] = split_rows(dx), split_rows(dx_allowed)
-    want["dW1"] = weight_grads1[rank]
+    # MLP: GELU backward on every shard (its input-gradient allowance scaled by |gelu'| plus one BF16
+    # rounding), then the column-parallel backward.
+    dy_shards = [torch.ops.aten.gelu_backward(g, h) for (g, _), h in zip(input_grads, hidden_shards)]
+    dy_allowed = [torch.ops.aten.gelu_backward(a, h.float()).abs() + (BF16_ULP * d.float().abs() if a.any() else 0)
+                  for (_, a), h, d in zip(input_grads, hidden_shards, dy_shards)]
+    partials, weight_grads1 = emulation.column_backward(dy_shards, saved1, seeds[1], w1.dtype, dy_allowed)
+    expect("dx", reduced(partials), rows)
+    expect("dW1", weight_grads1[rank])
     want["db1"] = dy_shards[rank].sum(0).to(b1.dtype)
-    allowed["db1"] = bias_grad_allowed(want["db1"], dy_shards[rank])
+    allowed["db1"] = bias_grad_allowed(want["db1"], dy_shards[rank]) + dy_allowed[rank].sum(0)
     return want, allowed
 
 
