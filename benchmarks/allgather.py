@@ -101,8 +101,8 @@ def main() -> None:
         print("-" * len(header))
         for r in rows:
             target = f"{r['target']:.1f}x" if r["target"] else "-"
-            print(f"{r['size_mb']:>4} | {r['bf16_ms']:>8.3f} {r['bf16_bus_gbps']:>8.1f} | {r['amax_allreduce_ms']:>7.3f} "
-                  f"{r['nvfp4_gather_only_ms']:>7.3f} {r['nvfp4_packed_gather_only_ms']:>7.3f} {r['nvfp4_ms']:>8.3f} "
+            print(f"{r['size_mb']:>4} | {r['bf16_ms']:>8.3f} {r['bf16_bus_gbps']:>8.1f} | "
+                  f"{r['amax_allreduce_ms']:>7.3f} {r['nvfp4_gather_only_ms']:>7.3f} {r['nvfp4_packed_gather_only_ms']:>7.3f} {r['nvfp4_ms']:>8.3f} "
                   f"{r['nvfp4_bus_gbps']:>8.1f} | {r['ratio']:>5.2f}x {target:>6}")
         out = pathlib.Path(args.out or f"benchmarks/results/allgather_tp{world_size}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

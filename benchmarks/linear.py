@@ -115,7 +115,8 @@ def main() -> None:
         print(f"{r['tokens']:>6} {r['in_features']:>6} {r['out_features']:>6} | {r['bf16_ms']:>8.2f} "
               f"{r['nvfp4_ms']:>8.2f} {r['speedup']:>6.2f}x | {r['nvfp4_quantize_ms']:>6.2f} "
               f"{r['nvfp4_gemm_ms']:>6.2f} {r['nvfp4_other_ms']:>6.2f} {r['weight_quantize_once_per_step_ms']:>6.2f} | "
-              f"{r['bf16_saved_bytes'] / 2**20:>8.0f}MB {r['nvfp4_saved_bytes'] / 2**20:>8.0f}MB {r['saved_ratio']:>5.3f}")
+              f"{r['bf16_saved_bytes'] / 2**20:>8.0f}MB {r['nvfp4_saved_bytes'] / 2**20:>8.0f}MB "
+              f"{r['saved_ratio']:>5.3f}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="linear", gpu=torch.cuda.get_device_name(),

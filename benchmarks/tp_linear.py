@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import nvfp4_dist as nv
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 
 

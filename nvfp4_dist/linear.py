@@ -42,7 +42,9 @@ def operand_amaxes(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwise
                    columnwise: bool = True):
     """(amax_rowwise, amax_columnwise) that quantize_operand would use (None for copies not asked)."""
     if columnwise and needs_bf16_columnwise_source(role, recipe, x2d.dtype):
-        amax_rowwise = ops.compute_amaxes(x2d, role, rowwise=True, columnwise=False, recipe=recipe)[0] if rowwise else None
+        amax_rowwise = None
+        if rowwise:
+            amax_rowwise = ops.compute_amaxes(x2d, role, rowwise=True, columnwise=False, recipe=recipe)[0]
         amax_columnwise = ops.compute_amaxes(x2d.to(torch.bfloat16), role, rowwise=False, columnwise=True,
                                              recipe=recipe)[1]
         return amax_rowwise, amax_columnwise
@@ -247,16 +249,16 @@ def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype,
         return None, None
     sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
     dyq = comm.quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=need_dgrad, columnwise=need_wgrad)
-    wgrad = None
-    if need_wgrad:
-        # Start the wgrad operands' gathers now, so they overlap the dgrad GEMM.
+    if need_wgrad:  # start the wgrad operands' gathers now, so they overlap the dgrad GEMM
         finish_x = comm.input_for_wgrad(saved_x)
         finish_dy = comm.grad_output_for_wgrad(dyq.columnwise_only())
-
-        def wgrad(accumulate_into):
-            return gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
-                        out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
     dx2d = comm.dgrad(dyq.rowwise_only(), weight_q, out_dtype=x_dtype, recipe=recipe) if need_dgrad else None
+    if not need_wgrad:
+        return dx2d, None
+
+    def wgrad(accumulate_into):
+        return gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
+                    out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
     return dx2d, wgrad
 
 
@@ -267,16 +269,16 @@ def row_scaled_backward(dy2d, saved_x, weight_q, comm, x_dtype, weight_dtype, ne
     if need_dgrad:
         weight = ops.dequantize(weight_q, dtype=dy2d.dtype, copy="rowwise")
         dx2d = comm.dgrad_bf16(dy_full, weight).to(x_dtype)
-    wgrad = None
-    if need_wgrad:
-        finish_x = comm.input_for_wgrad(saved_x)
+    if not need_wgrad:
+        return dx2d, None
+    finish_x = comm.input_for_wgrad(saved_x)
 
-        def wgrad(accumulate_into):
-            x = ops.dequantize(finish_x(), dtype=dy2d.dtype, copy="rowwise").reshape(-1, saved_x.cols)
-            grad = dy_full.t() @ x
-            if accumulate_into is not None:
-                return accumulate_into.add_(grad.to(torch.float32))
-            return grad.to(weight_dtype)
+    def wgrad(accumulate_into):
+        x = ops.dequantize(finish_x(), dtype=dy2d.dtype, copy="rowwise").reshape(-1, saved_x.cols)
+        grad = dy_full.t() @ x
+        if accumulate_into is not None:
+            return accumulate_into.add_(grad.to(torch.float32))
+        return grad.to(weight_dtype)
     return dx2d, wgrad
 
 
@@ -319,8 +321,9 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"input.shape={tuple(x.shape)}: training needs the token count (product of the leading "
                          f"dims, {tokens}) to be a multiple of {BLOCK_SIZE} for the wgrad copies; pad the batch "
                          f"explicitly or run under torch.no_grad()")
-    options = LinearOptions(recipe=recipe, comm=comm or LinearComm(), accumulate_into_main_grad=accumulate_into_main_grad,
-                            wgrad_store=wgrad_store, grad_enabled=grad_enabled)
+    options = LinearOptions(recipe=recipe, comm=comm or LinearComm(),
+                            accumulate_into_main_grad=accumulate_into_main_grad, wgrad_store=wgrad_store,
+                            grad_enabled=grad_enabled)
     return NVFP4LinearFunction.apply(x, weight, bias, weight_q, options)
 
 

@@ -2,7 +2,8 @@
 
 The four linears of each block are nvfp4_dist.Linear (NVFP4, or its BF16 fallback for the baseline);
 embeddings, norms, attention math and the output head stay in BF16/FP32 (SPEC 10). Parameters are FP32
-master weights; activations run in BF16. The token stream is a fixed Markov chain (each token has 4 likely successors: loss floor ln 4).
+master weights; activations run in BF16. The token stream is a fixed Markov chain (each token has 4
+likely successors: the loss floor is ln 4).
 """
 import dataclasses
 

@@ -66,8 +66,8 @@ def _check_comm(rank, world_size, device="cpu", packed=None):
     recipe = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
     x = full.to(torch.bfloat16)
     q = nv.quantize(x.chunk(world_size)[rank], "activation", columnwise=False, recipe=recipe)
-    assert_bytes_equal(all_gather_nvfp4(q, packed=packed), nv.quantize(x, "activation", columnwise=False, recipe=recipe),
-                       "row-scaled")
+    expected = nv.quantize(x, "activation", columnwise=False, recipe=recipe)
+    assert_bytes_equal(all_gather_nvfp4(q, packed=packed), expected, "row-scaled")
 
     # amax all-reduce: MAX, in place, None entries left alone, one tensor per entry.
     a, b = torch.tensor([float(rank)], device=device), torch.tensor([10.0 - rank], device=device)
