@@ -45,6 +45,16 @@ def is_nonfinite_amax_error(error: BaseException) -> bool:
     return isinstance(error, ValueError) and "is not finite" in str(error)
 
 
+def is_communication_error(error: BaseException) -> bool:
+    """True for errors of torch.distributed or its backends (a peer that died, a timed-out collective)."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return any(marker in text for marker in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out"))
+
+
 class LayerTracer:
     """Remembers which NVFP4 layer ran last, forward or backward, to name it in error reports."""
 

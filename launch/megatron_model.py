@@ -3,7 +3,8 @@
 The first/last --bf16-first-layers/--bf16-last-layers transformer layers stay in BF16. Parameters
 are FP32 (master weights); with --dtype bf16 the forward runs under torch.autocast. On CPU (tests,
 --model megatron --device cpu) attention is torch's SDPA, since Megatron's DotProductAttention
-allocates its causal mask on CUDA. Megatron-Core is imported here only.
+allocates its causal mask on CUDA, and Megatron's RNG tracker is the no-op one (dropout is off).
+Megatron-Core is imported here only.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def build_megatron_gpt(plan, device):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=plan.tp)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    else:  # no CUDA RNG to fork; dropout is off, so Megatron's tracker may be the no-op one
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=plan.ffn, tensor_model_parallel_size=plan.tp, sequence_parallel=args.sp,

@@ -194,6 +194,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--overlap needs --tp > 1 (there is no TP communication to overlap)")
     if args.gemm_backend in ("cublaslt", "emulated") and device != "cuda":
         raise ValueError(f"--gemm-backend={args.gemm_backend} needs CUDA (--device cuda)")
+    if model == "megatron" and args.sp and device != "cuda":
+        raise ValueError("--sp with --model megatron needs CUDA (Megatron-Core's own output layer gathers the "
+                         "sequence through a CUDA buffer); on CPU use --model gpt --sp")
     if model == "megatron" and BYTE_VOCAB % tp:
         raise ValueError(f"--tp={tp} must divide the vocabulary ({BYTE_VOCAB}) for Megatron's vocab-parallel layers")
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
@@ -505,8 +508,9 @@ def run_worker(plan: Plan) -> int:
         sys.stderr.flush()
         watchdog.stop()
         return 2
-    except Exception:
-        watchdog.hold(args.watchdog_timeout + 5)  # lets the watchdog name a dead or hung rank first
+    except Exception as error:
+        if faults.is_communication_error(error):  # a peer died or hung: let the watchdog name it first
+            watchdog.hold(args.watchdog_timeout + 5)
         raise
 
 

@@ -101,3 +101,13 @@ def test_learning_rate_schedule_warms_up_then_decays_to_min_lr():
     assert train.learning_rate(plan, 10) == pytest.approx(1e-3)
     assert train.learning_rate(plan, 100) == pytest.approx(1e-4)
     assert 1e-4 < train.learning_rate(plan, 55) < 1e-3
+
+
+def test_megatron_model_path_trains_on_cpu(tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
+    result = run_train(tmp_path, "--model", "megatron", "--steps", "6", "--warmup-steps", "1", "--save-every", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "megatron model: 2 layers" in result.stdout
+    losses = [r["loss"] for r in metrics(tmp_path)]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert checkpoint.latest_step(tmp_path / "checkpoints") == 6
