@@ -155,7 +155,20 @@ def _default_extra_state_hook(state_dict, prefix, *args, **kwargs):
 
 
 class _MegatronLinearContract:
-    """Megatron's _extra_state / sharded-state-dict protocol shared by both adapters."""
+    """Megatron's _extra_state / first-micro-batch protocols shared by both adapters."""
+
+    # Megatron's optimizers write parameters through `.data` (no autograd version bump), so the
+    # weight cache cannot see the update. Like Transformer Engine's layers, requantize the weight at
+    # each step's first micro-batch when Megatron's schedules flag it (set_is_first_microbatch), and at
+    # every forward when nothing flags it (None).
+    is_first_microbatch = None
+
+    def forward(self, input_: torch.Tensor):
+        if self.is_first_microbatch is not False:
+            self.invalidate_weight_cache()
+        if self.is_first_microbatch:
+            self.is_first_microbatch = False
+        return super().forward(input_)
 
     def get_extra_state(self) -> None:
         """No extra state (as Megatron's local layers); the key exists for TE-spec compatibility."""

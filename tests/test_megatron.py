@@ -198,6 +198,32 @@ def test_gradient_accumulation_fusion_adds_into_main_grad():
     run_distributed(_main_grad_worker, TP)
 
 
+def _weight_refresh_worker(rank, world_size):
+    """A `.data` write (how Megatron's optimizers update parameters) is seen by the next forward."""
+    from nvfp4_dist.parallel.megatron import NVFP4RowParallelLinear
+    _init_megatron(TP)
+    config = _config()
+    torch.manual_seed(5)
+    layer = NVFP4RowParallelLinear(FFN, HIDDEN, config=config, init_method=config.init_method, bias=True,
+                                   input_is_parallel=True, skip_bias_add=False)
+    x = _layer_input("row", False, rank)
+    with torch.no_grad():
+        before, _ = layer(x)
+        layer.weight.data.copy_(layer.weight.data * 2)      # no version bump
+        after, _ = layer(x)
+        torch.testing.assert_close(after, 2 * before, rtol=0.02, atol=1e-3)
+        # Megatron's schedules flag each step's first micro-batch: the cache is reused after it.
+        layer.is_first_microbatch = True
+        layer(x)
+        quantizations = layer.weight_cache.quantizations
+        layer(x)
+        assert layer.weight_cache.quantizations == quantizations and layer.is_first_microbatch is False
+
+
+def test_weight_written_through_data_is_requantized():
+    run_distributed(_weight_refresh_worker, TP)
+
+
 def _invalid_worker(rank, world_size):
     from nvfp4_dist.parallel.megatron import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
     _init_megatron(TP)
