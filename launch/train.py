@@ -486,10 +486,9 @@ def init_process_group(plan: Plan):
 
 def run_worker(plan: Plan) -> int:
     """Train on this rank; returns the process exit code."""
-    import torch
     import torch.distributed as dist
 
-    from nvfp4_dist.launch import checkpoint, faults
+    from nvfp4_dist.launch import faults
 
     args = plan.args
     device = init_process_group(plan)
@@ -503,7 +502,7 @@ def run_worker(plan: Plan) -> int:
                   file=sys.stderr, flush=True)
         watchdog.stop()
         return NONFINITE_EXIT_CODE
-    except ValueError as error:  # a bad setting met on this rank (for example a checkpoint of another shape)
+    except SettingError as error:
         sys.stderr.write(f"nvfp4-train (rank {rank}): error: {error}\n")
         sys.stderr.flush()
         watchdog.stop()
@@ -514,11 +513,76 @@ def run_worker(plan: Plan) -> int:
         raise
 
 
+class SettingError(ValueError):
+    """A setting that does not fit what a worker finds (for example a checkpoint of another shape)."""
+
+
+def resume(plan: Plan, model, optimizer, checkpoints: pathlib.Path, rank: int, device) -> int:
+    """Load the latest complete checkpoint into model and optimizer (and the RNG); returns its step (0: none)."""
+    import torch.distributed as dist
+
+    from nvfp4_dist.launch import checkpoint
+
+    if plan.args.no_resume and rank == 0 and checkpoints.exists():
+        shutil.rmtree(checkpoints)
+    dist.barrier()
+    if plan.args.no_resume or checkpoint.latest_step(checkpoints) is None:
+        return 0
+    try:
+        state = checkpoint.load_checkpoint(checkpoints, rank=rank, world_size=plan.world_size)
+    except ValueError as error:
+        raise SettingError(str(error)) from None
+    mismatched = {key: (state["config"].get(key), value) for key, value in checkpoint_config(plan).items()
+                  if state["config"].get(key) != value}
+    if mismatched:
+        details = ", ".join(f"--{key.replace('_', '-')}: checkpoint {old}, now {new}"
+                            for key, (old, new) in mismatched.items())
+        raise SettingError(f"the checkpoint in {checkpoints} does not fit this run ({details}); use the same "
+                           f"flags, another --out-dir, or --no-resume")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    restore_rng(state["rng"], device)
+    return state["step"]
+
+
+def forward_backward(model, tokens, labels, tracer):
+    """(loss, problem): the local loss after backward, or problem = (where, what) for a NaN/Inf loss or amax."""
+    import torch
+
+    from nvfp4_dist.launch import faults
+
+    try:
+        loss = model(tokens, labels)
+    except ValueError as error:
+        if not faults.is_nonfinite_amax_error(error):
+            raise
+        return None, (tracer.current, str(error))
+    if not torch.isfinite(loss):
+        return None, ("the loss", f"the loss is {loss.item()}")
+    try:
+        loss.backward()
+    except ValueError as error:
+        if not faults.is_nonfinite_amax_error(error):
+            raise
+        return None, (tracer.current, str(error))
+    return float(loss.detach()), None
+
+
+def describe_job(plan: Plan, dp_size: int) -> str:
+    args = plan.args
+    nodes = plan.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+    return (f"{plan.model} model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}, ffn {plan.ffn}, "
+            f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on {nodes} "
+            f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
+            f"{'on' if args.overlap else 'off'}); recipe {plan.recipe}")
+
+
 def train(plan: Plan, device, rank: int, watchdog) -> int:
     import torch
     import torch.distributed as dist
 
     from nvfp4_dist.launch import checkpoint, faults
+    from nvfp4_dist.launch.model import reduce_sequence_parallel_grads
 
     args = plan.args
     torch.manual_seed(args.seed)
@@ -534,30 +598,9 @@ def train(plan: Plan, device, rank: int, watchdog) -> int:
     traced = lambda module: type(module).__module__.startswith("nvfp4_dist.parallel")  # noqa: E731
     tracer = faults.LayerTracer(model, traced)
     checkpoints = args.out_dir / "checkpoints"
-    if args.no_resume and rank == 0 and checkpoints.exists():
-        shutil.rmtree(checkpoints)
-    dist.barrier()
-    start_step = 0
-    if not args.no_resume and checkpoint.latest_step(checkpoints) is not None:
-        state = checkpoint.load_checkpoint(checkpoints, rank=rank, world_size=plan.world_size)
-        mismatched = {key: (state["config"][key], value) for key, value in checkpoint_config(plan).items()
-                      if state["config"].get(key) != value}
-        if mismatched:
-            details = ", ".join(f"--{key.replace('_', '-')}: checkpoint {old}, now {new}"
-                                for key, (old, new) in mismatched.items())
-            raise ValueError(f"the checkpoint in {checkpoints} does not fit this run ({details}); use the same "
-                             f"flags, another --out-dir, or --no-resume")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        restore_rng(state["rng"], device)
-        start_step = state["step"]
+    start_step = resume(plan, model, optimizer, checkpoints, rank, device)
     reporter = Reporter(plan, enabled=rank == 0)
-    describe = (f"{plan.model} model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}, ffn {plan.ffn}, "
-                f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on "
-                f"{plan.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', plan.world_size))} node(s), "
-                f"{plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
-                f"{'on' if args.overlap else 'off'}); recipe {plan.recipe}")
-    reporter.line(describe)
+    reporter.line(describe_job(plan, dp_size))
     if start_step:
         reporter.line(f"resumed from the step-{start_step} checkpoint in {checkpoints}")
     if start_step >= args.steps:
@@ -565,12 +608,12 @@ def train(plan: Plan, device, rank: int, watchdog) -> int:
                       f"(raise --steps, or --no-resume to start over)")
     data = load_corpus(args.data, args.seq_length)
     tokens_per_step = args.micro_batch * args.seq_length * dp_size
-    poison = None
     losses, skipped, step_times = [], [], []
     started = time.monotonic()
     last_saved = None
     for step in range(start_step + 1, args.steps + 1):
         step_start = time.monotonic()
+        poison = None
         if plan.fault is not None:
             plan.fault.at_step_start(step, rank)
             if plan.fault.kind == "nan" and plan.fault.step == step:
@@ -579,23 +622,11 @@ def train(plan: Plan, device, rank: int, watchdog) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         tokens, labels = batch_for_step(data, plan, step, dp_rank, device)
-        problem = None  # (where, what) of a non-finite value met on this rank
-        try:
-            loss = model(tokens, labels)
-            if torch.isfinite(loss):
-                loss.backward()
-            else:
-                problem = ("the loss", f"the loss is {loss.item()}")
-        except ValueError as error:
-            if not faults.is_nonfinite_amax_error(error):
-                raise
-            problem = (tracer.current, str(error))
-            loss = torch.zeros((), device=device)
+        loss, problem = forward_backward(model, tokens, labels, tracer)
         if poison is not None:
             poison.remove()
-            poison = None
-        flags = torch.tensor([float(problem is not None), 0.0 if problem else loss.detach().float().item()],
-                             device=device)
+        # Every rank learns whether any rank met a NaN/Inf, so all of them skip (or stop) together.
+        flags = torch.tensor([float(problem is not None), loss or 0.0], device=device)
         dist.all_reduce(flags[:1], op=dist.ReduceOp.MAX)
         if flags[0].item() > 0:
             where, what = problem or ("another rank", "another rank met a NaN/Inf value")
@@ -608,8 +639,6 @@ def train(plan: Plan, device, rank: int, watchdog) -> int:
                       "memory_mb": memory_mb(device)}
         else:
             dist.all_reduce(flags[1:], group=dp_group)
-            from nvfp4_dist.launch.model import reduce_sequence_parallel_grads
-
             reduce_sequence_parallel_grads(model, tp_group)
             average_data_parallel_grads(model, dp_group, dp_size)
             grad_norm = clip_gradients(model, args.grad_clip, tp_group)
@@ -635,9 +664,9 @@ def train(plan: Plan, device, rank: int, watchdog) -> int:
             reporter.line(f"step {step}: saved checkpoint {last_saved}", echo=False)
     watchdog.stop()
     dist.barrier()
-    total = time.monotonic() - started
     if rank == 0:
-        summarize(reporter, plan, losses, skipped, step_times, tokens_per_step, total, device, last_saved)
+        summarize(reporter, plan, losses, skipped, step_times, tokens_per_step, time.monotonic() - started, device,
+                  last_saved)
     reporter.close()
     tracer.remove()
     dist.destroy_process_group()

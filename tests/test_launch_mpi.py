@@ -123,7 +123,8 @@ def test_mpirun_two_ranks_module_without_init(tmp_path):
     env = mpi_env(tmp_path / "records")
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
     result = subprocess.run([*command, sys.executable, "-m", "nvfp4_dist.launch.mpi", "--no-init",
-                             "-m", "mpi_probe_module", "--arg", "1"], capture_output=True, text=True, env=env, timeout=120)
+                             "-m", "mpi_probe_module", "--arg", "1"],
+                            capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     records = probes(tmp_path / "records")
     assert [r["RANK"] for r in records] == ["0", "1"] and {r["sum"] for r in records} == {1.0}
