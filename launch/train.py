@@ -29,6 +29,7 @@ DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "fables.txt"
 BYTE_VOCAB = 256
 BLOCK = 16
 NONFINITE_EXIT_CODE = 4
+BAR_WIDTH = 24
 # Flags a resumed run must share with its checkpoint (the state's shapes and sharding depend on them).
 CHECKPOINT_FLAGS = ("model", "layers", "hidden", "heads", "ffn", "seq_length", "tp", "sp", "world_size")
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
@@ -280,34 +281,33 @@ class Reporter:
             self.log = open(plan.args.out_dir / "train.log", "a", buffering=1)
             self.metrics = open(plan.args.out_dir / "metrics.jsonl", "a", buffering=1)
 
+    def _log(self, text: str) -> None:
+        self.log.write(f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
     def line(self, text: str, *, echo: bool = True) -> None:
+        """A message for the log file and (echo) the console."""
         if not self.enabled:
             return
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        self.log.write(f"{stamp} {text}\n")
+        self._log(text)
         if echo:
             if self.bar:
                 sys.stderr.write("\r\033[K")
             print(text, file=sys.stderr if self.bar else sys.stdout, flush=True)
 
     def step(self, record: dict) -> None:
+        """One step's record: metrics.jsonl, the log file, and the bar or (every --log-every steps) a line."""
         if not self.enabled:
             return
         self.metrics.write(json.dumps(record) + "\n")
         step = record["step"]
-        status = (f"loss {record['loss']:.4f}" if record.get("skipped") is None else "skipped (non-finite)")
+        status = "skipped (non-finite)" if record.get("skipped") else f"loss {record['loss']:.4f}"
         text = (f"step {step}/{self.total} | {status} | lr {record['lr']:.2e} | "
                 f"{record['tokens_per_s']:,.0f} tok/s | mem {record['memory_mb']:,.0f} MB")
         if self.bar:
-            width = 24
-            filled = int(width * step / self.total)
-            sys.stderr.write(f"\r\033[K[{'#' * filled}{'.' * (width - filled)}] {text}")
+            filled = int(BAR_WIDTH * step / self.total)
+            sys.stderr.write(f"\r\033[K[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {text}")
             sys.stderr.flush()
-            self.log.write(f"{text}\n")
-        elif step % self.log_every == 0 or step == self.total or record.get("skipped"):
-            self.line(text)
-        else:
-            self.log.write(f"{text}\n")
+        self.line(text, echo=not self.bar and (step % self.log_every == 0 or step == self.total))
 
     def close(self) -> None:
         if self.enabled:
