@@ -106,47 +106,32 @@ NVFP4_HD uint32_t fp4_index_rne(float a) {
   return float_bits(best) & 0xFu;
 }
 
-// 1.0f for v < 0 (down to the smallest subnormal), 0.0f for v >= 0 and for -0.0: (v * -2^75) * 2^75
-// saturated to [0, 1]. Two FMA-pipe multiplies instead of a compare and a select.
-NVFP4_HD float negative_as_float(float v) {
-  constexpr float kTwoPow75 = 37778931862957161709568.0f;
-  const float stretched = v * -kTwoPow75;
-#ifdef __CUDA_ARCH__
-  float result;
-  asm("mul.sat.f32 %0, %1, %2;" : "=f"(result) : "f"(stretched), "f"(kTwoPow75));
-  return result;
-#else
-  return fminf(fmaxf(stretched * kTwoPow75, 0.0f), 1.0f);
-#endif
-}
+// 1.0f for v < 0 (down to the smallest subnormal), 0.0f for v >= 0, -0.0 and NaN: one FSET on the GPU.
+NVFP4_HD float negative_as_float(float v) { return v < 0.0f ? 1.0f : 0.0f; }
 
-// The FP4 code (0..15) of v as an exact small float, round to nearest even on the E2M1 grid,
-// saturating above 6 (SPEC 2.5). A negative value that rounds to 0 gives code 8; -0.0 gives 0.
-NVFP4_HD float fp4_code_rne_as_float(float v) {
+// kRoundMagic plus the FP4 code (0..15) of v, the code in its low 4 bits: round to nearest even on
+// the E2M1 grid, saturating above 6 (SPEC 2.5). A negative value that rounds to 0 gives code 8; -0.0 gives 0.
+NVFP4_HD float fp4_code_rne_plus_magic(float v) {
   const float a = fabsf(v);
   const float fine = fmaf(a, 2.0f, kRoundMagic);
   const float middle = a + (kRoundMagic + 2.0f);
   const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
   const float best = fminf(fminf(fine, middle), fminf(coarse, kRoundMagic + 7.0f));  // kRoundMagic + index
-  return fmaf(negative_as_float(v), 8.0f, best - kRoundMagic);
+  return fmaf(negative_as_float(v), 8.0f, best);
 }
 
-NVFP4_HD uint32_t fp4_code_rne(float v) { return static_cast<uint32_t>(fp4_code_rne_as_float(v)); }
+NVFP4_HD uint32_t fp4_code_rne(float v) { return float_bits(fp4_code_rne_plus_magic(v)) & 0xFu; }
 
-// Eight codes held as exact floats -> one word, element i in nibble i: pairs and quads are formed
-// by exact FMAs, a quad lands in the low 16 bits of quad + kRoundMagic, two quads make the word.
-NVFP4_HD uint32_t pack_eight_float_codes(const float* codes) {
-  uint32_t quads[2];
+// Eight codes in the low 4 bits of floats kRoundMagic + code -> one word, element i in nibble i:
+// each pair's byte is the low byte of (odd << 4) + even (one LEA), three byte permutes gather them.
+NVFP4_HD uint32_t pack_eight_magic_codes(const float* codes_plus_magic) {
+  uint32_t pairs[4];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const float low_pair = fmaf(codes[4 * q + 1], 16.0f, codes[4 * q]);
-    const float high_pair = fmaf(codes[4 * q + 3], 16.0f, codes[4 * q + 2]);
-    quads[q] = float_bits(fmaf(high_pair, 256.0f, low_pair + kRoundMagic));
-  }
+  for (int p = 0; p < 4; ++p) pairs[p] = (float_bits(codes_plus_magic[2 * p + 1]) << 4) + float_bits(codes_plus_magic[2 * p]);
 #ifdef __CUDA_ARCH__
-  return __byte_perm(quads[0], quads[1], 0x5410);
+  return __byte_perm(__byte_perm(pairs[0], pairs[1], 0x0040), __byte_perm(pairs[2], pairs[3], 0x0040), 0x5410);
 #else
-  return (quads[0] & 0xFFFFu) | (quads[1] << 16);
+  return (pairs[0] & 0xFFu) | ((pairs[1] & 0xFFu) << 8) | ((pairs[2] & 0xFFu) << 16) | ((pairs[3] & 0xFFu) << 24);
 #endif
 }
 
@@ -178,23 +163,23 @@ NVFP4_HD float ceil_scaled_minus_plus_magic(float a, float scale, float r, float
 #endif
 }
 
-// The FP4 code of v in [-6, 6] as an exact small float, rounded stochastically with 16 random bits
+// kRoundMagic plus the FP4 code of v in [-6, 6] (low 4 bits), rounded stochastically with 16 random bits
 // (SPEC 7, reference/quantize.py): up in magnitude iff float(bits) < p * 65536, p = (|v| - lo) / (hi - lo).
 // With r = bits / 65536 and the grid step of a's range (0.5, 1, 2), that is index = ceil(a / step - r)
 // plus the range's first index; as for round to nearest, the smallest of the three ranges'
 // candidates is the right one (a <= 6 keeps it <= 7).
-NVFP4_HD float fp4_code_stochastic_as_float(float v, uint32_t bits16) {
+NVFP4_HD float fp4_code_stochastic_plus_magic(float v, uint32_t bits16) {
   const float a = fminf(fabsf(v), kFp4Max);
   const float r = bits_float(0x3F800000u | (bits16 << 7)) - 1.0f;  // bits16 / 65536, exact
   const float fine = ceil_scaled_minus_plus_magic(a, 2.0f, r, kRoundMagic);
   const float middle = ceil_scaled_minus_plus_magic(a, 1.0f, r, kRoundMagic + 2.0f);
   const float coarse = ceil_scaled_minus_plus_magic(a, 0.5f, r, kRoundMagic + 4.0f);
   const float best = fminf(fminf(fine, middle), coarse);  // kRoundMagic + index
-  return fmaf(negative_as_float(v), 8.0f, best - kRoundMagic);
+  return fmaf(negative_as_float(v), 8.0f, best);
 }
 
 NVFP4_HD uint32_t fp4_code_stochastic(float v, uint32_t bits16) {
-  return static_cast<uint32_t>(fp4_code_stochastic_as_float(v, bits16));
+  return float_bits(fp4_code_stochastic_plus_magic(v, bits16)) & 0xFu;
 }
 
 // Philox4x32-10, the same as curand's Philox4_32_10 and reference/philox.py.
@@ -302,8 +287,8 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, uin
   if constexpr (!kSR) {
     float codes[kBlockSize];
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne_as_float(values[i] * encode);
-    return make_uint2(pack_eight_float_codes(codes), pack_eight_float_codes(codes + 8));
+    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne_plus_magic(values[i] * encode);
+    return make_uint2(pack_eight_magic_codes(codes), pack_eight_magic_codes(codes + 8));
   } else {
     uint32_t words[2];
 #pragma unroll
@@ -313,17 +298,17 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, uin
       if ((first & 7) == 0) {
         const PhiloxWords bits = stochastic_rounding_words(sr_row, first >> 3, stream, seed);
 #pragma unroll
-        for (int t = 0; t < 8; ++t) codes[t] = fp4_code_stochastic_as_float(values[group * 8 + t] * encode, bits_of_column(bits, t));
+        for (int t = 0; t < 8; ++t) codes[t] = fp4_code_stochastic_plus_magic(values[group * 8 + t] * encode, bits_of_column(bits, t));
       } else {
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
           const int64_t column = first + t;
           const PhiloxWords bits = stochastic_rounding_words(sr_row, column >> 3, stream, seed);
-          codes[t] = fp4_code_stochastic_as_float(values[group * 8 + t] * encode,
+          codes[t] = fp4_code_stochastic_plus_magic(values[group * 8 + t] * encode,
                                                   bits_of_column(bits, static_cast<uint32_t>(column & 7)));
         }
       }
-      words[group] = pack_eight_float_codes(codes);
+      words[group] = pack_eight_magic_codes(codes);
     }
     return make_uint2(words[0], words[1]);
   }
