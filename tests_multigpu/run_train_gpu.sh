@@ -8,7 +8,8 @@
 # Runs, each a GPTModel with the NVFP4 spec at TP=2 and sequence parallelism:
 #   1. torchrun --nproc-per-node 2, overlap on, 60 steps with checkpoints, then resumed to 80 steps;
 #   2. mpirun -np 2 through python -m nvfp4_dist.launch.mpi, first/last layer in BF16, 40 steps;
-#   3. mpirun -np 2 nvfp4-train (MPI detected from the environment), 20 steps.
+#   3. mpirun -np 2 nvfp4-train (MPI detected from the environment), 20 steps;
+#   4. two torchrun node agents on this host over loopback (c10d rendezvous, one GPU each), 20 steps.
 # Checks per run: exit 0, every loss finite, the loss falls by more than 1.0 (byte-level, from ~5.5),
 # the resumed run continues at step 61. Prints a table; exits non-zero on any failure.
 # Output under $OUT (default out/train_gpu): each run's train.log, metrics.jsonl, checkpoints.
@@ -83,6 +84,20 @@ mpirun -np 2 --bind-to none -x PYTHONPATH -x PATH \
     python3 -m nvfp4_dist.launch.train "${MODEL[@]}" --steps 20 --save-every 0 --lr 3e-3 --out-dir "$OUT/mpirun_direct"
 code=$?
 check "mpirun nvfp4-train direct" $code "$OUT/mpirun_direct" 1 20
+
+echo "== 4. two torchrun node agents over loopback (one GPU each), the multi-node recipe"
+port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+for node in 0 1; do
+    CUDA_VISIBLE_DEVICES=$node NNODES=2 NPROC_PER_NODE=1 RDZV_ENDPOINT=127.0.0.1:$port RDZV_ID=loopback \
+        PYTHON=python3 bash launch/torchrun_multinode.sh "${MODEL[@]}" --steps 20 --save-every 20 --lr 3e-3 \
+        --out-dir "$OUT/two_agents" > "$OUT/two_agents_node$node.txt" 2>&1 &
+    pids[$node]=$!
+done
+code=0
+for node in 0 1; do wait "${pids[$node]}" || code=$?; done
+cat "$OUT/two_agents_node0.txt"
+grep -q "2 processes on 2 node(s)" "$OUT/two_agents_node0.txt" "$OUT/two_agents_node1.txt" || code=9
+check "torchrun 2 agents x 1 GPU" $code "$OUT/two_agents" 1 20
 
 echo
 echo "nvfp4-train on $(python3 -c 'import torch; print(torch.cuda.get_device_name(0))') x2, Megatron-Core GPTModel + NVFP4 spec"
