@@ -35,24 +35,34 @@ CHECKPOINT_FLAGS = ("model", "layers", "hidden", "heads", "ffn", "seq_length", "
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the unset (None) and off (False) ones."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nvfp4-train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     where = parser.add_argument_group("processes and model")
     where.add_argument("--model", choices=("auto", "gpt", "megatron"), default="auto",
                        help="gpt: the small GPT of nvfp4_dist.launch.model; megatron: Megatron-Core GPTModel with "
                             "the NVFP4 spec; auto: megatron on GPUs, gpt on CPU")
-    where.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    where.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto: cuda when a GPU is visible")
     where.add_argument("--nproc", type=int, default=None,
-                       help="processes to start when run without a launcher (default: GPU count, or 2 on CPU)")
+                       help="processes to start when run without a launcher (default: the GPU count, or 2 on CPU)")
     where.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: 2 on CPU, all GPUs)")
     where.add_argument("--sp", action="store_true", help="sequence parallelism")
     where.add_argument("--overlap", action="store_true", help="overlap TP communication with the GEMMs")
-    where.add_argument("--layers", type=int, default=2)
-    where.add_argument("--hidden", type=int, default=64)
-    where.add_argument("--heads", type=int, default=4)
+    where.add_argument("--layers", type=int, default=2, help="transformer layers")
+    where.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 16 x --tp)")
+    where.add_argument("--heads", type=int, default=4, help="attention heads (a multiple of --tp)")
     where.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x --hidden)")
-    where.add_argument("--seq-length", type=int, default=64)
+    where.add_argument("--seq-length", type=int, default=64, help="tokens (bytes) per sequence")
     where.add_argument("--micro-batch", type=int, default=8, help="sequences per data-parallel rank and step")
     where.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                        help="activation dtype outside the NVFP4 GEMMs (auto: bf16 on GPU, fp32 on CPU)")
@@ -62,22 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--no-2d", action="store_true", help="1x16 instead of 16x16 weight blocks")
     recipe.add_argument("--row-scaled-activation", action="store_true",
                         help="per-row activation amax (needs --no-rht --no-sr)")
-    recipe.add_argument("--bf16-first-layers", type=int, default=0)
-    recipe.add_argument("--bf16-last-layers", type=int, default=0)
-    recipe.add_argument("--gemm-backend", choices=("auto", "cublaslt", "emulated", "reference"), default="auto")
+    recipe.add_argument("--bf16-first-layers", type=int, default=0, help="first transformer layers kept in BF16")
+    recipe.add_argument("--bf16-last-layers", type=int, default=0, help="last transformer layers kept in BF16")
+    recipe.add_argument("--gemm-backend", choices=("auto", "cublaslt", "emulated", "reference"), default="auto",
+                        help="auto: cublaslt on sm_100+, emulated on sm_90, reference on CPU")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=100)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--min-lr", type=float, default=3e-4)
-    train.add_argument("--warmup-steps", type=int, default=20)
-    train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--steps", type=int, default=100, help="optimizer steps in all (a resumed run continues)")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    train.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at --steps (cosine decay)")
+    train.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
+    train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of matrices")
     train.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--seed", type=int, default=1234, help="weights, data order and stochastic rounding")
     train.add_argument("--data", type=pathlib.Path, default=DEFAULT_CORPUS, help="text file (byte-level tokens)")
     output = parser.add_argument_group("output, checkpoints and faults")
-    output.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("nvfp4-train-out"))
+    output.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("nvfp4-train-out"),
+                        help="train.log, metrics.jsonl and checkpoints/ (shared by all nodes)")
     output.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps and at the end (0: never)")
-    output.add_argument("--keep-checkpoints", type=int, default=2)
+    output.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept")
     output.add_argument("--no-resume", action="store_true",
                         help="start over even if --out-dir holds a checkpoint (deletes its checkpoints)")
     output.add_argument("--log-every", type=int, default=10, help="log line every N steps")
@@ -191,6 +203,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.row_scaled_activation and not (args.no_rht and args.no_sr):
         raise ValueError("--row-scaled-activation conflicts with RHT and stochastic rounding (on by default): "
                          "add --no-rht --no-sr (row-scaled layers run backward in BF16, SPEC 6)")
+    if args.sp and tp == 1:
+        raise ValueError("--sp needs --tp > 1 (sequence parallelism splits the sequence across the TP group)")
     if args.overlap and tp == 1:
         raise ValueError("--overlap needs --tp > 1 (there is no TP communication to overlap)")
     if args.gemm_backend in ("cublaslt", "emulated") and device != "cuda":

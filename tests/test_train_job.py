@@ -71,6 +71,8 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     (["--row-scaled-activation", "--no-rht"], "--row-scaled-activation conflicts with RHT"),
     (["--bf16-first-layers", "2", "--bf16-last-layers", "1"], "exceed --layers=2"),
     (["--gemm-backend", "cublaslt"], "--gemm-backend=cublaslt needs CUDA"),
+    (["--tp", "1", "--sp"], "--sp needs --tp > 1"),
+    (["--model", "megatron", "--sp"], "--sp with --model megatron needs CUDA"),
     (["--inject-fault", "explode:3"], "--inject-fault='explode:3'"),
     (["--steps", "0"], "--steps=0: must be >= 1"),
 ])
