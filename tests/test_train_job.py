@@ -72,7 +72,6 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     (["--bf16-first-layers", "2", "--bf16-last-layers", "1"], "exceed --layers=2"),
     (["--gemm-backend", "cublaslt"], "--gemm-backend=cublaslt needs CUDA"),
     (["--tp", "1", "--sp"], "--sp needs --tp > 1"),
-    (["--model", "megatron", "--sp"], "--sp with --model megatron needs CUDA"),
     (["--inject-fault", "explode:3"], "--inject-fault='explode:3'"),
     (["--steps", "0"], "--steps=0: must be >= 1"),
 ])
@@ -85,6 +84,19 @@ def test_bad_flags_are_refused_before_any_process_starts(tmp_path, capsys, monke
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_megatron_flags_are_checked(capsys, monkeypatch):
+    for variable in ("WORLD_SIZE", *train.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    try:
+        import megatron.core  # noqa: F401
+        expected = "--sp with --model megatron needs CUDA"
+    except ImportError:
+        expected = "--model=megatron needs megatron-core: pip install nvfp4-dist[megatron]"
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", "--model", "megatron", "--sp"])
+    assert expected in capsys.readouterr().err
 
 
 def test_world_size_from_a_launcher_is_checked(capsys, monkeypatch):
