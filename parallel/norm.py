@@ -64,8 +64,14 @@ class SequenceParallelNorm(torch.nn.Module):
         weight = weight.to(x.dtype)
         shape = (self.hidden_size,)
         if self.normalization == "LayerNorm":
-            return F.layer_norm(x, shape, weight, self.bias.to(x.dtype), self.eps)
-        return F.rms_norm(x, shape, weight, self.eps)
+            out = F.layer_norm(x, shape, weight, self.bias.to(x.dtype), self.eps)
+        else:
+            out = F.rms_norm(x, shape, weight, self.eps)
+        # Under autocast the norm computes in FP32; hand the next layer the autocast dtype, as the
+        # matmuls that follow produce it (Megatron's SP output layer needs input and gradient to agree).
+        if torch.is_autocast_enabled(x.device.type):
+            out = out.to(torch.get_autocast_dtype(x.device.type))
+        return out
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, normalization={self.normalization}, "
