@@ -3,7 +3,7 @@
 The logical tensor is [M, hidden] in BF16 of 16, 64, 256 and 512 MB, sharded along M over the group.
 NVFP4 moves one copy (rowwise data + E4M3 scales: 0.5625 bytes per element); its time includes the
 amax MAX all-reduce that must precede the cast (SPEC 9). Quantization itself is not timed here.
-Reported per size: median times (max over ranks), bus bandwidth ((W-1)/W * gathered bytes / time),
+Reported per size: median time per call over back-to-back calls (max over ranks), bus bandwidth ((W-1)/W * gathered bytes / time),
 the amax all-reduce alone, and BF16 time / NVFP4 time. Targets on 4 H200s: >= 3.0x at 256 MB and above,
 >= 2.4x at 64 MB, >= 1.5x at 16 MB.
 
@@ -27,19 +27,26 @@ from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_am
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
 
 
-def median_ms(fn, warmup: int = 5, iterations: int = 20) -> float:
-    """Median over iterations of the CUDA time of fn, the maximum over ranks."""
+def median_ms(fn, warmup: int = 5, repeats: int = 15, calls: int = 10) -> float:
+    """Median over repeats of the CUDA time per call of `calls` back-to-back calls, the maximum over ranks.
+
+    Back-to-back calls amortise the ranks' arrival skew after the barrier (which otherwise dominates
+    sub-millisecond collectives) the way consecutive layers do in training; host overhead per call that
+    exceeds the GPU time still shows.
+    """
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(iterations):
+    for _ in range(repeats):
         dist.barrier()
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     median = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item()
