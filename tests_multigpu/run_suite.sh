@@ -2,6 +2,7 @@
 # The GPU suite in few calls: build once, run the steps of one group side by side where GPUs allow.
 #   bash tests_multigpu/run_suite.sh a OUTDIR   # 4 GPUs: tests (1-, 2- and 4-GPU lanes), nvfp4-train, Megatron
 #   bash tests_multigpu/run_suite.sh b OUTDIR   # 4 GPUs: benchmarks and the test matrix (whole machine each)
+#   bash tests_multigpu/run_suite.sh c OUTDIR   # 4 GPUs: nvfp4-train runs, 2-GPU benchmarks, checkpoint resharding
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -57,7 +58,17 @@ b)  # in priority order: a cut run keeps what finished
     step allgather_bench_tp2 90 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/allgather.py \
         --out "$R/allgather_${GPU}_x2.json"
     ;;
-*) echo "usage: $0 a|b OUTDIR"; exit 2 ;;
+c)  # re-runs after fixes, and what a and b left out
+    step train_gpu_tp2 200 env OUT="$R/train_gpu" CUDA_VISIBLE_DEVICES=0,1 bash tests_multigpu/run_train_gpu.sh
+    step allgather_bench_tp4 90 $TORCHRUN --nproc-per-node 4 benchmarks/allgather.py --out "$R/allgather_${GPU}_x4.json"
+    step allgather_bench_tp2 90 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/allgather.py \
+        --out "$R/allgather_${GPU}_x2.json"
+    step megatron_checkpoint 240 env NVFP4_MEGATRON_STEPS=100 python3 -m pytest -q -s \
+        tests_multigpu/test_megatron_gpt.py -k checkpoint
+    step overlap_bench_tp2 120 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/overlap.py \
+        --out "$R/overlap_${GPU}_tp2.json" --out-dir "$R/overlap_tp2"
+    ;;
+*) echo "usage: $0 a|b|c OUTDIR"; exit 2 ;;
 esac
 cat "$SUMMARY"
 ! grep -qE "FAIL|TIMEOUT" "$SUMMARY"
