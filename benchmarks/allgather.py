@@ -16,13 +16,13 @@ import datetime
 import json
 import os
 import pathlib
-import subprocess
 
 import torch
 import torch.distributed as dist
 
 import nvfp4_dist as nv
 from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
 
@@ -80,12 +80,6 @@ def bench_size(size_mb: int, hidden: int, world_size: int, rank: int) -> dict:
                 bf16_bytes=bf16_bytes, ratio=bf16_ms / nvfp4_ms, ratio_gather_only=bf16_ms / gather_ms,
                 target=TARGETS.get(size_mb))
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

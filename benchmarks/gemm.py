@@ -14,13 +14,13 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 
 import torch
 import triton
 
 from nvfp4_dist import gemm_hopper, reference
 from nvfp4_dist.reference.quantize import decode_scale
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
     (8192, 8192, 8192),
@@ -133,13 +133,6 @@ def fastest(results: dict, names) -> str:
     timed = {name: results["candidates"][name]["ms"] for name in names if "ms" in results["candidates"][name]}
     return min(timed, key=timed.get)
 
-
-def git_commit() -> str:
-    """HEAD of the checkout ("unknown" where the copy has no git metadata, e.g. the lent GPU machine)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -13,13 +13,13 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
 
 import torch
 
 import nvfp4_dist as nv
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.linear import Linear, quantize_operand
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 DEFAULT_SHAPES = ["16384,8192,8192", "16384,8192,28672"]
 
@@ -92,12 +92,6 @@ def bench_shape(tokens: int, in_features: int, out_features: int, recipe: nv.NVF
                 bf16_saved_bytes=bf16_saved, nvfp4_saved_bytes=nvfp4_saved,
                 saved_ratio=nvfp4_saved / bf16_saved, saved_bytes_reduction=bf16_saved - nvfp4_saved)
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

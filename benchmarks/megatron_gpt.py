@@ -14,7 +14,6 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import time
 
 import torch
@@ -29,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
                                           with_sdpa_attention, with_sequence_parallel_norm)
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 
 def parse_args():
@@ -97,12 +97,6 @@ def measure(spec_name: str, args, tp: int) -> dict:
               "loss": float(loss)}
     return result  # the model is freed on return, before the next spec is built
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("NVFP4_COMMIT", "unknown")
 
 
 def main():

@@ -27,22 +27,16 @@ import json
 import os
 import re
 import statistics
-import subprocess
 
 import torch
 import torch.distributed as dist
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 SHAPES = [(16384, 8192, 28672), (8192, 4096, 14336)]  # (tokens, hidden, ffn)
 GEMM_KERNEL_MARKERS = ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas")
 TARGET_OVERLAP_RATIO = 1.1
 TARGET_SPEEDUP_TP4 = 1.15
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def gpu_label() -> str:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
-import subprocess
 
 import torch
 
 from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 BLOCK = 16
 
@@ -117,14 +116,6 @@ def run_size(size: int) -> list[dict]:
         results.append(dict(kernel=name, size=size, ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps))
     return results
 
-
-def git_commit() -> str:
-    if os.environ.get("NVFP4_COMMIT"):
-        return os.environ["NVFP4_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -13,13 +13,13 @@ import datetime
 import json
 import os
 import pathlib
-import subprocess
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
+from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 
 def median_ms(fn, warmup: int = 3, iterations: int = 10) -> float:
@@ -76,12 +76,6 @@ def block_step(column, row, x, dy):
                 p.main_grad.zero_()
     return step
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

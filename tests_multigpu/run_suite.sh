@@ -13,7 +13,7 @@ source tests_multigpu/gpu_env.sh > "$R/setup.log" 2>&1 || { cat "$R/setup.log"; 
 tail -n 2 "$R/setup.log"
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
 TORCHRUN="python3 -m torch.distributed.run --standalone"
-export GIT_COMMIT=${GIT_COMMIT:-unknown}
+export GIT_COMMIT=${GIT_COMMIT:-unknown} NVFP4_COMMIT=${GIT_COMMIT:-unknown}
 
 step() {  # name, limit in seconds, command...: run under a time limit, log to $R/<name>.log
     local name=$1 limit=$2; shift 2
