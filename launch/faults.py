@@ -41,8 +41,10 @@ class NonFiniteError(RuntimeError):
 
 
 def is_nonfinite_amax_error(error: BaseException) -> bool:
-    """True for the ValueError that nvfp4_dist.ops raises for a NaN/Inf amax (recipe.check_finite)."""
-    return isinstance(error, ValueError) and "is not finite" in str(error)
+    """True for the error that nvfp4_dist.ops raises for a NaN/Inf amax (recipe.check_finite)."""
+    from ..ops import NonFiniteAmaxError
+
+    return isinstance(error, NonFiniteAmaxError)
 
 
 def is_communication_error(error: BaseException) -> bool:

@@ -5,11 +5,11 @@ from . import formats, reference
 from .autocast import autocast
 from .gemm import gemm
 from .linear import Linear
-from .ops import compute_amaxes, dequantize, quantize, swap_first_dims, swizzle_scales
+from .ops import NonFiniteAmaxError, compute_amaxes, dequantize, quantize, swap_first_dims, swizzle_scales
 from .recipe import NVFP4Recipe
 from .tensor import NVFP4Tensor
 
 logging.getLogger("nvfp4_dist").addHandler(logging.NullHandler())
 
-__all__ = ["autocast", "Linear", "NVFP4Recipe", "NVFP4Tensor", "compute_amaxes", "dequantize", "formats", "gemm", "quantize", "reference",
+__all__ = ["NonFiniteAmaxError", "autocast", "Linear", "NVFP4Recipe", "NVFP4Tensor", "compute_amaxes", "dequantize", "formats", "gemm", "quantize", "reference",
            "swap_first_dims", "swizzle_scales"]

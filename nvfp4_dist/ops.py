@@ -62,6 +62,10 @@ def validate_input(x: torch.Tensor, *, name: str = "x", columnwise: bool = False
         raise ValueError(f"{name}.dtype={x.dtype}: the RHT columnwise copy takes torch.bfloat16 input (SPEC 5)")
 
 
+class NonFiniteAmaxError(ValueError):
+    """A tensor's amax is NaN or Inf: its input holds NaN/Inf (recipe.check_finite)."""
+
+
 def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, device: torch.device) -> None:
     if amax is None:
         return
@@ -78,7 +82,7 @@ def check_finite_amax(q: NVFP4Tensor) -> None:
     for name in ("amax_rowwise", "amax_columnwise"):
         amax = getattr(q, name)
         if amax is not None and not bool(torch.isfinite(amax).all()):
-            raise ValueError(f"{name} is not finite ({amax.flatten()[:4].tolist()}...): the input holds "
+            raise NonFiniteAmaxError(f"{name} is not finite ({amax.flatten()[:4].tolist()}...): the input holds "
                              f"NaN or Inf; pass a recipe with check_finite=False to quantize it anyway")
 
 

@@ -82,6 +82,11 @@ def test_quantize_validation_errors(call, message):
         call()
 
 
+def test_non_finite_amax_error_type():
+    with pytest.raises(nv.NonFiniteAmaxError, match="amax_rowwise"):
+        nv.quantize(torch.tensor([[float("inf")] + [1.0] * 15] * 16).bfloat16(), columnwise=False)
+
+
 def test_non_finite_amax_accepted_when_opted_out():
     q = nv.quantize(torch.tensor([[float("inf")] + [1.0] * 15] * 16), recipe=NVFP4Recipe(rht=False, check_finite=False))
     assert torch.isinf(q.amax_rowwise).all()

@@ -43,6 +43,15 @@ def test_philox_known_answers():
     assert [int(w) for w in philox4x32(pi, (0xA4093822, 0x299F31D0))] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
 
 
+def test_sr_bits_grid_equals_per_element_bits():
+    from nvfp4_dist.reference import stochastic_rounding_bits, stochastic_rounding_bits_grid
+    for row_offset, col_offset in ((0, 0), (16, 5), (3, 13)):
+        rows = torch.arange(7)[:, None].expand(7, 29) + row_offset
+        cols = torch.arange(29)[None, :].expand(7, 29) + col_offset
+        expected = stochastic_rounding_bits(rows, cols, 1, 2 ** 40 + 3)
+        assert torch.equal(stochastic_rounding_bits_grid(7, 29, row_offset, col_offset, 1, 2 ** 40 + 3), expected)
+
+
 def _scaled_values(x, amax):
     """x * e_b clamped: the exact values that the FP4 rounding sees."""
     _, scale = quantize_blocks(x, amax)

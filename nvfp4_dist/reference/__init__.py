@@ -2,7 +2,7 @@
 from .copies import compute_amaxes, dequantize_tensor, quantize_tensor
 from .dequantize import dequantize_blocks
 from .gemm import gemm_reference
-from .philox import philox4x32, stochastic_rounding_bits
+from .philox import philox4x32, stochastic_rounding_bits, stochastic_rounding_bits_grid
 from .quantize import compute_amax, compute_row_amax, decode_scale, encode_scale, quantize_blocks
 from .rht import hadamard_16, inverse_rht_transpose, rht_matrix, rht_transpose
 from .swizzle import padded_scale_shape, swizzle_offset, swizzle_scales, unswizzle_scales

@@ -6,7 +6,7 @@ import torch
 
 from ..formats import (BLOCK_SIZE, E4M3_MAX, FLT_MAX, FP4_MAX, GLOBAL_SCALE_NUMERATOR, SCALE_DTYPE,
                        fp4_neighbours, fp4_round_to_nearest_even, pack_fp4)
-from .philox import stochastic_rounding_bits
+from .philox import stochastic_rounding_bits_grid
 
 _ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), SPEC 2.3
 
@@ -45,10 +45,8 @@ def block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
 
 def _stochastic_codes(v: torch.Tensor, sr_seed: int, sr_offset, sr_stream: int) -> torch.Tensor:
     """Codes of v (in [-6, 6]) rounded up in magnitude with probability (|v| - lo) / (hi - lo)."""
-    rows = torch.arange(v.shape[0], dtype=torch.int64, device=v.device)[:, None] + sr_offset[0]
-    cols = torch.arange(v.shape[1], dtype=torch.int64, device=v.device)[None, :] + sr_offset[1]
-    rows, cols = torch.broadcast_tensors(rows, cols)
-    bits = stochastic_rounding_bits(rows, cols, sr_stream, sr_seed).to(torch.float32)
+    bits = stochastic_rounding_bits_grid(v.shape[0], v.shape[1], sr_offset[0], sr_offset[1], sr_stream, sr_seed,
+                                         v.device).to(torch.float32)
     a = v.abs()
     lower, lower_value, upper_value = fp4_neighbours(a)
     gap = upper_value - lower_value
