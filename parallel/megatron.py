@@ -170,6 +170,37 @@ class _MegatronLinearContract:
             self.is_first_microbatch = False
         return super().forward(input_)
 
+    @staticmethod
+    def _layer_options(config, init_method, partition_dim: int, stride: int, tp_size: int, master,
+                       recipe, bf16_fallback: bool) -> dict:
+        """The parallel layer's keyword arguments that follow Megatron's config."""
+        return dict(init_method=_full_weight_init(init_method, config.perform_initialization, partition_dim, stride,
+                                                  tp_size, master),
+                    recipe=recipe, params_dtype=config.params_dtype, device=_layer_device(config),
+                    bf16_fallback=bf16_fallback, accumulate_into_main_grad=bool(config.gradient_accumulation_fusion),
+                    delay_wgrad=bool(getattr(config, "delay_wgrad_compute", False)))
+
+    def _adopt_megatron_attributes(self, config, *, input_size: int, output_size: int, is_expert: bool,
+                                   stride: int, name, tp_comm_buffer_name, master) -> None:
+        """Megatron's layer attributes, parameter flags, zero bias and _extra_state loading hook."""
+        self.config = config
+        self.input_size = input_size
+        self.output_size = output_size
+        self.is_expert = is_expert
+        self.stride = stride
+        self.name = name
+        self.tp_comm_buffer_name = tp_comm_buffer_name
+        self.master_weight = master[0] if master else None
+        reduce_over_dp = not _uses_expert_groups(config, is_expert)
+        self.weight.partition_stride = stride
+        self.weight.allreduce = reduce_over_dp
+        if self.bias is not None:
+            self.bias.allreduce = reduce_over_dp
+            if config.perform_initialization:
+                with torch.no_grad():
+                    self.bias.zero_()
+        self._register_load_state_dict_pre_hook(_default_extra_state_hook)
+
     def get_extra_state(self) -> None:
         """No extra state (as Megatron's local layers); the key exists for TE-spec compatibility."""
         return None
@@ -210,31 +241,13 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
         super().__init__(
             input_size, output_size, bias=bias, tp_group=tp_group,
             sequence_parallel=sequence_parallel, gather_output=gather_output, skip_bias_add=skip_bias_add,
-            init_method=_full_weight_init(init_method, config.perform_initialization, 0, stride,
-                                          tp_size, master),
-            recipe=recipe, params_dtype=config.params_dtype, device=_layer_device(config),
-            bf16_fallback=bf16_fallback,
-            accumulate_into_main_grad=bool(config.gradient_accumulation_fusion),
-            delay_wgrad=bool(getattr(config, "delay_wgrad_compute", False)))
-        self.config = config
-        self.input_size = input_size
-        self.output_size = output_size
+            **self._layer_options(config, init_method, 0, stride, tp_size, master, recipe, bf16_fallback))
+        self._adopt_megatron_attributes(config, input_size=input_size, output_size=output_size, is_expert=is_expert,
+                                        stride=stride, name=name, tp_comm_buffer_name=tp_comm_buffer_name,
+                                        master=master)
         self.output_size_per_partition = output_size // tp_size
-        self.is_expert = is_expert
-        self.stride = stride
-        self.name = name
-        self.tp_comm_buffer_name = tp_comm_buffer_name
-        self.master_weight = master[0] if master else None
-        reduce_over_dp = not _uses_expert_groups(config, is_expert)
-        self.weight.partition_stride = stride
-        self.weight.allreduce = reduce_over_dp
         if self.bias is not None:
             self.bias.partition_stride = stride
-            self.bias.allreduce = reduce_over_dp
-            if config.perform_initialization:
-                with torch.no_grad():
-                    self.bias.zero_()
-        self._register_load_state_dict_pre_hook(_default_extra_state_hook)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
@@ -285,32 +298,14 @@ class NVFP4RowParallelLinear(_MegatronLinearContract, RowParallelLinear):
             input_size, output_size, bias=bias, tp_group=tp_group,
             sequence_parallel=sequence_parallel, input_is_parallel=input_is_parallel,
             skip_bias_add=skip_bias_add,
-            init_method=_full_weight_init(init_method, config.perform_initialization, 1, stride,
-                                          tp_size, master),
-            recipe=recipe, params_dtype=config.params_dtype, device=_layer_device(config),
-            bf16_fallback=bf16_fallback,
-            accumulate_into_main_grad=bool(config.gradient_accumulation_fusion),
-            delay_wgrad=bool(getattr(config, "delay_wgrad_compute", False)))
-        self.config = config
-        self.input_size = input_size
-        self.output_size = output_size
+            **self._layer_options(config, init_method, 1, stride, tp_size, master, recipe, bf16_fallback))
+        self._adopt_megatron_attributes(config, input_size=input_size, output_size=output_size, is_expert=is_expert,
+                                        stride=stride, name=name, tp_comm_buffer_name=tp_comm_buffer_name,
+                                        master=master)
         self.input_size_per_partition = input_size // tp_size
         self.input_is_parallel = input_is_parallel
-        self.is_expert = is_expert
-        self.stride = stride
-        self.name = name
-        self.tp_comm_buffer_name = tp_comm_buffer_name
-        self.master_weight = master[0] if master else None
-        reduce_over_dp = not _uses_expert_groups(config, is_expert)
-        self.weight.partition_stride = stride
-        self.weight.allreduce = reduce_over_dp
         if self.bias is not None:
-            self.bias.allreduce = reduce_over_dp
             self.bias.sequence_parallel = sequence_parallel
-            if config.perform_initialization:
-                with torch.no_grad():
-                    self.bias.zero_()
-        self._register_load_state_dict_pre_hook(_default_extra_state_hook)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Weight sharded along dim 1 over TP; bias replicated, like Megatron's RowParallelLinear."""
