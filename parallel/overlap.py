@@ -37,7 +37,7 @@ from ..gemm import gemm, operand
 from ..linear import LinearComm
 from ..tensor import NVFP4Tensor
 from . import comm as C
-from .layers import ColumnParallelComm, RowParallelComm
+from .tp_comm import ColumnParallelComm, RowParallelComm
 
 
 def all_gather_order(rank: int, world_size: int) -> list[int]:

@@ -269,7 +269,7 @@ def test_overlapped_layers_match_plain(which, world_size):
 
 def test_overlapped_comm_selects_twin_and_rejects_others():
     from nvfp4_dist.linear import LinearComm
-    from nvfp4_dist.parallel.layers import ColumnParallelComm, RowParallelComm
+    from nvfp4_dist.parallel.tp_comm import ColumnParallelComm, RowParallelComm
     column = O.overlapped_comm(ColumnParallelComm(None, True, True))
     assert isinstance(column, O.OverlappedColumnParallelComm) and column.keep_input_columnwise
     row = O.overlapped_comm(RowParallelComm(None, True))
