@@ -249,7 +249,11 @@ def profile_step(step, trace_path: str, warmup: int) -> None:
     from torch.profiler import ProfilerActivity, profile
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    # A process's first profiler session spends hundreds of ms starting CUPTI, unevenly across ranks; the
+    # first collective inside it then waits for the slowest rank (seen as a 329 ms NCCL kernel on 4 H200s).
+    with profile(activities=[ProfilerActivity.CUDA]):
+        step()
+        torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         step()
