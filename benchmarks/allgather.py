@@ -3,9 +3,12 @@
 The logical tensor is [M, hidden] in BF16 of 16, 64, 256 and 512 MB, sharded along M over the group.
 NVFP4 moves one copy (rowwise data + E4M3 scales: 0.5625 bytes per element); its time includes the
 amax MAX all-reduce that must precede the cast (SPEC 9). Quantization itself is not timed here.
-Reported per size: median time per call over back-to-back calls (max over ranks), bus bandwidth ((W-1)/W * gathered bytes / time),
-the amax all-reduce alone, and BF16 time / NVFP4 time. Targets on 4 H200s: >= 3.0x at 256 MB and above,
+Reported per size: median time per call over back-to-back calls (max over ranks), bus bandwidth ((W-1)/W * gathered
+bytes / time), the amax all-reduce alone, and BF16 time / NVFP4 time. Targets on 4 H200s: >= 3.0x at 256 MB and above,
 >= 2.4x at 64 MB, >= 1.5x at 16 MB.
+NVFP4 runs both transports: the default (NVLink peer memory, parallel/symmetric.py, where enabled) and NCCL. The
+baseline is NCCL's BF16 all-gather; for a like-for-like view the BF16 tensor is also gathered through the same
+peer-memory kernel ("ratio vs peer BF16").
 
     torchrun --nproc-per-node 4 benchmarks/allgather.py [--sizes-mb 16 64 256 512] [--out PATH]
 """
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import nvfp4_dist as nv
-from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax
+from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax, symmetric
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
@@ -65,21 +68,28 @@ def bench_size(size_mb: int, hidden: int, world_size: int, rank: int) -> dict:
     bf16_bytes = world_size * local.numel() * 2
     amax_scratch = amax.clone()
 
+    peer = symmetric.enabled()
     bf16_ms = median_ms(lambda: all_gather_bf16(local))
+    bf16_peer_ms = median_ms(lambda: symmetric.all_gather({"x": local}, set())) if peer else None
+    amax_nccl_ms = median_ms(lambda: all_reduce_amax([amax_scratch], peer_memory=False))
+    gather_nccl_ms = median_ms(lambda: all_gather_nvfp4(q, peer_memory=False))
+    nvfp4_nccl_ms = median_ms(lambda: (all_reduce_amax([amax_scratch], peer_memory=False),
+                                       all_gather_nvfp4(q, peer_memory=False)))
     amax_ms = median_ms(lambda: all_reduce_amax([amax_scratch]))
     gather_ms = median_ms(lambda: all_gather_nvfp4(q))
-    packed_ms = median_ms(lambda: all_gather_nvfp4(q, packed=True))
     nvfp4_ms = median_ms(lambda: (all_reduce_amax([amax_scratch]), all_gather_nvfp4(q)))
 
     def bus_gbps(nbytes, ms):
         return (world_size - 1) / world_size * nbytes / (ms * 1e-3) / 1e9
 
-    return dict(size_mb=size_mb, rows=rows, hidden=hidden, bf16_ms=bf16_ms, bf16_bus_gbps=bus_gbps(bf16_bytes, bf16_ms),
-                amax_allreduce_ms=amax_ms, nvfp4_gather_only_ms=gather_ms, nvfp4_packed_gather_only_ms=packed_ms,
-                nvfp4_ms=nvfp4_ms, nvfp4_bus_gbps=bus_gbps(nvfp4_bytes, nvfp4_ms), nvfp4_bytes=nvfp4_bytes,
-                bf16_bytes=bf16_bytes, ratio=bf16_ms / nvfp4_ms, ratio_gather_only=bf16_ms / gather_ms,
+    return dict(size_mb=size_mb, rows=rows, hidden=hidden, transport="peer_memory" if peer else "nccl",
+                bf16_ms=bf16_ms, bf16_bus_gbps=bus_gbps(bf16_bytes, bf16_ms), bf16_peer_ms=bf16_peer_ms,
+                amax_allreduce_ms=amax_ms, amax_allreduce_nccl_ms=amax_nccl_ms,
+                nvfp4_gather_only_ms=gather_ms, nvfp4_gather_only_nccl_ms=gather_nccl_ms,
+                nvfp4_ms=nvfp4_ms, nvfp4_nccl_ms=nvfp4_nccl_ms, nvfp4_bus_gbps=bus_gbps(nvfp4_bytes, nvfp4_ms),
+                nvfp4_bytes=nvfp4_bytes, bf16_bytes=bf16_bytes, ratio=bf16_ms / nvfp4_ms,
+                ratio_nccl=bf16_ms / nvfp4_nccl_ms, ratio_vs_peer_bf16=bf16_peer_ms / nvfp4_ms if peer else None,
                 target=TARGETS.get(size_mb))
-
 
 
 def main() -> None:
@@ -95,16 +105,20 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = [bench_size(size, args.hidden, world_size, rank) for size in args.sizes_mb]
     if rank == 0:
-        header = (f"{'MB':>4} | {'BF16 ms':>8} {'bus GB/s':>8} | {'amax ms':>7} {'gather':>7} {'packed':>7} "
-                  f"{'NVFP4 ms':>8} {'bus GB/s':>8} | {'ratio':>6} {'target':>6}")
-        print(f"all-gather over {world_size} x {torch.cuda.get_device_name()}")
+        header = (f"{'MB':>4} | {'BF16 ms':>8} {'peer':>7} | {'amax':>6} {'nccl':>6} | {'gather':>6} {'nccl':>6} | "
+                  f"{'NVFP4 ms':>8} {'nccl':>6} {'bus GB/s':>8} | {'ratio':>6} {'nccl':>6} {'vs peer':>7} {'target':>6}")
+        print(f"all-gather over {world_size} x {torch.cuda.get_device_name()} (NVFP4 default transport: "
+              f"{rows[0]['transport']})")
         print(header)
         print("-" * len(header))
         for r in rows:
             target = f"{r['target']:.1f}x" if r["target"] else "-"
-            print(f"{r['size_mb']:>4} | {r['bf16_ms']:>8.3f} {r['bf16_bus_gbps']:>8.1f} | "
-                  f"{r['amax_allreduce_ms']:>7.3f} {r['nvfp4_gather_only_ms']:>7.3f} {r['nvfp4_packed_gather_only_ms']:>7.3f} {r['nvfp4_ms']:>8.3f} "
-                  f"{r['nvfp4_bus_gbps']:>8.1f} | {r['ratio']:>5.2f}x {target:>6}")
+            peer_bf16 = f"{r['bf16_peer_ms']:>7.3f}" if r["bf16_peer_ms"] else f"{'-':>7}"
+            vs_peer = f"{r['ratio_vs_peer_bf16']:>6.2f}x" if r["ratio_vs_peer_bf16"] else f"{'-':>7}"
+            print(f"{r['size_mb']:>4} | {r['bf16_ms']:>8.3f} {peer_bf16} | {r['amax_allreduce_ms']:>6.3f} "
+                  f"{r['amax_allreduce_nccl_ms']:>6.3f} | {r['nvfp4_gather_only_ms']:>6.3f} {r['nvfp4_gather_only_nccl_ms']:>6.3f} | "
+                  f"{r['nvfp4_ms']:>8.3f} {r['nvfp4_nccl_ms']:>6.3f} {r['nvfp4_bus_gbps']:>8.1f} | {r['ratio']:>5.2f}x "
+                  f"{r['ratio_nccl']:>5.2f}x {vs_peer} {target:>6}")
         out = pathlib.Path(args.out or f"benchmarks/results/allgather_tp{world_size}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(benchmark="allgather", world_size=world_size, gpu=torch.cuda.get_device_name(),

@@ -3,6 +3,7 @@
 // The caller passes the CUDA stream as an integer (torch.cuda.current_stream().cuda_stream) and has
 // made the tensors' device current, so this file needs no CUDA-specific torch headers.
 #include <optional>
+#include <vector>
 
 #include <torch/extension.h>
 
@@ -138,6 +139,43 @@ void swap_first_dims(const at::Tensor& gathered, int64_t world_size, at::Tensor&
                "swap_first_dims");
 }
 
+// Peer-memory collectives: addresses (torch symmetric memory, valid in this process) as integers.
+void peer_gather(const std::vector<std::vector<int64_t>>& sources, const std::vector<int64_t>& destinations,
+                 const std::vector<int64_t>& rows, const std::vector<int64_t>& row_bytes,
+                 const std::vector<bool>& interleave, int64_t stream) {
+  const size_t count = destinations.size();
+  TORCH_CHECK(count <= nvfp4::kMaxPeerPieces && sources.size() == count && rows.size() == count &&
+                  row_bytes.size() == count && interleave.size() == count,
+              "nvfp4_dist._C: peer_gather takes up to ", nvfp4::kMaxPeerPieces, " pieces, one entry each");
+  nvfp4::PeerGatherArgs args{};
+  args.count = static_cast<int>(count);
+  args.world_size = count ? static_cast<int>(sources[0].size()) : 1;
+  TORCH_CHECK(args.world_size >= 1 && args.world_size <= nvfp4::kMaxPeers, "nvfp4_dist._C: peer_gather takes 1 to ",
+              nvfp4::kMaxPeers, " ranks");
+  for (size_t p = 0; p < count; ++p) {
+    TORCH_CHECK(static_cast<int>(sources[p].size()) == args.world_size, "nvfp4_dist._C: every piece needs one source per rank");
+    for (int r = 0; r < args.world_size; ++r) args.pieces[p].src[r] = reinterpret_cast<const uint8_t*>(sources[p][r]);
+    args.pieces[p].dst = reinterpret_cast<uint8_t*>(destinations[p]);
+    args.pieces[p].rows = rows[p];
+    args.pieces[p].row_bytes = row_bytes[p];
+    args.pieces[p].interleave = interleave[p];
+  }
+  check_launch(nvfp4::launch_peer_gather(args, as_stream(stream)), "peer_gather");
+}
+
+void peer_amax_max(const std::vector<int64_t>& sources, const std::vector<int64_t>& destinations, int64_t stream) {
+  TORCH_CHECK(sources.size() >= 1 && sources.size() <= nvfp4::kMaxPeers && destinations.size() >= 1 &&
+                  destinations.size() <= nvfp4::kMaxPeerAmaxes,
+              "nvfp4_dist._C: peer_amax_max takes 1 to ", nvfp4::kMaxPeers, " ranks and 1 to ",
+              nvfp4::kMaxPeerAmaxes, " amaxes");
+  nvfp4::PeerAmaxArgs args{};
+  args.world_size = static_cast<int>(sources.size());
+  args.count = static_cast<int>(destinations.size());
+  for (int r = 0; r < args.world_size; ++r) args.src[r] = reinterpret_cast<const float*>(sources[r]);
+  for (int i = 0; i < args.count; ++i) args.dst[i] = reinterpret_cast<float*>(destinations[i]);
+  check_launch(nvfp4::launch_peer_amax_max(args, as_stream(stream)), "peer_amax_max");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -150,4 +188,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
+  m.def("peer_gather", &peer_gather, "gather pieces from every rank's peer memory, concatenated or interleaved");
+  m.def("peer_amax_max", &peer_amax_max, "MAX over ranks of a few FP32 values in peer memory");
 }

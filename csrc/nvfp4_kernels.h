@@ -63,4 +63,27 @@ cudaError_t launch_swizzle_scales(const uint8_t* scale, int64_t rows, int64_t co
 cudaError_t launch_swap_first_dims(const uint8_t* in, int64_t world_size, int64_t rows, int64_t row_bytes,
                                    uint8_t* out, cudaStream_t stream);
 
+// peer_gather.cu ----------------------------------------------------------------------------------
+constexpr int kMaxPeers = 8, kMaxPeerPieces = 8, kMaxPeerAmaxes = 8;
+// One tensor gathered from every rank: W shards of [rows, row_bytes], read through peer pointers.
+struct PeerPiece {
+  const uint8_t* src[kMaxPeers];  // rank r's shard (device pointers valid in this process)
+  uint8_t* dst;                   // [W * rows, row_bytes]
+  int64_t rows, row_bytes;
+  bool interleave;                // false: row i of rank r -> r * rows + i; true: -> i * W + r (swap_first_dims)
+  int vector_bytes;               // set by the launcher from the alignments
+};
+struct PeerGatherArgs {
+  PeerPiece pieces[kMaxPeerPieces];
+  int count, world_size;
+};
+cudaError_t launch_peer_gather(PeerGatherArgs args, cudaStream_t stream);
+// dst[i][0] = max over ranks r of src[r][i] (NaN wins), i < count.
+struct PeerAmaxArgs {
+  const float* src[kMaxPeers];
+  float* dst[kMaxPeerAmaxes];
+  int count, world_size;
+};
+cudaError_t launch_peer_amax_max(const PeerAmaxArgs& args, cudaStream_t stream);
+
 }  // namespace nvfp4

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..tensor import NVFP4Tensor
+from . import symmetric
 
 # torch >= 2.13 renamed the single-tensor collectives; older releases only have the *_tensor names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -25,13 +26,21 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def all_reduce_amax(amaxes: list, group=None) -> list:
+def all_reduce_amax(amaxes: list, group=None, *, peer_memory: bool | None = None) -> list:
     """MAX-reduce the given amaxes (None entries skipped) across the group in place, as one collective.
 
     Issued before quantizing a tensor that will be gathered, so that every shard shares one global scale.
+    By default through NVLink peer memory when parallel/symmetric.py is enabled for the group and the
+    amaxes fit its one-shot kernel (peer_memory=False forces NCCL; gloo on CPU).
     """
     present = [amax for amax in amaxes if amax is not None]
     if not present or group_size(group) == 1:
+        return amaxes
+    if peer_memory is None:
+        peer_memory = (all(a.is_cuda and a.is_contiguous() for a in present)
+                       and sum(a.numel() for a in present) <= symmetric.MAX_AMAXES and symmetric.enabled(group))
+    if peer_memory:
+        symmetric.all_reduce_max(present, group)
         return amaxes
     flat = torch.cat([amax.reshape(-1) for amax in present])
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
@@ -56,11 +65,17 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8).reshape(-1) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
 
 
-def _assemble(q: NVFP4Tensor, gathered: dict, world_size: int) -> NVFP4Tensor:
-    """The gathered NVFP4Tensor from per-field gathers [W * d0, ...] (rows of rank r at block r)."""
+_COLUMNWISE = ("columnwise_data", "columnwise_scale")
+
+
+def _assemble(q: NVFP4Tensor, gathered: dict, world_size: int, swapped: bool = False) -> NVFP4Tensor:
+    """The gathered NVFP4Tensor from per-field gathers [W * d0, ...] (rows of rank r at block r).
+
+    swapped: the columnwise fields already arrive in (K, W, X) order (the symmetric-memory gather).
+    """
     fields = dict(gathered)
-    for name in ("columnwise_data", "columnwise_scale"):
-        if name in fields:
+    for name in _COLUMNWISE:
+        if name in fields and not swapped:
             fields[name] = ops.swap_first_dims(fields[name], world_size)
     shape = torch.Size((q.shape[0] * world_size, *q.shape[1:]))
     return dataclasses.replace(q, shape=shape, **fields)
@@ -94,15 +109,18 @@ def _gather_coalesced(pieces: dict, group, world_size: int, async_op: bool):
     return (manager if async_op else None), (lambda: outputs)
 
 
-def all_gather_nvfp4(q: NVFP4Tensor, group=None, async_op: bool = False, *, packed: bool | None = None):
+def all_gather_nvfp4(q: NVFP4Tensor, group=None, async_op: bool = False, *, packed: bool | None = None,
+                     peer_memory: bool | None = None):
     """Gather the NVFP4 shards of a tensor split along its first dim, as NVFP4 (0.5625 bytes per element).
 
     Rowwise data/scales (and per-row amaxes of row-scaled tensors) concatenate along dim 0; columnwise
     data/scales are gathered and reordered with swap_first_dims ((W, K, X) -> (K, W, X)). Per-tensor
     amaxes must already be shared (all_reduce_amax before quantizing): the result then equals, byte for
     byte, quantizing the gathered tensor.
-    Data and scales travel in one collective: one grouped NCCL launch straight into the final buffers,
-    or (packed=True, the default off NCCL) one all-gather of a byte buffer holding them all.
+    Data and scales travel in one collective: by default through NVLink peer memory when
+    parallel/symmetric.py is enabled for the group (one kernel, columnwise copies reordered on the way;
+    peer_memory=False forces NCCL), else one grouped NCCL launch straight into the final buffers, or
+    (packed=True, the default off NCCL) one all-gather of a byte buffer holding them all.
     async_op=True returns (handle or None, finish) where finish() waits and returns the NVFP4Tensor.
     """
     if not isinstance(q, NVFP4Tensor):
@@ -111,6 +129,11 @@ def all_gather_nvfp4(q: NVFP4Tensor, group=None, async_op: bool = False, *, pack
     if world_size == 1:
         return (None, lambda: q) if async_op else q
     pieces = _gathered_pieces(q)
+    if peer_memory is None:
+        peer_memory = not packed and all(t.is_cuda for t in pieces.values()) and symmetric.enabled(group)
+    if peer_memory:
+        gathered = _assemble(q, symmetric.all_gather(pieces, set(_COLUMNWISE), group), world_size, swapped=True)
+        return (None, lambda: gathered) if async_op else gathered
     if packed is None:
         packed = dist.get_backend(group) != "nccl"
     gather = _gather_packed if packed else _gather_coalesced

@@ -3,6 +3,8 @@
 #   bash tests_multigpu/run_suite.sh a OUTDIR   # 4 GPUs: tests (1-, 2- and 4-GPU lanes), nvfp4-train, Megatron
 #   bash tests_multigpu/run_suite.sh b OUTDIR   # 4 GPUs: benchmarks and the test matrix (whole machine each)
 #   bash tests_multigpu/run_suite.sh c OUTDIR   # 4 GPUs: nvfp4-train runs, 2-GPU benchmarks, checkpoint resharding
+#   bash tests_multigpu/run_suite.sh d OUTDIR   # 4 GPUs: symmetric-memory collectives, then the layers and benchmarks on them
+#   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: Megatron GPT training at TP=2 SP off and TP=4 SP on/off
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -68,7 +70,25 @@ c)  # re-runs after fixes, and what a and b left out
     step overlap_bench_tp2 120 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/overlap.py \
         --out "$R/overlap_${GPU}_tp2.json" --out-dir "$R/overlap_tp2"
     ;;
-*) echo "usage: $0 a|b|c OUTDIR"; exit 2 ;;
+d)  # the symmetric-memory (NVLink peer) collectives first, then everything that now runs on them by default
+    step symmetric_tp4 120 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_symmetric_gpu.py
+    step allgather_bench_tp4 90 $TORCHRUN --nproc-per-node 4 benchmarks/allgather.py --out "$R/allgather_${GPU}_x4.json"
+    step symmetric_tp2 90 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 -m pytest -q \
+        tests_multigpu/test_symmetric_gpu.py
+    step allgather_bench_tp2 90 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/allgather.py \
+        --out "$R/allgather_${GPU}_x2.json"
+    step parallel_tp4 150 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_parallel_gpu.py
+    step overlap_tp4 120 $TORCHRUN --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py
+    step overlap_bench_tp4 150 $TORCHRUN --nproc-per-node 4 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp4.json" \
+        --out-dir "$R/overlap_tp4"
+    step tp_linear_bench 100 $TORCHRUN --nproc-per-node 4 benchmarks/tp_linear.py --out "$R/tp_linear_${GPU}_tp4.json"
+    step megatron_bench 150 $TORCHRUN --nproc-per-node 4 benchmarks/megatron_gpt.py --out "$R/megatron_gpt_${GPU}x4.json"
+    ;;
+e)  # the Megatron training cases the 4-GPU runs of group a left out
+    step megatron_tp2_tp4 540 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
+        -k "2-False-1 or 4-True-1 or 4-False-0"
+    ;;
+*) echo "usage: $0 a|b|c|d|e OUTDIR"; exit 2 ;;
 esac
 cat "$SUMMARY"
 ! grep -qE "FAIL|TIMEOUT" "$SUMMARY"

@@ -1,0 +1,198 @@
+"""One-shot collectives through NVLink peer memory (torch symmetric memory): the NCCL path's faster twin on one host.
+
+Each rank copies its shard into its own symmetric buffer, a symmetric-memory barrier orders those writes
+before any read, and one kernel (csrc/peer_gather.cu) pulls every rank's shard straight into the final
+layout. Columnwise copies land already reordered, so swap_first_dims costs nothing. The amax MAX
+all-reduce works the same way with one 4-byte shard per amax. Three launches per collective, no NCCL.
+The results are byte-identical to the NCCL path of parallel/comm.py (tests_multigpu/test_symmetric_gpu.py).
+
+Each buffer has two halves that alternate from call to call: a rank can write its next shard while a peer
+still reads the previous one, because the barrier of the call in between orders them. All calls of a
+group must run on one CUDA stream per rank (the layers' current stream).
+Used when NVFP4_SYMMETRIC_MEMORY is not "0", the group is NCCL on CUDA with 2 to 8 ranks on one host, and
+symmetric memory can be set up; every rank takes the same decision (otherwise NCCL, with a log line).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("nvfp4_dist")
+
+ENV_SWITCH = "NVFP4_SYMMETRIC_MEMORY"
+MAX_RANKS, MAX_PIECES, MAX_AMAXES = 8, 8, 8  # csrc/nvfp4_kernels.h: kMaxPeers, kMaxPeerPieces, kMaxPeerAmaxes
+_ALIGN = 256                                  # bytes between pieces (keeps 16-byte vector access)
+_MIN_DATA_BYTES = 16 * 2 ** 20                # first data half; grows by doubling
+_CHANNEL = 0
+
+_workspaces: dict = {}
+_enabled: dict = {}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _extension():
+    from .._extension import load_extension
+    return load_extension()
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _group_key(group) -> str:
+    return (group or dist.group.WORLD).group_name
+
+
+def _rendezvous(symm, buffer: torch.Tensor, group_name: str):
+    """symm.rendezvous; torch releases before 2.9 first need the group registered (enable_symm_mem_for_group)."""
+    try:
+        return symm.rendezvous(buffer, group_name)
+    except RuntimeError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm.enable_symm_mem_for_group(group_name)
+        return symm.rendezvous(buffer, group_name)
+
+
+class SymmetricWorkspace:
+    """A group's symmetric buffer: [amax half 0 | amax half 1 | data half 0 | data half 1], and the peers' addresses."""
+
+    _AMAX_HALF = _ALIGN
+
+    def __init__(self, group, data_bytes: int):
+        from torch.distributed import _symmetric_memory as symm
+        self.data_half_bytes = _round_up(max(data_bytes, 1), _ALIGN)
+        total = 2 * self._AMAX_HALF + 2 * self.data_half_bytes
+        self.buffer = symm.empty(total, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        self.handle = _rendezvous(symm, self.buffer, _group_key(group))
+        self.rank, self.world_size = self.handle.rank, self.handle.world_size
+        self.bases = [self.handle.get_buffer(r, (total,), torch.uint8).data_ptr() for r in range(self.world_size)]
+        self._amax_half = self._data_half = 0
+        self.retired: list = []  # grown-out workspaces of this group, kept alive (see _workspace)
+
+    def next_amax_offset(self) -> int:
+        offset = self._amax_half * self._AMAX_HALF
+        self._amax_half ^= 1
+        return offset
+
+    def next_data_offset(self) -> int:
+        offset = 2 * self._AMAX_HALF + self._data_half * self.data_half_bytes
+        self._data_half ^= 1
+        return offset
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=_CHANNEL)
+
+
+def _same_host(group) -> bool:
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) == 1
+
+
+def enabled(group=None) -> bool:
+    """Whether this group's collectives take the symmetric-memory path (one decision per group, the same on all ranks)."""
+    key = _group_key(group)
+    if key in _enabled:
+        return _enabled[key]
+    switch = os.environ.get(ENV_SWITCH, "auto").strip().lower()
+    if switch not in ("auto", "1", "0", "on", "off"):
+        raise ValueError(f"{ENV_SWITCH}={switch!r}: expected auto, 1, on, 0 or off")
+    world_size = dist.get_world_size(group)
+    usable = (switch not in ("0", "off") and torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+              and 2 <= world_size <= MAX_RANKS and _same_host(group))
+    if usable:
+        try:
+            _workspaces[key] = SymmetricWorkspace(group, _MIN_DATA_BYTES)
+            ok = 1
+        except Exception as error:  # no peer access, no symmetric memory in this torch build, ...
+            log.warning("symmetric memory unavailable for group %s (%s); using NCCL", key, error)
+            ok = 0
+        agreed = torch.tensor([ok], device="cuda", dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        usable = bool(agreed.item())
+        if not usable:
+            _workspaces.pop(key, None)
+    _enabled[key] = usable
+    log.info("group %s (%d ranks): %s collectives", key, world_size, "symmetric-memory" if usable else "NCCL")
+    return usable
+
+
+def _workspace(group, data_bytes: int) -> SymmetricWorkspace:
+    """The group's workspace with at least data_bytes per data half (a collective the first time it must grow).
+
+    A grown-out workspace is kept alive (peers may still read it on their streams); sizes double, so the
+    retired ones add up to less than the live one.
+    """
+    key = _group_key(group)
+    workspace = _workspaces[key]
+    if workspace.data_half_bytes < data_bytes:
+        grown = SymmetricWorkspace(group, max(data_bytes, 2 * workspace.data_half_bytes))
+        grown.retired = [*workspace.retired, workspace]
+        workspace.retired = []
+        _workspaces[key] = workspace = grown
+    return workspace
+
+
+def all_reduce_max(amaxes: list, group=None) -> None:
+    """MAX-reduce up to 8 FP32 values (contiguous CUDA tensors) across the group, in place."""
+    flat = [amax.view(-1) for amax in amaxes]
+    count = sum(t.numel() for t in flat)
+    if not 1 <= count <= MAX_AMAXES or any(t.dtype != torch.float32 or not t.is_cuda for t in flat):
+        raise ValueError(f"all_reduce_max takes 1 to {MAX_AMAXES} float32 CUDA values, got {count}")
+    workspace = _workspace(group, 0)
+    slot = workspace.next_amax_offset()
+    own = workspace.bases[workspace.rank] + slot
+    offsets, offset = [], 0
+    for t in flat:
+        offsets.append(offset)
+        offset += 4 * t.numel()
+    extension, stream = _extension(), _stream()
+    extension.peer_gather([[t.data_ptr()] for t in flat], [own + o for o in offsets], [1] * len(flat),
+                          [4 * t.numel() for t in flat], [False] * len(flat), stream)
+    workspace.barrier()
+    destinations = [t.data_ptr() + 4 * i for t in flat for i in range(t.numel())]
+    extension.peer_amax_max([base + slot for base in workspace.bases], destinations, stream)
+
+
+def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
+    """Gather each contiguous CUDA tensor of `pieces` ([rows, ...] on every rank) along dim 0.
+
+    Names in `interleaved` come back reordered as swap_first_dims does ((W, rows, X) -> (rows, W, X), as
+    [rows, W * X]); the others as [W * rows, ...].
+    """
+    if not 1 <= len(pieces) <= MAX_PIECES:
+        raise ValueError(f"all_gather takes 1 to {MAX_PIECES} pieces, got {len(pieces)}")
+    layout, total = {}, 0
+    for name, t in pieces.items():
+        if not t.is_cuda or not t.is_contiguous() or t.dim() == 0:
+            raise ValueError(f"piece {name!r} must be a contiguous CUDA tensor with at least 1 dim")
+        layout[name] = total
+        total += _round_up(t.numel() * t.element_size(), _ALIGN)
+    workspace = _workspace(group, total)
+    world_size = workspace.world_size
+    half = workspace.next_data_offset()
+    own = workspace.bases[workspace.rank] + half
+    names = [name for name, t in pieces.items() if t.numel()]
+    nbytes = {name: pieces[name].numel() * pieces[name].element_size() for name in names}
+    extension, stream = _extension(), _stream()
+    extension.peer_gather([[pieces[n].data_ptr()] for n in names], [own + layout[n] for n in names], [1] * len(names),
+                          [nbytes[n] for n in names], [False] * len(names), stream)
+    workspace.barrier()
+    outputs = {}
+    for name, t in pieces.items():
+        shape = ((t.shape[0], world_size * math.prod(t.shape[1:])) if name in interleaved else (world_size * t.shape[0], *t.shape[1:]))
+        outputs[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+    extension.peer_gather([[base + half + layout[n] for base in workspace.bases] for n in names],
+                          [outputs[n].data_ptr() for n in names], [pieces[n].shape[0] for n in names],
+                          [nbytes[n] // pieces[n].shape[0] for n in names], [n in interleaved for n in names], stream)
+    return outputs
