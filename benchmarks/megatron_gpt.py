@@ -113,7 +113,8 @@ def main():
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
         print(f"GPT {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, seq {args.seq}, "
-              f"micro-batch {args.micro_batch}, TP={tp} SP, overlap={args.overlap}")
+              f"micro-batch {args.micro_batch}, TP={tp} SP, overlap={args.overlap}, CUDA_DEVICE_MAX_CONNECTIONS="
+              f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset (8)')}")
         print(f"{'spec':<12}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'loss':>9}")
         for name, r in results.items():
             print(f"{name:<12}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['peak_memory_gib']:>10.2f}"
@@ -122,6 +123,7 @@ def main():
         record = {"benchmark": "megatron_gpt", "device": torch.cuda.get_device_name(), "gpus": tp,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
                   "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
+                  "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as handle:

@@ -335,7 +335,8 @@ def main() -> None:
     recipe = nv.NVFP4Recipe()
     label = f"{gpu_label()}_tp{world_size}"
     report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
-                  torch=torch.__version__, tp=world_size, recipe=str(recipe), hopper_gemm=hopper_path(), shapes=[])
+                  torch=torch.__version__, tp=world_size, recipe=str(recipe), hopper_gemm=hopper_path(),
+                  cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"), shapes=[])
     for tokens, hidden, ffn in shapes:
         report["shapes"].append(measure_shape(tokens, hidden, ffn, group, self_group, recipe, args.iters,
                                               args.warmup))

@@ -140,40 +140,72 @@ void swap_first_dims(const at::Tensor& gathered, int64_t world_size, at::Tensor&
 }
 
 // Peer-memory collectives: addresses (torch symmetric memory, valid in this process) as integers.
-void peer_gather(const std::vector<std::vector<int64_t>>& sources, const std::vector<int64_t>& destinations,
-                 const std::vector<int64_t>& rows, const std::vector<int64_t>& row_bytes,
-                 const std::vector<bool>& interleave, int64_t stream) {
+nvfp4::PeerGatherArgs peer_pieces(const std::vector<std::vector<int64_t>>& sources,
+                                  const std::vector<int64_t>& destinations, const std::vector<int64_t>& rows,
+                                  const std::vector<int64_t>& row_bytes, const std::vector<bool>& interleave) {
   const size_t count = destinations.size();
-  TORCH_CHECK(count <= nvfp4::kMaxPeerPieces && sources.size() == count && rows.size() == count &&
+  TORCH_CHECK(count >= 1 && count <= nvfp4::kMaxPeerPieces && sources.size() == count && rows.size() == count &&
                   row_bytes.size() == count && interleave.size() == count,
-              "nvfp4_dist._C: peer_gather takes up to ", nvfp4::kMaxPeerPieces, " pieces, one entry each");
+              "nvfp4_dist._C: 1 to ", nvfp4::kMaxPeerPieces, " pieces, one entry each");
   nvfp4::PeerGatherArgs args{};
   args.count = static_cast<int>(count);
-  args.world_size = count ? static_cast<int>(sources[0].size()) : 1;
-  TORCH_CHECK(args.world_size >= 1 && args.world_size <= nvfp4::kMaxPeers, "nvfp4_dist._C: peer_gather takes 1 to ",
-              nvfp4::kMaxPeers, " ranks");
+  args.world_size = static_cast<int>(sources[0].size());
+  TORCH_CHECK(args.world_size >= 1 && args.world_size <= nvfp4::kMaxPeers, "nvfp4_dist._C: 1 to ", nvfp4::kMaxPeers,
+              " ranks");
   for (size_t p = 0; p < count; ++p) {
-    TORCH_CHECK(static_cast<int>(sources[p].size()) == args.world_size, "nvfp4_dist._C: every piece needs one source per rank");
+    TORCH_CHECK(static_cast<int>(sources[p].size()) == args.world_size, "nvfp4_dist._C: one source per rank");
     for (int r = 0; r < args.world_size; ++r) args.pieces[p].src[r] = reinterpret_cast<const uint8_t*>(sources[p][r]);
     args.pieces[p].dst = reinterpret_cast<uint8_t*>(destinations[p]);
     args.pieces[p].rows = rows[p];
     args.pieces[p].row_bytes = row_bytes[p];
     args.pieces[p].interleave = interleave[p];
   }
-  check_launch(nvfp4::launch_peer_gather(args, as_stream(stream)), "peer_gather");
+  return args;
 }
 
-void peer_amax_max(const std::vector<int64_t>& sources, const std::vector<int64_t>& destinations, int64_t stream) {
-  TORCH_CHECK(sources.size() >= 1 && sources.size() <= nvfp4::kMaxPeers && destinations.size() >= 1 &&
-                  destinations.size() <= nvfp4::kMaxPeerAmaxes,
-              "nvfp4_dist._C: peer_amax_max takes 1 to ", nvfp4::kMaxPeers, " ranks and 1 to ",
-              nvfp4::kMaxPeerAmaxes, " amaxes");
+nvfp4::PeerBarrier peer_barrier(const std::vector<int64_t>& signal_pads, int64_t channel, int64_t rank,
+                                int64_t blocks_done) {
+  TORCH_CHECK(signal_pads.size() >= 1 && signal_pads.size() <= nvfp4::kMaxPeers && rank >= 0 &&
+                  rank < static_cast<int64_t>(signal_pads.size()),
+              "nvfp4_dist._C: 1 to ", nvfp4::kMaxPeers, " signal pads and a rank among them");
+  nvfp4::PeerBarrier barrier{};
+  for (size_t r = 0; r < signal_pads.size(); ++r) barrier.signal_pads[r] = reinterpret_cast<uint32_t*>(signal_pads[r]);
+  barrier.channel = static_cast<int>(channel);
+  barrier.rank = static_cast<int>(rank);
+  barrier.world_size = static_cast<int>(signal_pads.size());
+  barrier.blocks_done = reinterpret_cast<int*>(blocks_done);
+  return barrier;
+}
+
+void peer_publish(const std::vector<int64_t>& sources, const std::vector<int64_t>& destinations,
+                  const std::vector<int64_t>& nbytes, const std::vector<int64_t>& signal_pads, int64_t channel,
+                  int64_t rank, int64_t blocks_done, int64_t stream) {
+  std::vector<std::vector<int64_t>> single_sources;
+  for (const int64_t source : sources) single_sources.push_back({source});
+  const auto args = peer_pieces(single_sources, destinations, std::vector<int64_t>(sources.size(), 1), nbytes,
+                                std::vector<bool>(sources.size(), false));
+  check_launch(nvfp4::launch_peer_publish(args, peer_barrier(signal_pads, channel, rank, blocks_done), as_stream(stream)),
+               "peer_publish");
+}
+
+void peer_gather(const std::vector<std::vector<int64_t>>& sources, const std::vector<int64_t>& destinations,
+                 const std::vector<int64_t>& rows, const std::vector<int64_t>& row_bytes,
+                 const std::vector<bool>& interleave, int64_t rank, int64_t stream) {
+  check_launch(nvfp4::launch_peer_gather(peer_pieces(sources, destinations, rows, row_bytes, interleave),
+                                         static_cast<int>(rank), as_stream(stream)),
+               "peer_gather");
+}
+
+void peer_amax_all_reduce(const std::vector<int64_t>& values, const std::vector<int64_t>& slots,
+                          const std::vector<int64_t>& signal_pads, int64_t channel, int64_t rank, int64_t stream) {
+  TORCH_CHECK(values.size() >= 1 && values.size() <= nvfp4::kMaxPeerAmaxes && slots.size() == signal_pads.size(),
+              "nvfp4_dist._C: 1 to ", nvfp4::kMaxPeerAmaxes, " amaxes and one slot per rank");
   nvfp4::PeerAmaxArgs args{};
-  args.world_size = static_cast<int>(sources.size());
-  args.count = static_cast<int>(destinations.size());
-  for (int r = 0; r < args.world_size; ++r) args.src[r] = reinterpret_cast<const float*>(sources[r]);
-  for (int i = 0; i < args.count; ++i) args.dst[i] = reinterpret_cast<float*>(destinations[i]);
-  check_launch(nvfp4::launch_peer_amax_max(args, as_stream(stream)), "peer_amax_max");
+  args.count = static_cast<int>(values.size());
+  for (size_t i = 0; i < values.size(); ++i) args.values[i] = reinterpret_cast<float*>(values[i]);
+  for (size_t r = 0; r < slots.size(); ++r) args.slots[r] = reinterpret_cast<float*>(slots[r]);
+  check_launch(nvfp4::launch_peer_amax_all_reduce(args, peer_barrier(signal_pads, channel, rank, 0), as_stream(stream)),
+               "peer_amax_all_reduce");
 }
 
 }  // namespace
@@ -188,6 +220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
-  m.def("peer_gather", &peer_gather, "gather pieces from every rank's peer memory, concatenated or interleaved");
-  m.def("peer_amax_max", &peer_amax_max, "MAX over ranks of a few FP32 values in peer memory");
+  m.def("peer_publish", &peer_publish, "this rank's pieces into its symmetric buffer, then a barrier over the ranks");
+  m.def("peer_gather", &peer_gather, "every rank's published pieces into outputs, concatenated or interleaved");
+  m.def("peer_amax_all_reduce", &peer_amax_all_reduce, "MAX over ranks of a few FP32 values, in place");
 }

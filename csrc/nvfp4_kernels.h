@@ -77,13 +77,23 @@ struct PeerGatherArgs {
   PeerPiece pieces[kMaxPeerPieces];
   int count, world_size;
 };
-cudaError_t launch_peer_gather(PeerGatherArgs args, cudaStream_t stream);
-// dst[i][0] = max over ranks r of src[r][i] (NaN wins), i < count.
-struct PeerAmaxArgs {
-  const float* src[kMaxPeers];
-  float* dst[kMaxPeerAmaxes];
-  int count, world_size;
+// A barrier over the ranks' symmetric-memory signal pads (uint32 slots [channel * W + source]).
+struct PeerBarrier {
+  uint32_t* signal_pads[kMaxPeers];
+  int channel, rank, world_size;
+  int* blocks_done;               // peer_publish: a zeroed device counter, left zeroed
 };
-cudaError_t launch_peer_amax_max(const PeerAmaxArgs& args, cudaStream_t stream);
+// This rank's pieces (world_size 1) into its symmetric buffer, then the barrier.
+cudaError_t launch_peer_publish(PeerGatherArgs args, const PeerBarrier& barrier, cudaStream_t stream);
+// Every rank's pieces (after a publish) into the outputs.
+cudaError_t launch_peer_gather(PeerGatherArgs args, int rank, cudaStream_t stream);
+// values[i] = max over ranks r of rank r's values[i] (NaN wins), i < count, through slots[r] (count
+// floats in rank r's symmetric buffer, not used by a peer's previous call), with the barrier between.
+struct PeerAmaxArgs {
+  float* values[kMaxPeerAmaxes];
+  float* slots[kMaxPeers];
+  int count;
+};
+cudaError_t launch_peer_amax_all_reduce(const PeerAmaxArgs& args, const PeerBarrier& barrier, cudaStream_t stream);
 
 }  // namespace nvfp4

@@ -1,9 +1,9 @@
 """One-shot collectives through NVLink peer memory (torch symmetric memory): the NCCL path's faster twin on one host.
 
-Each rank copies its shard into its own symmetric buffer, a symmetric-memory barrier orders those writes
-before any read, and one kernel (csrc/peer_gather.cu) pulls every rank's shard straight into the final
-layout. Columnwise copies land already reordered, so swap_first_dims costs nothing. The amax MAX
-all-reduce works the same way with one 4-byte shard per amax. Three launches per collective, no NCCL.
+One kernel (csrc/peer_gather.cu) copies this rank's shard into its own symmetric buffer and ends with a
+barrier over the ranks' signal pads; a second pulls every rank's shard straight into the final layout.
+Columnwise copies land already reordered, so swap_first_dims costs nothing. The amax MAX all-reduce is one
+single-block kernel (publish, barrier, reduce). No NCCL, two launches per gather and one per amax.
 The results are byte-identical to the NCCL path of parallel/comm.py (tests_multigpu/test_symmetric_gpu.py).
 
 Each buffer has two halves that alternate from call to call: a rank can write its next shard while a peer
@@ -29,7 +29,7 @@ ENV_SWITCH = "NVFP4_SYMMETRIC_MEMORY"
 MAX_RANKS, MAX_PIECES, MAX_AMAXES = 8, 8, 8  # csrc/nvfp4_kernels.h: kMaxPeers, kMaxPeerPieces, kMaxPeerAmaxes
 _ALIGN = 256                                  # bytes between pieces (keeps 16-byte vector access)
 _MIN_DATA_BYTES = 16 * 2 ** 20                # first data half; grows by doubling
-_CHANNEL = 0
+_CHANNEL = 1  # signal-pad channel of our barriers (torch's own symmetric-memory ops use channel 0)
 
 _workspaces: dict = {}
 _enabled: dict = {}
@@ -48,8 +48,9 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _group_key(group) -> str:
-    return (group or dist.group.WORLD).group_name
+def _resolved(group):
+    """The group object (the current default group for None: a re-initialised world gets new workspaces)."""
+    return dist.group.WORLD if group is None else group
 
 
 def _rendezvous(symm, buffer: torch.Tensor, group_name: str):
@@ -73,9 +74,11 @@ class SymmetricWorkspace:
         self.data_half_bytes = _round_up(max(data_bytes, 1), _ALIGN)
         total = 2 * self._AMAX_HALF + 2 * self.data_half_bytes
         self.buffer = symm.empty(total, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-        self.handle = _rendezvous(symm, self.buffer, _group_key(group))
+        self.handle = _rendezvous(symm, self.buffer, group.group_name)
         self.rank, self.world_size = self.handle.rank, self.handle.world_size
         self.bases = [self.handle.get_buffer(r, (total,), torch.uint8).data_ptr() for r in range(self.world_size)]
+        self.signal_pads = [self.handle.get_signal_pad(r).data_ptr() for r in range(self.world_size)]
+        self.blocks_done = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)  # peer_publish's counter
         self._amax_half = self._data_half = 0
         self.retired: list = []  # grown-out workspaces of this group, kept alive (see _workspace)
 
@@ -89,8 +92,9 @@ class SymmetricWorkspace:
         self._data_half ^= 1
         return offset
 
-    def barrier(self) -> None:
-        self.handle.barrier(channel=_CHANNEL)
+    def barrier_args(self) -> tuple:
+        """(signal pads, channel, rank): the barrier arguments of the peer kernels."""
+        return self.signal_pads, _CHANNEL, self.rank
 
 
 def _same_host(group) -> bool:
@@ -101,9 +105,10 @@ def _same_host(group) -> bool:
 
 def enabled(group=None) -> bool:
     """Whether this group's collectives take the symmetric-memory path (one decision per group, the same on all ranks)."""
-    key = _group_key(group)
-    if key in _enabled:
-        return _enabled[key]
+    group = _resolved(group)
+    if group in _enabled:
+        return _enabled[group]
+    key = group.group_name
     switch = os.environ.get(ENV_SWITCH, "auto").strip().lower()
     if switch not in ("auto", "1", "0", "on", "off"):
         raise ValueError(f"{ENV_SWITCH}={switch!r}: expected auto, 1, on, 0 or off")
@@ -112,7 +117,7 @@ def enabled(group=None) -> bool:
               and 2 <= world_size <= MAX_RANKS and _same_host(group))
     if usable:
         try:
-            _workspaces[key] = SymmetricWorkspace(group, _MIN_DATA_BYTES)
+            _workspaces[group] = SymmetricWorkspace(group, _MIN_DATA_BYTES)
             ok = 1
         except Exception as error:  # no peer access, no symmetric memory in this torch build, ...
             log.warning("symmetric memory unavailable for group %s (%s); using NCCL", key, error)
@@ -121,8 +126,8 @@ def enabled(group=None) -> bool:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         usable = bool(agreed.item())
         if not usable:
-            _workspaces.pop(key, None)
-    _enabled[key] = usable
+            _workspaces.pop(group, None)
+    _enabled[group] = usable
     log.info("group %s (%d ranks): %s collectives", key, world_size, "symmetric-memory" if usable else "NCCL")
     return usable
 
@@ -133,35 +138,27 @@ def _workspace(group, data_bytes: int) -> SymmetricWorkspace:
     A grown-out workspace is kept alive (peers may still read it on their streams); sizes double, so the
     retired ones add up to less than the live one.
     """
-    key = _group_key(group)
-    workspace = _workspaces[key]
+    group = _resolved(group)
+    workspace = _workspaces[group]
     if workspace.data_half_bytes < data_bytes:
         grown = SymmetricWorkspace(group, max(data_bytes, 2 * workspace.data_half_bytes))
         grown.retired = [*workspace.retired, workspace]
         workspace.retired = []
-        _workspaces[key] = workspace = grown
+        _workspaces[group] = workspace = grown
     return workspace
 
 
 def all_reduce_max(amaxes: list, group=None) -> None:
-    """MAX-reduce up to 8 FP32 values (contiguous CUDA tensors) across the group, in place."""
+    """MAX-reduce up to 8 FP32 values (contiguous CUDA tensors) across the group, in place; one kernel."""
     flat = [amax.view(-1) for amax in amaxes]
     count = sum(t.numel() for t in flat)
     if not 1 <= count <= MAX_AMAXES or any(t.dtype != torch.float32 or not t.is_cuda for t in flat):
         raise ValueError(f"all_reduce_max takes 1 to {MAX_AMAXES} float32 CUDA values, got {count}")
     workspace = _workspace(group, 0)
     slot = workspace.next_amax_offset()
-    own = workspace.bases[workspace.rank] + slot
-    offsets, offset = [], 0
-    for t in flat:
-        offsets.append(offset)
-        offset += 4 * t.numel()
-    extension, stream = _extension(), _stream()
-    extension.peer_gather([[t.data_ptr()] for t in flat], [own + o for o in offsets], [1] * len(flat),
-                          [4 * t.numel() for t in flat], [False] * len(flat), stream)
-    workspace.barrier()
-    destinations = [t.data_ptr() + 4 * i for t in flat for i in range(t.numel())]
-    extension.peer_amax_max([base + slot for base in workspace.bases], destinations, stream)
+    values = [t.data_ptr() + 4 * i for t in flat for i in range(t.numel())]
+    _extension().peer_amax_all_reduce(values, [base + slot for base in workspace.bases], *workspace.barrier_args(),
+                                      _stream())
 
 
 def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
@@ -182,17 +179,18 @@ def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
     world_size = workspace.world_size
     half = workspace.next_data_offset()
     own = workspace.bases[workspace.rank] + half
+    outputs = {name: torch.empty((t.shape[0], world_size * math.prod(t.shape[1:])) if name in interleaved
+                                 else (world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+               for name, t in pieces.items()}
     names = [name for name, t in pieces.items() if t.numel()]
-    nbytes = {name: pieces[name].numel() * pieces[name].element_size() for name in names}
+    if not names:
+        return outputs
+    nbytes = [pieces[n].numel() * pieces[n].element_size() for n in names]
     extension, stream = _extension(), _stream()
-    extension.peer_gather([[pieces[n].data_ptr()] for n in names], [own + layout[n] for n in names], [1] * len(names),
-                          [nbytes[n] for n in names], [False] * len(names), stream)
-    workspace.barrier()
-    outputs = {}
-    for name, t in pieces.items():
-        shape = ((t.shape[0], world_size * math.prod(t.shape[1:])) if name in interleaved else (world_size * t.shape[0], *t.shape[1:]))
-        outputs[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+    extension.peer_publish([pieces[n].data_ptr() for n in names], [own + layout[n] for n in names], nbytes,
+                           *workspace.barrier_args(), workspace.blocks_done.data_ptr(), stream)
     extension.peer_gather([[base + half + layout[n] for base in workspace.bases] for n in names],
                           [outputs[n].data_ptr() for n in names], [pieces[n].shape[0] for n in names],
-                          [nbytes[n] // pieces[n].shape[0] for n in names], [n in interleaved for n in names], stream)
+                          [b // pieces[n].shape[0] for n, b in zip(names, nbytes)], [n in interleaved for n in names],
+                          workspace.rank, stream)
     return outputs

@@ -83,6 +83,8 @@ d)  # the symmetric-memory (NVLink peer) collectives first, then everything that
         --out-dir "$R/overlap_tp4"
     step tp_linear_bench 100 $TORCHRUN --nproc-per-node 4 benchmarks/tp_linear.py --out "$R/tp_linear_${GPU}_tp4.json"
     step megatron_bench 150 $TORCHRUN --nproc-per-node 4 benchmarks/megatron_gpt.py --out "$R/megatron_gpt_${GPU}x4.json"
+    step megatron_bench_conn1 150 env CUDA_DEVICE_MAX_CONNECTIONS=1 $TORCHRUN --nproc-per-node 4 benchmarks/megatron_gpt.py \
+        --out "$R/megatron_gpt_${GPU}x4_max_connections_1.json"
     ;;
 e)  # the Megatron training cases the 4-GPU runs of group a left out
     step megatron_tp2_tp4 540 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
