@@ -3,8 +3,9 @@
 The logical tensor is [M, hidden] in BF16 of 16, 64, 256 and 512 MB, sharded along M over the group.
 NVFP4 moves one copy (rowwise data + E4M3 scales: 0.5625 bytes per element); its time includes the
 amax MAX all-reduce that must precede the cast (SPEC 9). Quantization itself is not timed here.
-Reported per size: median time per call over back-to-back calls (max over ranks), bus bandwidth ((W-1)/W * gathered
-bytes / time), the amax all-reduce alone, and BF16 time / NVFP4 time. Targets on 4 H200s: >= 3.0x at 256 MB and above,
+Reported per size: median GPU time per call over back-to-back calls (max over ranks; see median_ms), bus bandwidth
+((W-1)/W * gathered bytes / time), the amax all-reduce alone, BF16 time / NVFP4 time, and the host time to enqueue
+one call. Targets on 4 H200s: >= 3.0x at 256 MB and above,
 >= 2.4x at 64 MB, >= 1.5x at 16 MB.
 NVFP4 runs both transports: the default (NVLink peer memory, parallel/symmetric.py, where enabled) and NCCL. The
 baseline is NCCL's BF16 all-gather; for a like-for-like view the BF16 tensor is also gathered through the same
@@ -19,6 +20,8 @@ import datetime
 import json
 import os
 import pathlib
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,31 +31,39 @@ from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_am
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
+_SLEEP_CYCLES = 20_000_000  # about 10 ms at H100/H200 clocks: room to enqueue 10 calls
 
 
-def median_ms(fn, warmup: int = 5, repeats: int = 15, calls: int = 10) -> float:
-    """Median over repeats of the CUDA time per call of `calls` back-to-back calls, the maximum over ranks.
+def median_ms(fn, warmup: int = 5, repeats: int = 15, calls: int = 10) -> tuple:
+    """(GPU ms per call, host ms per call): medians over repeats of `calls` back-to-back calls, the slowest rank's.
 
-    Back-to-back calls amortise the ranks' arrival skew after the barrier (which otherwise dominates
-    sub-millisecond collectives) the way consecutive layers do in training; host overhead per call that
-    exceeds the GPU time still shows.
+    GPU time: each repeat first parks the GPU in a sleep kernel long enough for the host to enqueue every
+    call, then lines the ranks up with a one-element all-reduce, then times the calls with CUDA events; so
+    neither the ranks' arrival skew nor host launch overhead is in it (as in training, where the GEMMs keep
+    the host ahead of the GPU). Host time: what enqueueing one call costs this process (perf_counter), shown
+    separately: when it exceeds the GPU time, a loop of such calls alone is host-bound.
     """
     for _ in range(warmup):
         fn()
-    times = []
+    align = torch.zeros(1, device="cuda")
+    gpu, host = [], []
     for _ in range(repeats):
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        dist.all_reduce(align)
         start.record()
+        began = time.perf_counter()
         for _ in range(calls):
             fn()
+        host.append((time.perf_counter() - began) * 1e3 / calls)
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    median = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+        gpu.append(start.elapsed_time(end) / calls)
+    medians = torch.tensor([statistics.median(gpu), statistics.median(host)], device="cuda")
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return medians[0].item(), medians[1].item()
 
 
 def bench_size(size_mb: int, hidden: int, world_size: int, rank: int) -> dict:
@@ -69,21 +80,22 @@ def bench_size(size_mb: int, hidden: int, world_size: int, rank: int) -> dict:
     amax_scratch = amax.clone()
 
     peer = symmetric.enabled()
-    bf16_ms = median_ms(lambda: all_gather_bf16(local))
-    bf16_peer_ms = median_ms(lambda: symmetric.all_gather({"x": local}, set())) if peer else None
-    amax_nccl_ms = median_ms(lambda: all_reduce_amax([amax_scratch], peer_memory=False))
-    gather_nccl_ms = median_ms(lambda: all_gather_nvfp4(q, peer_memory=False))
+    bf16_ms, bf16_host_ms = median_ms(lambda: all_gather_bf16(local))
+    bf16_peer_ms = median_ms(lambda: symmetric.all_gather({"x": local}, set()))[0] if peer else None
+    amax_nccl_ms = median_ms(lambda: all_reduce_amax([amax_scratch], peer_memory=False))[0]
+    gather_nccl_ms = median_ms(lambda: all_gather_nvfp4(q, peer_memory=False))[0]
     nvfp4_nccl_ms = median_ms(lambda: (all_reduce_amax([amax_scratch], peer_memory=False),
-                                       all_gather_nvfp4(q, peer_memory=False)))
-    amax_ms = median_ms(lambda: all_reduce_amax([amax_scratch]))
-    gather_ms = median_ms(lambda: all_gather_nvfp4(q))
-    nvfp4_ms = median_ms(lambda: (all_reduce_amax([amax_scratch]), all_gather_nvfp4(q)))
+                                       all_gather_nvfp4(q, peer_memory=False)))[0]
+    amax_ms = median_ms(lambda: all_reduce_amax([amax_scratch]))[0]
+    gather_ms = median_ms(lambda: all_gather_nvfp4(q))[0]
+    nvfp4_ms, nvfp4_host_ms = median_ms(lambda: (all_reduce_amax([amax_scratch]), all_gather_nvfp4(q)))
 
     def bus_gbps(nbytes, ms):
         return (world_size - 1) / world_size * nbytes / (ms * 1e-3) / 1e9
 
     return dict(size_mb=size_mb, rows=rows, hidden=hidden, transport="peer_memory" if peer else "nccl",
-                bf16_ms=bf16_ms, bf16_bus_gbps=bus_gbps(bf16_bytes, bf16_ms), bf16_peer_ms=bf16_peer_ms,
+                bf16_ms=bf16_ms, bf16_host_ms=bf16_host_ms, bf16_bus_gbps=bus_gbps(bf16_bytes, bf16_ms),
+                bf16_peer_ms=bf16_peer_ms, nvfp4_host_ms=nvfp4_host_ms,
                 amax_allreduce_ms=amax_ms, amax_allreduce_nccl_ms=amax_nccl_ms,
                 nvfp4_gather_only_ms=gather_ms, nvfp4_gather_only_nccl_ms=gather_nccl_ms,
                 nvfp4_ms=nvfp4_ms, nvfp4_nccl_ms=nvfp4_nccl_ms, nvfp4_bus_gbps=bus_gbps(nvfp4_bytes, nvfp4_ms),
@@ -106,7 +118,8 @@ def main() -> None:
     rows = [bench_size(size, args.hidden, world_size, rank) for size in args.sizes_mb]
     if rank == 0:
         header = (f"{'MB':>4} | {'BF16 ms':>8} {'peer':>7} | {'amax':>6} {'nccl':>6} | {'gather':>6} {'nccl':>6} | "
-                  f"{'NVFP4 ms':>8} {'nccl':>6} {'bus GB/s':>8} | {'ratio':>6} {'nccl':>6} {'vs peer':>7} {'target':>6}")
+                  f"{'NVFP4 ms':>8} {'nccl':>6} {'bus GB/s':>8} | {'ratio':>6} {'nccl':>6} {'vs peer':>7} {'target':>6} | "
+                  f"{'host ms':>7} {'BF16':>6}")
         print(f"all-gather over {world_size} x {torch.cuda.get_device_name()} (NVFP4 default transport: "
               f"{rows[0]['transport']})")
         print(header)
@@ -118,7 +131,7 @@ def main() -> None:
             print(f"{r['size_mb']:>4} | {r['bf16_ms']:>8.3f} {peer_bf16} | {r['amax_allreduce_ms']:>6.3f} "
                   f"{r['amax_allreduce_nccl_ms']:>6.3f} | {r['nvfp4_gather_only_ms']:>6.3f} {r['nvfp4_gather_only_nccl_ms']:>6.3f} | "
                   f"{r['nvfp4_ms']:>8.3f} {r['nvfp4_nccl_ms']:>6.3f} {r['nvfp4_bus_gbps']:>8.1f} | {r['ratio']:>5.2f}x "
-                  f"{r['ratio_nccl']:>5.2f}x {vs_peer} {target:>6}")
+                  f"{r['ratio_nccl']:>5.2f}x {vs_peer} {target:>6} | {r['nvfp4_host_ms']:>7.3f} {r['bf16_host_ms']:>6.3f}")
         out = pathlib.Path(args.out or f"benchmarks/results/allgather_tp{world_size}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(benchmark="allgather", world_size=world_size, gpu=torch.cuda.get_device_name(),

@@ -4,7 +4,7 @@
 #   bash tests_multigpu/run_suite.sh b OUTDIR   # 4 GPUs: benchmarks and the test matrix (whole machine each)
 #   bash tests_multigpu/run_suite.sh c OUTDIR   # 4 GPUs: nvfp4-train runs, 2-GPU benchmarks, checkpoint resharding
 #   bash tests_multigpu/run_suite.sh d OUTDIR   # 4 GPUs: symmetric-memory collectives, then the layers and benchmarks on them
-#   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: Megatron GPT training at TP=2 SP off and TP=4 SP on/off
+#   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: symmetric re-check, all-gather benchmark, Megatron GPT at TP=2 SP off, TP=4
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -86,8 +86,12 @@ d)  # the symmetric-memory (NVLink peer) collectives first, then everything that
     step megatron_bench_conn1 150 env CUDA_DEVICE_MAX_CONNECTIONS=1 $TORCHRUN --nproc-per-node 4 benchmarks/megatron_gpt.py \
         --out "$R/megatron_gpt_${GPU}x4_max_connections_1.json"
     ;;
-e)  # the Megatron training cases the 4-GPU runs of group a left out
-    step megatron_tp2_tp4 540 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
+e)  # re-checks of the symmetric collectives and their benchmark, then the Megatron training cases group a left out
+    step symmetric_tp4 120 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_symmetric_gpu.py
+    step allgather_bench_tp4 90 $TORCHRUN --nproc-per-node 4 benchmarks/allgather.py --out "$R/allgather_${GPU}_x4.json"
+    step allgather_bench_tp2 90 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/allgather.py \
+        --out "$R/allgather_${GPU}_x2.json"
+    step megatron_tp2_tp4 400 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
         -k "2-False-1 or 4-True-1 or 4-False-0"
     ;;
 *) echo "usage: $0 a|b|c|d|e OUTDIR"; exit 2 ;;
