@@ -14,7 +14,7 @@ for the forward and for forward+backward:
   exposed     overlapped - no-comm (issue 7 defines overlapped - GEMMs; both are in the JSON)
 It prints a table and writes JSON (--out, default benchmarks/results/overlap_<gpu>_tp<N>.json), plus a timeline
 picture of one plain and one overlapped forward+backward step of the first shape (rank 0's CUDA kernels from
-torch.profiler, lanes: NCCL comm, GEMM, other) and the chrome traces, into --out-dir.
+torch.profiler, lanes: comm (NCCL, peer kernels, copy-engine copies), GEMM, other) and the chrome traces, into --out-dir.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/overlap.py   # NVFP4_HOPPER_GEMM=fused|dequantize: GEMM path
     python benchmarks/overlap.py --render-trace TRACE.json [TRACE2.json] --png out.png   # re-draw a timeline
@@ -196,20 +196,24 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup)
 # ----------------------------------------------------------------------------------------------------------
 # Timeline picture.
 
+COMM_LANE = "comm: NCCL, peer\nkernels, copies"
+
+
 def kernel_lane(name: str) -> str:
     lowered = name.lower()
-    if "nccl" in lowered:
-        return "comm (NCCL)"
+    if "nccl" in lowered or "peer_" in lowered or lowered.startswith("memcpy"):
+        return COMM_LANE
     if any(marker in lowered for marker in GEMM_KERNEL_MARKERS):
         return "GEMM"
     return "other kernels"
 
 
 def trace_kernels(trace_path: str) -> list:
-    """[(lane, start_ms, duration_ms, stream)] of the CUDA kernels in a chrome trace, from its first kernel."""
+    """[(lane, start_ms, duration_ms, stream)] of the CUDA kernels and copies (copy engines: the symmetric-memory
+    transport) in a chrome trace, from its first one."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
     if not kernels:
         raise ValueError(f"trace_path={trace_path!r}: no CUDA kernel events in the trace")
     first = min(e["ts"] for e in kernels)
@@ -222,8 +226,8 @@ def render_timeline(trace_paths: list, titles: list, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    lanes = ["comm (NCCL)", "GEMM", "other kernels"]
-    colors = {"comm (NCCL)": "tab:red", "GEMM": "tab:blue", "other kernels": "tab:gray"}
+    lanes = [COMM_LANE, "GEMM", "other kernels"]
+    colors = {COMM_LANE: "tab:red", "GEMM": "tab:blue", "other kernels": "tab:gray"}
     panels = [trace_kernels(path) for path in trace_paths]
     end = max(start + duration for kernels in panels for _, start, duration, _ in kernels)
     figure, axes = plt.subplots(len(panels), 1, figsize=(14, 1.6 + 1.3 * len(panels)), squeeze=False, sharex=True)

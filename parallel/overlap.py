@@ -1,8 +1,10 @@
 """Communication/GEMM overlap on a ring (SPEC 9, "Overlap").
 
-Two schedules, each over the ranks of a tensor-parallel group, with NCCL (or gloo) point-to-point
-transfers issued before the GEMM that does not depend on them, so the transfer of the next chunk runs
-while the current chunk's GEMM does:
+Two schedules, each over the ranks of a tensor-parallel group, with transfers issued before the GEMM that
+does not depend on them, so the transfer of the next chunk runs while the current chunk's GEMM does. Where
+parallel/symmetric.py is enabled for the group (one host, NVLink peers) the transfers are copy-engine
+copies through symmetric memory, which take no SMs from the GEMMs; elsewhere (several hosts, gloo, or
+NVFP4_SYMMETRIC_MEMORY=0) they are NCCL (or gloo) point-to-point transfers round the ring:
 
 - ring_all_gather_consume: the all-gather feeding a GEMM. Every rank starts with its own chunk; at step i
   it consumes the chunk that came from rank (rank - i) mod W while passing it on to rank + 1.
@@ -21,9 +23,9 @@ overlapped_comm(plain_comm):
 - column-parallel backward: the dgrad GEMM runs per destination rank into the reduce-scatter ring, while
   the input's columnwise copy is re-gathered by an asynchronous all-gather issued before it.
 The all-gather side is bit-identical to the plain path when the GEMM's rows do not depend on how many rows
-it is given (reference backend, the fused Hopper kernel); the reduce-scatter side sums in ring order
-(FP32 adds, rounded to the output dtype each hop): it and the plain reduce-scatter are each within W-1
-roundings of the exact sum.
+it is given (reference backend, the fused Hopper kernel). The reduce-scatter side sums in ring order (FP32
+adds, rounded to the output dtype each hop) on NCCL, or in rank order in FP32 rounded once on copy engines:
+each, like the plain reduce-scatter, is within W-1 roundings of the exact sum.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from ..gemm import gemm, operand
 from ..linear import LinearComm
 from ..tensor import NVFP4Tensor
 from . import comm as C
+from . import symmetric
 from .tp_comm import ColumnParallelComm, RowParallelComm
 
 
@@ -59,6 +62,11 @@ def _exchange(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], group,
     return dist.batch_isend_irecv(ops)
 
 
+def _on_copy_engines(tensors: Sequence[torch.Tensor], group) -> bool:
+    """Whether the schedules run on copy engines through symmetric memory (parallel/symmetric.py) for this group."""
+    return torch.cuda.is_available() and all(t.is_cuda for t in tensors) and symmetric.enabled(group)
+
+
 def ring_all_gather_consume(local_chunk: Sequence[torch.Tensor], consume: Callable[[Sequence[torch.Tensor], int], None],
                             group=None) -> None:
     """Call consume(chunk_tensors, source_rank) for every rank's chunk, passing chunks round the ring.
@@ -68,6 +76,8 @@ def ring_all_gather_consume(local_chunk: Sequence[torch.Tensor], consume: Callab
     """
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if _on_copy_engines(local_chunk, group):
+        return symmetric.all_gather_consume(local_chunk, consume, all_gather_order(rank, world_size), group)
     current = [t.contiguous() for t in local_chunk]
     for step, source in enumerate(all_gather_order(rank, world_size)):
         works = []
@@ -91,6 +101,8 @@ def ring_reduce_scatter_produce(produce: Callable[[int], torch.Tensor], group=No
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     order = reduce_scatter_order(rank, world_size)
+    if _on_copy_engines([], group):
+        return symmetric.reduce_scatter_produce(produce, order, group)
     running = produce(order[0]).contiguous()
     for chunk in order[1:]:
         incoming = torch.empty_like(running)

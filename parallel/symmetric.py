@@ -83,6 +83,7 @@ class SymmetricWorkspace:
         self.blocks_done = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)  # peer_publish's counter
         self._amax_half = self._data_half = 0
         self.retired: list = []  # grown-out workspaces of this group, kept alive (see _workspace)
+        self.views: dict = {}    # (rank, byte offset, shape, dtype) -> tensor view of that rank's buffer
 
     def next_amax_offset(self) -> int:
         offset = self._amax_half * self._AMAX_HALF
@@ -163,14 +164,10 @@ def all_reduce_max(amaxes: list, group=None) -> None:
                                       _stream())
 
 
-def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
-    """Gather each contiguous CUDA tensor of `pieces` ([rows, ...] on every rank) along dim 0.
-
-    Names in `interleaved` come back reordered as swap_first_dims does ((W, rows, X) -> (rows, W, X), as
-    [rows, W * X]); the others as [W * rows, ...].
-    """
+def _publish(pieces: dict, group) -> tuple:
+    """This rank's pieces into its next data half, then the barrier; returns (workspace, half offset, layout)."""
     if not 1 <= len(pieces) <= MAX_PIECES:
-        raise ValueError(f"all_gather takes 1 to {MAX_PIECES} pieces, got {len(pieces)}")
+        raise ValueError(f"pieces: 1 to {MAX_PIECES} tensors, got {len(pieces)}")
     layout, total = {}, 0
     for name, t in pieces.items():
         if not t.is_cuda or not t.is_contiguous() or t.dim() == 0:
@@ -178,21 +175,105 @@ def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
         layout[name] = total
         total += _round_up(t.numel() * t.element_size(), _ALIGN)
     workspace = _workspace(group, total)
-    world_size = workspace.world_size
     half = workspace.next_data_offset()
-    own = workspace.bases[workspace.rank] + half
+    names = [name for name, t in pieces.items() if t.numel()]
+    if names:
+        own = workspace.bases[workspace.rank] + half
+        _extension().peer_publish([pieces[n].data_ptr() for n in names], [own + layout[n] for n in names],
+                                  [pieces[n].numel() * pieces[n].element_size() for n in names],
+                                  *workspace.barrier_args(), workspace.blocks_done.data_ptr(), _stream())
+    return workspace, half, layout
+
+
+def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
+    """Gather each contiguous CUDA tensor of `pieces` ([rows, ...] on every rank) along dim 0.
+
+    Names in `interleaved` come back reordered as swap_first_dims does ((W, rows, X) -> (rows, W, X), as
+    [rows, W * X]); the others as [W * rows, ...].
+    """
+    workspace, half, layout = _publish(pieces, group)
+    world_size = workspace.world_size
     outputs = {name: torch.empty((t.shape[0], world_size * math.prod(t.shape[1:])) if name in interleaved
                                  else (world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
                for name, t in pieces.items()}
     names = [name for name, t in pieces.items() if t.numel()]
-    if not names:
-        return outputs
-    nbytes = [pieces[n].numel() * pieces[n].element_size() for n in names]
-    extension, stream = _extension(), _stream()
-    extension.peer_publish([pieces[n].data_ptr() for n in names], [own + layout[n] for n in names], nbytes,
-                           *workspace.barrier_args(), workspace.blocks_done.data_ptr(), stream)
-    extension.peer_gather([[base + half + layout[n] for base in workspace.bases] for n in names],
-                          [outputs[n].data_ptr() for n in names], [pieces[n].shape[0] for n in names],
-                          [b // pieces[n].shape[0] for n, b in zip(names, nbytes)], [n in interleaved for n in names],
-                          workspace.rank, stream)
+    if names:
+        row_bytes = [pieces[n].numel() * pieces[n].element_size() // pieces[n].shape[0] for n in names]
+        _extension().peer_gather([[base + half + layout[n] for base in workspace.bases] for n in names],
+                                 [outputs[n].data_ptr() for n in names], [pieces[n].shape[0] for n in names],
+                                 row_bytes, [n in interleaved for n in names], workspace.rank, _stream())
     return outputs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The comm/GEMM overlap's two schedules (parallel/overlap.py) on copy engines: transfers are cudaMemcpyAsync
+# between this rank's memory and a peer's symmetric buffer on a side stream, so they take no SMs from the
+# GEMMs they overlap (NCCL's point-to-point kernels wait for SMs that a full-GPU GEMM holds).
+
+_side_streams: dict = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    device = torch.cuda.current_device()
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device)
+    return _side_streams[device]
+
+
+def _peer_view(workspace: SymmetricWorkspace, rank: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like `like` at byte `offset` of rank `rank`'s symmetric buffer (cached: training repeats shapes)."""
+    key = (rank, offset, tuple(like.shape), like.dtype)
+    view = workspace.views.get(key)
+    if view is None:
+        view = workspace.views[key] = workspace.handle.get_buffer(rank, key[2], like.dtype, offset // like.element_size())
+    return view
+
+
+def all_gather_consume(local_chunk, consume, order: list, group=None) -> None:
+    """parallel/overlap.py's ring_all_gather_consume contract: consume(chunk_tensors, source) for each source in
+    `order` (this rank first); copy engines pull every peer's chunk in that order while consume() runs."""
+    pieces = {str(i): t.contiguous() for i, t in enumerate(local_chunk)}
+    workspace, half, layout = _publish(pieces, group)
+    current, side = torch.cuda.current_stream(), _side_stream()
+    side.wait_stream(current)
+    pulls = []
+    for source in order[1:]:
+        received = {name: torch.empty_like(t) for name, t in pieces.items()}  # allocated on the consuming stream
+        with torch.cuda.stream(side):
+            for name, t in received.items():
+                if t.numel():
+                    t.copy_(_peer_view(workspace, source, half + layout[name], t))
+            done = torch.cuda.Event()
+            done.record(side)
+        pulls.append((source, list(received.values()), done))
+    consume(list(pieces.values()), order[0])
+    for source, received, done in pulls:
+        current.wait_event(done)
+        consume(received, source)
+
+
+def reduce_scatter_produce(produce, order: list, group=None) -> torch.Tensor:
+    """parallel/overlap.py's ring_reduce_scatter_produce contract: the sum over ranks of produce(chunk) for this
+    rank's chunk. produce(c) for each c in `order` runs on the current stream; copy engines push each partial
+    into rank c's buffer (this rank's slot) while the next one is produced; after a barrier each rank adds its
+    W slots in FP32, in rank order, rounded once to the partials' dtype (deterministic)."""
+    workspace = _workspaces[_resolved(group)]
+    rank, world_size = workspace.rank, workspace.world_size
+    current, side = torch.cuda.current_stream(), _side_stream()
+    first = produce(order[0]).contiguous()
+    slot_bytes = _round_up(first.numel() * first.element_size(), _ALIGN)
+    workspace = _workspace(group, world_size * slot_bytes)
+    half = workspace.next_data_offset()
+    for step, chunk in enumerate(order):
+        partial = first if step == 0 else produce(chunk).contiguous()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            _peer_view(workspace, chunk, half + rank * slot_bytes, partial).copy_(partial)
+        partial.record_stream(side)
+    current.wait_stream(side)
+    workspace.handle.barrier(channel=0)  # every rank's pushes have landed (torch's barrier, its own channel)
+    slot_elements = slot_bytes // first.element_size()
+    region = workspace.handle.get_buffer(rank, (world_size * slot_elements,), first.dtype,
+                                         half // first.element_size())
+    slots = region.as_strided((world_size, first.numel()), (slot_elements, 1))
+    return slots.sum(dim=0, dtype=torch.float32).to(first.dtype).view(first.shape)

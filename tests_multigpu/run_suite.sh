@@ -4,7 +4,7 @@
 #   bash tests_multigpu/run_suite.sh b OUTDIR   # 4 GPUs: benchmarks and the test matrix (whole machine each)
 #   bash tests_multigpu/run_suite.sh c OUTDIR   # 4 GPUs: nvfp4-train runs, 2-GPU benchmarks, checkpoint resharding
 #   bash tests_multigpu/run_suite.sh d OUTDIR   # 4 GPUs: symmetric-memory collectives, then the layers and benchmarks on them
-#   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: symmetric re-check, all-gather benchmark, Megatron GPT at TP=2 SP off, TP=4
+#   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: symmetric collectives and overlap on copy engines, Megatron GPT TP=2 SP off, TP=4
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -91,6 +91,11 @@ e)  # re-checks of the symmetric collectives and their benchmark, then the Megat
     step allgather_bench_tp4 90 $TORCHRUN --nproc-per-node 4 benchmarks/allgather.py --out "$R/allgather_${GPU}_x4.json"
     step allgather_bench_tp2 90 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 benchmarks/allgather.py \
         --out "$R/allgather_${GPU}_x2.json"
+    step overlap_tp4 120 $TORCHRUN --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py
+    step overlap_tp4_nccl_ring 120 env NVFP4_SYMMETRIC_MEMORY=0 $TORCHRUN --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py
+    step overlap_tp2 120 env CUDA_VISIBLE_DEVICES=0,1 $TORCHRUN --nproc-per-node 2 tests_multigpu/test_overlap_gpu.py
+    step overlap_bench_tp4 150 $TORCHRUN --nproc-per-node 4 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp4.json" \
+        --out-dir "$R/overlap_tp4"
     step megatron_tp2_tp4 400 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
         -k "2-False-1 or 4-True-1 or 4-False-0"
     ;;
