@@ -31,6 +31,27 @@ __device__ __forceinline__ void unpack_vector(const uint4& vec, float (&out)[16 
   for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(elements[i]);
 }
 
+// max(|a|, |b|) of each 16-bit half of two packed pairs of T, its sign bit arbitrary: one HMNMX2
+// (exact; NaN loses to a number, as in fmaxf).
+template <typename T> __device__ __forceinline__ uint32_t max_abs_halves(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t max_abs_halves<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <> __device__ __forceinline__ uint32_t max_abs_halves<__half>(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// |low half| and |high half| of a packed pair of T as FP32.
+template <typename T>
+__device__ __forceinline__ float2 abs_halves_as_float(uint32_t pair) {
+  const T* halves = reinterpret_cast<const T*>(&pair);
+  return make_float2(fabsf(to_float(halves[0])), fabsf(to_float(halves[1])));
+}
+
 __device__ __forceinline__ uint4 load_streaming(const void* address) {
   return __ldcs(reinterpret_cast<const uint4*>(address));
 }

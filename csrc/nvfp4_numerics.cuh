@@ -122,6 +122,16 @@ NVFP4_HD float fp4_code_rne_plus_magic(float v) {
 
 NVFP4_HD uint32_t fp4_code_rne(float v) { return float_bits(fp4_code_rne_plus_magic(v)) & 0xFu; }
 
+// kRoundMagic plus the index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to even): as
+// fp4_index_rne, without the saturation step, since there rint(|v| / 2) + 4 <= 7 already.
+NVFP4_HD float fp4_index_rne_below_7_plus_magic(float v) {
+  const float a = fabsf(v);
+  const float fine = fmaf(a, 2.0f, kRoundMagic);
+  const float middle = a + (kRoundMagic + 2.0f);
+  const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
+  return fminf(fminf(fine, middle), coarse);
+}
+
 // Eight codes in the low 4 bits of floats kRoundMagic + code -> one word, element i in nibble i:
 // each pair's byte is the low byte of (odd << 4) + even (one LEA), three byte permutes gather them.
 NVFP4_HD uint32_t pack_eight_magic_codes(const float* codes_plus_magic) {
@@ -163,19 +173,26 @@ NVFP4_HD float ceil_scaled_minus_plus_magic(float a, float scale, float r, float
 #endif
 }
 
-// kRoundMagic plus the FP4 code of v in [-6, 6] (low 4 bits), rounded stochastically with 16 random bits
-// (SPEC 7, reference/quantize.py): up in magnitude iff float(bits) < p * 65536, p = (|v| - lo) / (hi - lo).
-// With r = bits / 65536 and the grid step of a's range (0.5, 1, 2), that is index = ceil(a / step - r)
+// kRoundMagic plus the FP4 magnitude index of v in [-6, 6] (low 4 bits), rounded stochastically with
+// the 16-bit comparison value bits16 (SPEC 7, reference/quantize.py; the quantize kernels pass 8 random
+// bits times 256): up in magnitude iff float(bits16) < p * 65536, p = (|v| - lo) / (hi - lo).
+// fp4_index_stochastic_fraction_plus_magic takes r = bits16 / 65536. With the grid step of a's range (0.5, 1, 2), that is index = ceil(a / step - r)
 // plus the range's first index; as for round to nearest, the smallest of the three ranges'
 // candidates is the right one (a <= 6 keeps it <= 7).
-NVFP4_HD float fp4_code_stochastic_plus_magic(float v, uint32_t bits16) {
+NVFP4_HD float fp4_index_stochastic_fraction_plus_magic(float v, float r) {
   const float a = fminf(fabsf(v), kFp4Max);
-  const float r = bits_float(0x3F800000u | (bits16 << 7)) - 1.0f;  // bits16 / 65536, exact
   const float fine = ceil_scaled_minus_plus_magic(a, 2.0f, r, kRoundMagic);
   const float middle = ceil_scaled_minus_plus_magic(a, 1.0f, r, kRoundMagic + 2.0f);
   const float coarse = ceil_scaled_minus_plus_magic(a, 0.5f, r, kRoundMagic + 4.0f);
-  const float best = fminf(fminf(fine, middle), coarse);  // kRoundMagic + index
-  return fmaf(negative_as_float(v), 8.0f, best);
+  return fminf(fminf(fine, middle), coarse);  // kRoundMagic + index
+}
+
+NVFP4_HD float fp4_index_stochastic_plus_magic(float v, uint32_t bits16) {
+  return fp4_index_stochastic_fraction_plus_magic(v, bits_float(0x3F800000u | (bits16 << 7)) - 1.0f);  // r exact
+}
+
+NVFP4_HD float fp4_code_stochastic_plus_magic(float v, uint32_t bits16) {
+  return fmaf(negative_as_float(v), 8.0f, fp4_index_stochastic_plus_magic(v, bits16));
 }
 
 NVFP4_HD uint32_t fp4_code_stochastic(float v, uint32_t bits16) {
@@ -215,17 +232,43 @@ NVFP4_HD PhiloxWords philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32
   return PhiloxWords{{c0, c1, c2, c3}};
 }
 
-// The 4 Philox words serving the 8 columns [8*group, 8*group+8) of global row `row` in `stream`.
+// One Philox call serves 16 consecutive columns of a row, 8 random bits each (reference/philox.py).
+constexpr int kColumnsPerPhiloxCall = 16;
+
+// The 4 Philox words serving the 16 columns [16*group, 16*group+16) of global row `row` in `stream`.
 NVFP4_HD PhiloxWords stochastic_rounding_words(uint64_t row, uint64_t group, uint32_t stream, uint64_t seed) {
   return philox4x32_10(static_cast<uint32_t>(row), static_cast<uint32_t>(group), stream, 0u,
                        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
-// 16 random bits of global column `col` from its group's words: word (col%8)/2, low half for even col.
-NVFP4_HD uint32_t bits_of_column(const PhiloxWords& words, uint32_t column_in_group) {
-  const uint32_t word_index = column_in_group >> 1;
+// r = byte / 256 (for fp4_index_stochastic_fraction_plus_magic) of the column at position 0..15 in its
+// group: byte (position % 4) of word position / 4. On the GPU one PRMT puts the byte in bits 8..15 of
+// 1.0f, giving 1 + byte * 2^-15, and one FMA scales (that - 1) by 128, exactly.
+NVFP4_HD float random_fraction_of_column(const PhiloxWords& words, uint32_t column_in_group) {
+  const uint32_t word_index = column_in_group >> 2;
   const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
-  return (column_in_group & 1u) ? (word >> 16) : (word & 0xFFFFu);
+#ifdef __CUDA_ARCH__
+  const uint32_t selector = 0x7604u | ((column_in_group & 3u) << 4);  // bytes: 0x00, word's byte, 0x80, 0x3F
+  return fmaf(__uint_as_float(__byte_perm(word, 0x3F800000u, selector)), 128.0f, -128.0f);
+#else
+  return static_cast<float>((word >> (8 * (column_in_group & 3))) & 0xFFu) / 256.0f;
+#endif
+}
+
+// The comparison value (byte << 8, for fp4_index_stochastic_plus_magic) of the column at position
+// 0..15 in its group: byte (position % 4) of word position / 4.
+NVFP4_HD uint32_t bits_of_column(const PhiloxWords& words, uint32_t column_in_group) {
+  const uint32_t word_index = column_in_group >> 2;
+  const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
+  return ((word >> (8 * (column_in_group & 3))) & 0xFFu) << 8;
+}
+
+// The comparison value of the element at global (row, column): one whole Philox call, kept out of line
+// for the blocks that straddle two groups (a shard offset that is not a multiple of 16).
+static __host__ __device__ __noinline__ uint32_t stochastic_rounding_bits_at(uint64_t row, uint64_t column,
+                                                                            uint32_t stream, uint64_t seed) {
+  const PhiloxWords words = stochastic_rounding_words(row, column / kColumnsPerPhiloxCall, stream, seed);
+  return bits_of_column(words, static_cast<uint32_t>(column % kColumnsPerPhiloxCall));
 }
 
 // The RHT sign vector s of H = diag(s) . H16 / 4 (SPEC 5): bit i set where s_i = -1.
@@ -280,38 +323,36 @@ NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockS
 // Packed codes of one block of 16 values that are consecutive along the quantized dimension, round
 // to nearest even, or stochastic with the Philox bits of global row `sr_row`, global columns
 // sr_column .. sr_column + 15 of the copy in `stream` (SPEC 7).
-
+// block_amax: an upper bound of their |value| (NaN allowed). Round to nearest skips the saturation
+// when block_amax * encode < 7 (rounding is monotonic, so every |value * encode| is below 7 too), and
+// clamps to +-6 first otherwise.
 template <bool kSR>
-NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, uint64_t seed, uint32_t stream,
-                            int64_t sr_row, int64_t sr_column) {
+NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
+                            uint32_t stream, int64_t sr_row, int64_t sr_column) {
+  float scaled[kBlockSize], indices[kBlockSize];  // kRoundMagic + index of |scaled|
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) scaled[i] = values[i] * encode;
   if constexpr (!kSR) {
-    float codes[kBlockSize];
+    if (!(block_amax * encode < 7.0f)) {
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) codes[i] = fp4_code_rne_plus_magic(values[i] * encode);
-    return make_uint2(pack_eight_magic_codes(codes), pack_eight_magic_codes(codes + 8));
-  } else {
-    uint32_t words[2];
-#pragma unroll
-    for (int group = 0; group < 2; ++group) {  // 8 columns: one Philox call, or one per element
-      float codes[8];                          // when the shard offset is not a multiple of 8
-      const int64_t first = sr_column + group * 8;
-      if ((first & 7) == 0) {
-        const PhiloxWords bits = stochastic_rounding_words(sr_row, first >> 3, stream, seed);
-#pragma unroll
-        for (int t = 0; t < 8; ++t) codes[t] = fp4_code_stochastic_plus_magic(values[group * 8 + t] * encode, bits_of_column(bits, t));
-      } else {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          const int64_t column = first + t;
-          const PhiloxWords bits = stochastic_rounding_words(sr_row, column >> 3, stream, seed);
-          codes[t] = fp4_code_stochastic_plus_magic(values[group * 8 + t] * encode,
-                                                  bits_of_column(bits, static_cast<uint32_t>(column & 7)));
-        }
-      }
-      words[group] = pack_eight_magic_codes(codes);
+      for (int i = 0; i < kBlockSize; ++i) scaled[i] = clamp_fp4(scaled[i]);
     }
-    return make_uint2(words[0], words[1]);
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic(scaled[i]);
+  } else if ((sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
+    const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, seed);
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_stochastic_fraction_plus_magic(scaled[i], random_fraction_of_column(bits, i));
+  } else {  // a shard offset that is not a multiple of 16: one call per element
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) {
+      indices[i] = fp4_index_stochastic_plus_magic(scaled[i], stochastic_rounding_bits_at(sr_row, sr_column + i, stream, seed));
+    }
   }
+  float codes[kBlockSize];  // kRoundMagic + code: the sign adds 8 (one FSET and one FFMA)
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) codes[i] = fmaf(negative_as_float(scaled[i]), 8.0f, indices[i]);
+  return make_uint2(pack_eight_magic_codes(codes), pack_eight_magic_codes(codes + 8));
 }
 
 }  // namespace nvfp4

@@ -43,8 +43,8 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
       scales[r * (cols / kBlockSize) + b] = scale;
       float block[kBlockSize];
       for (int i = 0; i < kBlockSize; ++i) block[i] = v[i];
-      const uint2 packed = stochastic ? encode_block<true>(block, encode, seed, stream, row_offset + r, col_offset + b * kBlockSize)
-                                      : encode_block<false>(block, encode, seed, stream, row_offset + r, col_offset + b * kBlockSize);
+      const uint2 packed = stochastic ? encode_block<true>(block, encode, block_amax, seed, stream, row_offset + r, col_offset + b * kBlockSize)
+                                      : encode_block<false>(block, encode, block_amax, seed, stream, row_offset + r, col_offset + b * kBlockSize);
       std::memcpy(codes + r * (cols / 2) + b * (kBlockSize / 2), &packed, sizeof(packed));
     }
   }

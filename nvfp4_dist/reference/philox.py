@@ -38,12 +38,17 @@ def philox4x32(counter, key):
     return c0, c1, c2, c3
 
 
+COLUMNS_PER_CALL = 16  # one Philox call (4 words of 32 bits) serves 16 columns, 8 bits each
+
+
 def _select_bits(words, cols: torch.Tensor) -> torch.Tensor:
-    """The 16 bits of column `cols` from its group's 4 Philox words."""
-    word_index = (cols % 8) // 2
+    """The comparison value of column `cols` from its group's 4 Philox words: byte (col % 16) % 4 of
+    word (col % 16) // 4, times 256."""
+    in_group = cols % COLUMNS_PER_CALL
+    word_index = in_group // 4
     word = torch.where(word_index == 0, words[0],
                        torch.where(word_index == 1, words[1], torch.where(word_index == 2, words[2], words[3])))
-    return torch.where(cols % 2 == 0, word & 0xFFFF, word >> 16)
+    return ((word >> (8 * (in_group % 4))) & 0xFF) << 8
 
 
 def _key(seed: int):
@@ -51,25 +56,29 @@ def _key(seed: int):
 
 
 def stochastic_rounding_bits(rows: torch.Tensor, cols: torch.Tensor, stream: int, seed: int) -> torch.Tensor:
-    """16 random bits (int64 in [0, 65536)) for elements at global (row, col) of a copy.
+    """The random comparison values (int64 in [0, 65536), multiples of 256) of elements at global
+    (row, col) of a copy: 8 random bits each, times 256, so the rule `bits < p * 65536` of
+    reference/quantize.py rounds up in magnitude iff byte < p * 256.
 
-    One Philox call serves 8 consecutive columns: counter = (row, col // 8, stream, 0),
-    key = (seed low word, seed high word); word (col % 8) // 2 is used, its low half for
-    even columns and its high half for odd ones.
+    One Philox4x32-10 call serves 16 consecutive columns: counter = (row, col // 16, stream, 0),
+    key = (seed low word, seed high word); column col uses byte (col % 16) % 4 (bits 8 * that and up)
+    of word (col % 16) // 4.
     """
-    words = philox4x32((rows, cols // 8, torch.full_like(rows, stream), torch.zeros_like(rows)), _key(seed))
+    words = philox4x32((rows, cols // COLUMNS_PER_CALL, torch.full_like(rows, stream), torch.zeros_like(rows)),
+                       _key(seed))
     return _select_bits(words, cols)
 
 
 def stochastic_rounding_bits_grid(num_rows: int, num_cols: int, row_offset: int, col_offset: int, stream: int,
                                   seed: int, device=None) -> torch.Tensor:
     """stochastic_rounding_bits of the [num_rows, num_cols] block at (row_offset, col_offset), one Philox call per
-    row and group of 8 columns rather than per element."""
+    row and group of 16 columns rather than per element."""
     rows = torch.arange(num_rows, dtype=torch.int64, device=device)[:, None] + row_offset
     cols = torch.arange(num_cols, dtype=torch.int64, device=device) + col_offset
-    first_group = col_offset // 8
-    groups = torch.arange(first_group, (col_offset + num_cols - 1) // 8 + 1, dtype=torch.int64, device=device)
+    first_group = col_offset // COLUMNS_PER_CALL
+    groups = torch.arange(first_group, (col_offset + num_cols - 1) // COLUMNS_PER_CALL + 1, dtype=torch.int64,
+                          device=device)
     rows, groups = torch.broadcast_tensors(rows, groups[None, :])
     words = philox4x32((rows, groups, torch.full_like(rows, stream), torch.zeros_like(rows)), _key(seed))
-    group_of_col = cols // 8 - first_group
+    group_of_col = cols // COLUMNS_PER_CALL - first_group
     return _select_bits([w[:, group_of_col] for w in words], cols[None, :])
