@@ -4,6 +4,7 @@
 #   bash tests_multigpu/run_suite.sh b OUTDIR   # 4 GPUs: benchmarks and the test matrix (whole machine each)
 #   bash tests_multigpu/run_suite.sh c OUTDIR   # 4 GPUs: nvfp4-train runs, 2-GPU benchmarks, checkpoint resharding
 #   bash tests_multigpu/run_suite.sh d OUTDIR   # 4 GPUs: symmetric-memory collectives, then the layers and benchmarks on them
+#   bash tests_multigpu/run_suite.sh f OUTDIR   # 4 GPUs: the test matrix (worlds 1, 2, 4)
 #   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: symmetric collectives and overlap on copy engines, Megatron GPT TP=2 SP off, TP=4
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
@@ -99,7 +100,11 @@ e)  # re-checks of the symmetric collectives and their benchmark, then the Megat
     step megatron_tp2_tp4 400 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
         -k "2-False-1 or 4-True-1 or 4-False-0"
     ;;
-*) echo "usage: $0 a|b|c|d|e OUTDIR"; exit 2 ;;
+f)  # the test matrix again, on the symmetric-memory transport (now the default on one host)
+    step matrix 360 python3 tests_multigpu/matrix.py --driver --max-world 4 --launcher torchrun --profile b200 \
+        --git-commit "$GIT_COMMIT" --out "$R/matrix"
+    ;;
+*) echo "usage: $0 a|b|c|d|e|f OUTDIR"; exit 2 ;;
 esac
 cat "$SUMMARY"
 ! grep -qE "FAIL|TIMEOUT" "$SUMMARY"
