@@ -160,8 +160,8 @@ def merge_ranks(results: list[dict]) -> dict:
         merged[field] = combined
         if combined:
             merged[f"{field}_worst"] = max(combined.values())
-    if any("p2p_batches" in r for r in results):
-        merged["p2p_batches"] = min(r.get("p2p_batches", 0) for r in results)
+    if any("ring_schedules" in r for r in results):
+        merged["ring_schedules"] = min(r.get("ring_schedules", 0) for r in results)
     return merged
 
 

@@ -21,7 +21,7 @@ W / TP data-parallel replicas each get their own data and check independently. P
 2. Cells with TP > 1 also against the same layer at TP = 1 (same full weights and data): relative L2
    error of every quantity <= TP1_RELATIVE_TOLERANCE = 0.4 (shards quantize with their own scales and
    draw their own stochastic rounding, so this comparison is loose by nature).
-3. Overlap cells must show that the overlapped schedule ran (point-to-point ring traffic was issued) and
+3. Overlap cells must show that the overlapped schedule ran (a pipelined ring schedule was called) and
    match the plain layer within the overlap tolerance; layers that refuse recipe.overlap make the cell
    "not run: overlap unavailable: <their message>".
 4. Megatron GPT layer cells: one TransformerLayer from get_gpt_layer_nvfp4_spec at that TP/SP against the
@@ -529,19 +529,23 @@ def tp1_slices(cell: Cell, reference: dict, tp: int, rank: int, sp: bool) -> dic
 
 
 @contextlib.contextmanager
-def ring_traffic_counter():
-    """Counts point-to-point batches (the overlapped ring's transfers) issued inside the block."""
-    counter = {"p2p_batches": 0}
-    original = dist.batch_isend_irecv
+def ring_schedule_counter():
+    """Counts the overlapped layers' pipelined ring schedules run inside the block (either transport: NCCL
+    point-to-point rings, or copy engines through symmetric memory)."""
+    from nvfp4_dist.parallel import overlap
+    counter = {"ring_schedules": 0}
+    originals = (overlap.ring_all_gather_consume, overlap.ring_reduce_scatter_produce)
 
-    def counting(ops):
-        counter["p2p_batches"] += 1
-        return original(ops)
-    dist.batch_isend_irecv = counting
+    def counting(original):
+        def wrapped(*args, **kwargs):
+            counter["ring_schedules"] += 1
+            return original(*args, **kwargs)
+        return wrapped
+    overlap.ring_all_gather_consume, overlap.ring_reduce_scatter_produce = map(counting, originals)
     try:
         yield counter
     finally:
-        dist.batch_isend_irecv = original
+        overlap.ring_all_gather_consume, overlap.ring_reduce_scatter_produce = originals
 
 
 def run_layer_cell(cell: Cell, ctx: Context) -> dict:
@@ -555,15 +559,15 @@ def run_layer_cell(cell: Cell, ctx: Context) -> dict:
     extra = {}
     if cell.overlap:
         try:
-            with ring_traffic_counter() as counter:
+            with ring_schedule_counter() as counter:
                 got = run_layers(cell, data, group, recipe, ctx.device)
         except ValueError as error:
             if "overlap" in str(error):
                 return dict(status="not run", reason=f"{OVERLAP_UNAVAILABLE}: {error}")
             raise
-        extra["p2p_batches"] = counter["p2p_batches"]
-        if counter["p2p_batches"] == 0:
-            checks.failures.append("recipe.overlap=True but no point-to-point ring transfer was issued "
+        extra["ring_schedules"] = counter["ring_schedules"]
+        if counter["ring_schedules"] == 0:
+            checks.failures.append("recipe.overlap=True but no pipelined ring schedule ran "
                                    "(the layers ignore the overlap switch)")
         plain = run_layers(cell, data, group, make_recipe(cell, overlap=False), ctx.device)
     else:
@@ -731,7 +735,7 @@ class MegatronPhase:
         recipe = make_recipe(cell)
         extra = {}
         try:
-            with ring_traffic_counter() as counter:
+            with ring_schedule_counter() as counter:
                 got = self.run(cell, tp, sp, recipe)
         except ValueError as error:
             if cell.overlap and "overlap" in str(error):
@@ -739,9 +743,9 @@ class MegatronPhase:
             raise
         checks = Checks()
         if cell.overlap:
-            extra["p2p_batches"] = counter["p2p_batches"]
-            if counter["p2p_batches"] == 0:
-                checks.failures.append("recipe.overlap=True but no point-to-point ring transfer was issued")
+            extra["ring_schedules"] = counter["ring_schedules"]
+            if counter["ring_schedules"] == 0:
+                checks.failures.append("recipe.overlap=True but no pipelined ring schedule ran")
         rank = self.ctx.tp_rank(tp)
         group = self.parallel_state.get_tensor_model_parallel_group()
         for name, (value, param) in got.items():
