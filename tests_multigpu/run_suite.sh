@@ -4,8 +4,8 @@
 #   bash tests_multigpu/run_suite.sh b OUTDIR   # 4 GPUs: benchmarks and the test matrix (whole machine each)
 #   bash tests_multigpu/run_suite.sh c OUTDIR   # 4 GPUs: nvfp4-train runs, 2-GPU benchmarks, checkpoint resharding
 #   bash tests_multigpu/run_suite.sh d OUTDIR   # 4 GPUs: symmetric-memory collectives, then the layers and benchmarks on them
-#   bash tests_multigpu/run_suite.sh f OUTDIR   # 4 GPUs: the test matrix (worlds 1, 2, 4)
 #   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: symmetric collectives and overlap on copy engines, Megatron GPT TP=2 SP off, TP=4
+#   bash tests_multigpu/run_suite.sh f OUTDIR   # 4 GPUs: the test matrix (worlds 1, 2, 4)
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
