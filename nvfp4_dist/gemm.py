@@ -44,13 +44,15 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str = "rowwise",
          out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-         accumulate_into: torch.Tensor | None = None, backend: str | None = None,
-         recipe: NVFP4Recipe | None = None) -> torch.Tensor:
+         accumulate_into: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         backend: str | None = None, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
     """y = A . B^T for A = a's `a_copy` [M, K] and B = b's `b_copy` [N, K].
 
     out_dtype: BF16, FP16 or FP32 output. bias: [N], added in FP32 before the cast.
     accumulate_into: an FP32 [M, N] tensor that receives y (+ bias) in place (wgrad into main_grad); it is
       returned instead of a new tensor.
+    out: an out_dtype [M, N] tensor with unit column stride (for example rows of a larger output) that
+      receives y and is returned, instead of a new tensor; not with accumulate_into.
     backend: auto | cublaslt | emulated | reference (default: recipe.gemm_backend, then NVFP4_GEMM_BACKEND).
     """
     a_data, a_scale, a_amax = operand(a, a_copy, "a")
@@ -77,13 +79,20 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
                                         or accumulate_into.stride(1) != 1):
         raise ValueError(f"accumulate_into: expected a float32 {(rows, cols)} tensor with unit column stride, got "
                          f"{accumulate_into.dtype} {tuple(accumulate_into.shape)} strides {accumulate_into.stride()}")
+    if out is not None:
+        if accumulate_into is not None:
+            raise ValueError("out and accumulate_into: give at most one of them")
+        if out.dtype != out_dtype or tuple(out.shape) != (rows, cols) or out.stride(1) != 1 or out.device != device:
+            raise ValueError(f"out: expected a {out_dtype} {(rows, cols)} tensor on {device} with unit column stride, "
+                             f"got {out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
     if recipe is not None and backend is None and recipe.gemm_backend != "auto":
         backend = recipe.gemm_backend
     chosen = resolve_backend(backend, device)
     if bias is not None:
         bias = bias.contiguous()
     if chosen == "reference":
-        out = reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
-        return gemm_backends.finish_output(out, out_dtype, bias, accumulate_into)
+        y = gemm_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax),
+                                        out_dtype, bias, accumulate_into)
+        return y if out is None else out.copy_(y)
     return gemm_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype,
-                             bias=bias, accumulate_into=accumulate_into)
+                             bias=bias, accumulate_into=accumulate_into, out=out)

@@ -44,19 +44,21 @@ def import_hopper():
 
 
 def run(backend: str, a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype: torch.dtype = torch.float32,
-        bias: torch.Tensor | None = None, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+        bias: torch.Tensor | None = None, accumulate_into: torch.Tensor | None = None,
+        out: torch.Tensor | None = None) -> torch.Tensor:
     """y = A . B^T on the GPU with `backend` ("cublaslt" or "emulated"), already validated by gemm().
 
-    Returns y in out_dtype, or accumulate_into after adding y (+ bias) into it.
+    Returns y in out_dtype (written into `out` when given), or accumulate_into after adding y (+ bias) into it.
     """
     if backend == "cublaslt":
         from . import gemm_blackwell
         args = gemm_blackwell.scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
-        out = gemm_blackwell.finish_scaled_mm(gemm_blackwell.run_scaled_mm(args), args)
-        return finish_output(out, out_dtype, bias, accumulate_into)
+        y = finish_output(gemm_blackwell.finish_scaled_mm(gemm_blackwell.run_scaled_mm(args), args), out_dtype,
+                          bias, accumulate_into)
+        return y if out is None else out.copy_(y)
     if backend == "emulated":
         gemm_hopper = import_hopper()
         path = gemm_hopper.gemm_fused if hopper_path() == "fused" else gemm_hopper.gemm_dequantize_matmul
         return path(a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype, bias=bias,
-                    accumulate_into=accumulate_into)
+                    accumulate_into=accumulate_into, out=out)
     raise ValueError(f"backend={backend!r}: the GPU backends are 'cublaslt' and 'emulated'")

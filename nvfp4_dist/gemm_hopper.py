@@ -261,15 +261,18 @@ def packed_words(data: torch.Tensor) -> torch.Tensor:
     return data.view(torch.int32)
 
 
-def output_tensor(rows: int, cols: int, out_dtype: torch.dtype, accumulate_into, device) -> torch.Tensor:
+def output_tensor(rows: int, cols: int, out_dtype: torch.dtype, accumulate_into, out, device) -> torch.Tensor:
+    """Where y goes: accumulate_into, else the caller's out, else a new tensor."""
     if accumulate_into is not None:
         return accumulate_into
+    if out is not None:
+        return out
     return torch.empty(rows, cols, dtype=out_dtype, device=device)
 
 
 def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32, bias=None,
-               accumulate_into=None, config: FusedConfig = DEFAULT_FUSED_CONFIG) -> torch.Tensor:
-    """y = A . B^T with dequantization fused into the GEMM; returns accumulate_into when given."""
+               accumulate_into=None, out=None, config: FusedConfig = DEFAULT_FUSED_CONFIG) -> torch.Tensor:
+    """y = A . B^T with dequantization fused into the GEMM; returns accumulate_into or out when given."""
     rows, cols, k_words = a_data.shape[0], b_data.shape[0], a_data.shape[1] // 4
     a_words, a_scale = packed_words(a_data), a_scale.contiguous().view(torch.uint8)
     if config.dequantize_b_first:
@@ -279,7 +282,7 @@ def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=to
     else:
         b_operand, b_scale = packed_words(b_data), b_scale.contiguous().view(torch.uint8)
     a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
-    out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
+    out = output_tensor(rows, cols, out_dtype, accumulate_into, out, a_data.device)
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
     _nvfp4_gemm_kernel[grid](
         a_words, a_scale, b_operand, b_scale, a_amax, b_amax, bias if bias is not None else a_amax, out,
@@ -312,19 +315,30 @@ def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = 
 
 
 class _LastDequantizedB:
-    """The BF16 values of the last B operand, reused while B is the same tensor object at the same version."""
+    """The BF16 values of the last B operand, reused while B is the same tensor object at the same version.
+
+    The copy is dropped as soon as B's data is freed (a gathered wgrad operand, say), so it never outlives
+    its operand and adds nothing to the peak memory of what follows.
+    """
 
     def __init__(self):
-        self.key, self.values = None, None
+        self.key, self.values, self.finalizer = None, None, None
+
+    def _forget(self, key) -> None:
+        if self.key is key:
+            self.key, self.values = None, None
 
     def get(self, data: torch.Tensor, scale: torch.Tensor, use_ptx: bool) -> torch.Tensor:
         key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version, use_ptx)
         cached = self.key
         if (cached is None or cached[0]() is not data or cached[2]() is not scale
                 or cached[1:2] + cached[3:] != key[1:2] + key[3:]):
+            if self.finalizer is not None:
+                self.finalizer.detach()  # one finalizer per cached operand, however often B changes
             self.key, self.values = None, None  # drop the old copy before making the new one
             self.values = dequantize_to_bf16(data, scale, use_ptx)
             self.key = key
+            self.finalizer = weakref.finalize(data, self._forget, key)
         return self.values
 
 
@@ -344,7 +358,7 @@ def apply_epilogue(acc: torch.Tensor, a_amax: torch.Tensor, b_amax: torch.Tensor
 
 
 def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
-                           bias=None, accumulate_into=None, use_ptx: bool = True,
+                           bias=None, accumulate_into=None, out=None, use_ptx: bool = True,
                            rows_per_chunk: int | None = DEFAULT_ROWS_PER_CHUNK) -> torch.Tensor:
     """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel.
 
@@ -355,7 +369,7 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
     chunk = rows if rows_per_chunk is None else min(rows, rows_per_chunk)
     b_values = _last_b.get(b_data, b_scale, use_ptx)
     a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
-    out = output_tensor(rows, cols, out_dtype, accumulate_into, a_data.device)
+    out = output_tensor(rows, cols, out_dtype, accumulate_into, out, a_data.device)
     a_values = torch.empty(chunk, a_data.shape[1] * 2, dtype=torch.bfloat16, device=a_data.device)
     acc = torch.empty(chunk, cols, dtype=torch.float32, device=a_data.device)
     for start in range(0, rows, chunk):

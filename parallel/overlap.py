@@ -191,8 +191,8 @@ def ring_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype
 
     def consume(tensors: Sequence[torch.Tensor], source: int) -> None:
         chunk = rowwise_chunk(a, tensors[:rowwise_count])
-        out[source * rows:(source + 1) * rows].copy_(
-            gemm(chunk, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe))
+        gemm(chunk, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe,
+             out=out[source * rows:(source + 1) * rows])
         if place_columnwise is not None:
             place_columnwise(tensors[rowwise_count:], source)
 

@@ -85,6 +85,11 @@ def test_public_gemm_on_cpu(name):
     returned = gemm(a, b, a_copy=a_copy, b_copy=b_copy, accumulate_into=main_grad)
     assert returned is main_grad
     torch.testing.assert_close(main_grad.double(), before.double() + expected, rtol=1e-5, atol=1e-4)
+    whole = torch.zeros(3 * expected.shape[0], expected.shape[1], dtype=torch.bfloat16)
+    rows = slice(expected.shape[0], 2 * expected.shape[0])
+    returned = gemm(a, b, a_copy=a_copy, b_copy=b_copy, out=whole[rows])
+    assert returned.data_ptr() == whole[rows].data_ptr()
+    assert torch.equal(whole[rows], out) and not whole[:expected.shape[0]].any() and not whole[rows.stop:].any()
 
 
 def test_gemm_validation_errors():
@@ -105,6 +110,12 @@ def test_gemm_validation_errors():
         gemm(x, w, accumulate_into=torch.zeros(32, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="accumulate_into"):
         gemm(x, w, accumulate_into=torch.zeros(48, 32).t())
+    with pytest.raises(ValueError, match="out: expected"):
+        gemm(x, w, out=torch.zeros(32, 48, dtype=torch.float32))
+    with pytest.raises(ValueError, match="out: expected"):
+        gemm(x, w, out=torch.zeros(48, 32, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="at most one"):
+        gemm(x, w, out=torch.zeros(32, 48, dtype=torch.bfloat16), accumulate_into=torch.zeros(32, 48))
     with pytest.raises(ValueError, match="backend"):
         gemm(x, w, backend="fastest")
     with pytest.raises(ValueError, match="needs CUDA"):

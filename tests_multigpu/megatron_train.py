@@ -2,8 +2,10 @@
 
 In the style of Megatron's examples/run_simple_mcore_train_loop.py: Megatron's process groups, GPTModel,
 DistributedDataParallel, get_megatron_optimizer, forward_backward_func and finalize_model_grads; the
-only NVFP4-specific line is the layer spec (--spec). Data: bytes of the fables corpus shipped with
-nvfp4_dist.launch (vocabulary padded to --vocab), the same token stream for every TP size.
+only NVFP4-specific line is the layer spec (--spec). Data (vocabulary padded to --vocab), the same token
+stream for every TP size: by default text sampled from an order-3 Markov chain of the fables corpus shipped
+with nvfp4_dist.launch (never repeated, so losses settle near the chain's entropy rate instead of falling
+into memorisation of the 360 KB corpus); --data fables trains on random windows of the corpus itself.
 
   torchrun --nproc-per-node 2 tests_multigpu/megatron_train.py --tp 2 --sp --spec nvfp4 --out run.json
   ... --steps 50 --save /tmp/ckpt            # then evaluate and save a distributed checkpoint
@@ -13,6 +15,7 @@ Prints the final loss (mean of the last 10 steps) and the evaluation loss; --out
 """
 import argparse
 import importlib.resources
+import itertools
 import json
 import os
 import time
@@ -31,7 +34,11 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nvfp4_dist import NVFP4Recipe
+from nvfp4_dist.launch.markov_text import MarkovText
 from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, get_gpt_decoder_block_nvfp4_spec, with_sdpa_attention
+
+MARKOV_ORDER = 3
+MARKOV_CHUNK = 64  # micro-batches sampled per call
 
 
 def parse_args(argv=None):
@@ -50,6 +57,8 @@ def parse_args(argv=None):
     parser.add_argument("--ffn", type=int, default=2816, help="SwiGLU hidden size")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--data", choices=("markov", "fables"), default="markov",
+                        help="markov: new text from an order-3 Markov chain of the corpus; fables: the corpus")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--steps", type=int, default=200)
@@ -101,21 +110,32 @@ def model_provider(args) -> GPTModel:
                     max_sequence_length=args.seq, position_embedding_type="rope")
 
 
-def corpus() -> torch.Tensor:
-    text = importlib.resources.files("nvfp4_dist.launch").joinpath("data/fables.txt").read_bytes()
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+def corpus() -> bytes:
+    return importlib.resources.files("nvfp4_dist.launch").joinpath("data/fables.txt").read_bytes()
 
 
-def batch_iterator(tokens: torch.Tensor, args, stream: int):
-    """Endless micro-batches of random windows; the same on every TP rank, distinct per DP rank."""
-    generator = torch.Generator().manual_seed(args.seed * 1000 + stream * 100
-                                              + parallel_state.get_data_parallel_rank())
+def windows_of(text: bytes, args, stream: int):
+    """Endless [micro_batch, seq + 1] token windows on the CPU; the same on every TP rank, distinct per DP rank."""
+    seed = args.seed * 1000 + stream * 100 + parallel_state.get_data_parallel_rank()
+    if args.data == "fables":
+        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            starts = torch.randint(0, tokens.numel() - args.seq - 1, (args.micro_batch,), generator=generator)
+            yield torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()])
+    source = MarkovText(text, order=MARKOV_ORDER)
+    for chunk in itertools.count():  # sampled MARKOV_CHUNK micro-batches at a time (vectorised over sequences)
+        samples = source.sample(MARKOV_CHUNK * args.micro_batch, args.seq + 1, seed=seed * 100_000 + chunk)
+        yield from samples.split(args.micro_batch)
+
+
+def batch_iterator(text: bytes, args, stream: int):
+    """Endless micro-batches for Megatron's forward_step_func."""
     positions = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1).cuda()
     causal_mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool).triu(1).cuda()  # True = masked
-    while True:
-        starts = torch.randint(0, tokens.numel() - args.seq - 1, (args.micro_batch,), generator=generator)
-        windows = torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()]).cuda()
-        yield {"tokens": windows[:, :-1], "labels": windows[:, 1:], "position_ids": positions,
+    for window in windows_of(text, args, stream):
+        window = window.cuda()
+        yield {"tokens": window[:, :-1], "labels": window[:, 1:], "position_ids": positions,
                "attention_mask": causal_mask}
 
 
@@ -140,9 +160,9 @@ def run_steps(model, data, args, forward_only: bool) -> float:
     return float(loss) / parallel_state.get_data_parallel_world_size()
 
 
-def evaluate(model, tokens, args) -> float:
+def evaluate(model, text, args) -> float:
     model.eval()
-    data = batch_iterator(tokens, args, stream=1)
+    data = batch_iterator(text, args, stream=1)
     with torch.no_grad():
         loss = sum(run_steps(model, data, args, forward_only=True) for _ in range(args.eval_batches))
     model.train()
@@ -172,8 +192,8 @@ def main(argv=None) -> dict:
         lr_decay_steps=max(args.steps, args.warmup + 1), lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
         wd_incr_steps=max(args.steps, 1), wd_incr_style="constant")
 
-    tokens = corpus()
-    data = batch_iterator(tokens, args, stream=0)
+    text = corpus()
+    data = batch_iterator(text, args, stream=0)
     losses = []
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
@@ -191,7 +211,7 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - start
     tokens_per_step = args.micro_batch * args.micro_batches * args.seq * parallel_state.get_data_parallel_world_size()
 
-    eval_loss = evaluate(model, tokens, args)
+    eval_loss = evaluate(model, text, args)
     if args.save:
         os.makedirs(args.save, exist_ok=True)
         dist_checkpointing.save(sharded_state_dict=gpt_model.sharded_state_dict(prefix=""),
@@ -199,7 +219,8 @@ def main(argv=None) -> dict:
     result = {
         "spec": args.spec, "tp": args.tp, "sp": args.sp, "bf16_first_last": args.bf16_first_last,
         "overlap": args.overlap, "steps": args.steps, "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-        "eval_loss": eval_loss, "losses": losses,
+        "eval_loss": eval_loss, "losses": losses, "data": args.data,
+        "data_entropy_rate": MarkovText(text, order=MARKOV_ORDER).entropy_rate() if args.data == "markov" else None,
         "tokens_per_s": tokens_per_step * args.steps / elapsed if args.steps else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "megatron_core": MEGATRON_CORE_VERSION, "device": torch.cuda.get_device_name(), "args": vars(args),

@@ -171,3 +171,27 @@ def test_unknown_hopper_path_is_rejected(monkeypatch):
     x, w, _ = layer_operands(128, 128, 128)
     with pytest.raises(ValueError, match="NVFP4_HOPPER_GEMM"):
         gemm(x, w, backend="emulated")
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_out_rows_of_a_larger_tensor(path):
+    """out=: y lands in the given rows of a bigger output (the overlapped layers' per-chunk GEMMs), nothing else moves."""
+    x, w, _ = layer_operands(192, 160, 224, seed=17)
+    args = operands(x, "rowwise", w, "rowwise")
+    whole = torch.full((3 * 192, 160), 7.0, device="cuda", dtype=torch.bfloat16)
+    returned = PATHS[path](*args, out_dtype=torch.bfloat16, out=whole[192:384])
+    assert returned.data_ptr() == whole[192:384].data_ptr()
+    check_bf16(whole[192:384], reference.gemm_reference(*args))
+    assert bool((whole[:192] == 7).all()) and bool((whole[384:] == 7).all())
+
+
+def test_dequantized_b_is_reused_then_dropped_with_its_operand():
+    """The dequantize path keeps B's BF16 copy while B lives and is unchanged, and frees it with B."""
+    x, w, _ = layer_operands(128, 256, 192, seed=19)
+    b_data, b_scale = w.rowwise_data.clone(), w.rowwise_scale.clone()
+    first = gemm_hopper._last_b.get(b_data, b_scale, True)
+    assert gemm_hopper._last_b.get(b_data, b_scale, True) is first
+    b_data.add_(0)  # a new version: dequantized again
+    assert gemm_hopper._last_b.get(b_data, b_scale, True) is not first
+    del first, b_data
+    assert gemm_hopper._last_b.values is None and gemm_hopper._last_b.key is None
