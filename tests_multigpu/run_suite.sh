@@ -6,6 +6,8 @@
 #   bash tests_multigpu/run_suite.sh d OUTDIR   # 4 GPUs: symmetric-memory collectives, then the layers and benchmarks on them
 #   bash tests_multigpu/run_suite.sh e OUTDIR   # 4 GPUs: symmetric collectives and overlap on copy engines, Megatron GPT TP=2 SP off, TP=4
 #   bash tests_multigpu/run_suite.sh f OUTDIR   # 4 GPUs: the test matrix (worlds 1, 2, 4)
+#   bash tests_multigpu/run_suite.sh g OUTDIR   # 2 GPUs: Megatron GPT training at TP=1 and 2 against the BF16 spec
+#   bash tests_multigpu/run_suite.sh h OUTDIR   # 2 GPUs: Hopper GEMM tests, overlap tests and benchmarks at TP=2
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -104,7 +106,19 @@ f)  # the test matrix again, on the symmetric-memory transport (now the default 
     step matrix 360 python3 tests_multigpu/matrix.py --driver --max-world 4 --launcher torchrun --profile b200 \
         --git-commit "$GIT_COMMIT" --out "$R/matrix"
     ;;
-*) echo "usage: $0 a|b|c|d|e|f OUTDIR"; exit 2 ;;
+g)  # every Megatron training case that fits 2 GPUs (the BF16 reference first, inside the test module)
+    step megatron_tp1_tp2 480 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
+        -k "trains_like_bf16 or tp_invariant"
+    ;;
+h)  # in priority order
+    step gemm_hopper 120 python3 -m pytest -q tests_multigpu/test_gemm_hopper.py
+    step overlap_tp2 120 $TORCHRUN --nproc-per-node 2 tests_multigpu/test_overlap_gpu.py
+    step overlap_bench_tp2 200 $TORCHRUN --nproc-per-node 2 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp2.json" \
+        --out-dir "$R/overlap_tp2" --shapes "8192,4096,14336;16384,8192,28672"
+    step megatron_bench_tp2 200 $TORCHRUN --nproc-per-node 2 benchmarks/megatron_gpt.py --layers 2 \
+        --out "$R/megatron_gpt_${GPU}x2.json"
+    ;;
+*) echo "usage: $0 a|b|c|d|e|f|g|h OUTDIR"; exit 2 ;;
 esac
 cat "$SUMMARY"
 ! grep -qE "FAIL|TIMEOUT" "$SUMMARY"
