@@ -12,6 +12,8 @@ for the forward and for forward+backward:
   plain       the TP pair, overlap off
   overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters)
   exposed     overlapped - no-comm (issue 7 defines overlapped - GEMMs; both are in the JSON)
+  *_host      host time per plain / overlapped step with the GPU kept busy: near the GPU time, the step is
+              bound by Python and launches (a cProfile of the first shape goes into --out-dir)
 It prints a table and writes JSON (--out, default benchmarks/results/overlap_<gpu>_tp<N>.json), plus a timeline
 picture of one plain and one overlapped forward+backward step of the first shape (rank 0's CUDA kernels from
 torch.profiler, lanes: comm (NCCL, peer kernels, copy-engine copies), GEMM, other) and the chrome traces, into --out-dir.
@@ -27,6 +29,7 @@ import json
 import os
 import re
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -61,6 +64,43 @@ def time_ms(step, iters: int, warmup: int) -> float:
     median = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device="cuda")
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item()
+
+
+def host_ms(step, iters: int) -> float:
+    """Host time per step() in ms while the GPU is kept busy (it never waits for the GPU), the slowest rank's.
+
+    Close to the CUDA-event time, the step is bound by the host (Python, launches), not by the GPU.
+    """
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles: every launch below queues behind it
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / iters], device="cuda")
+    torch.cuda.synchronize()
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def host_profile(step, path: str, iters: int = 5) -> None:
+    """cProfile of `iters` steps on rank 0, the 30 functions with the most own time, as text."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    profiler.enable()
+    for _ in range(iters):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        with open(path, "w") as f:
+            f.write(f"cProfile of {iters} steps (rank 0), by own time\n{text.getvalue()}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,7 +221,9 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup)
                  "no_comm": time_ms(no_comm.forward if index == 0 else no_comm.forward_backward, iters, warmup)}
         for name, overlapped in (("plain", False), ("overlapped", True)):
             pair.use_overlap(overlapped)
-            times[name] = time_ms(pair.forward if index == 0 else pair.forward_backward, iters, warmup)
+            step = pair.forward if index == 0 else pair.forward_backward
+            times[name] = time_ms(step, iters, warmup)
+            times[f"{name}_host"] = host_ms(step, iters)
         times.update(exposed_comm=times["overlapped"] - times["no_comm"],
                      exposed_comm_vs_gemms=times["overlapped"] - times["gemms"],
                      speedup=times["plain"] / times["overlapped"],
@@ -287,9 +329,11 @@ def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict
 
 def print_table(report: dict) -> None:
     header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'GEMMs':>7} "
-              f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7}")
+              f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7} | "
+              f"{'host p':>7} {'host o':>7}")
     print(f"\n{report['gpu']}, TP={report['tp']}, Hopper GEMM path {report['hopper_gemm']}; times in ms (median, "
-          f"slowest rank); exposed = overlapped - no-comm; ovl/max = overlapped / max(no-comm, comm)")
+          f"slowest rank); exposed = overlapped - no-comm; ovl/max = overlapped / max(no-comm, comm); "
+          f"host p/o: host ms per plain/overlapped step")
     print(header)
     print("-" * len(header))
     for r in report["shapes"]:
@@ -298,7 +342,7 @@ def print_table(report: dict) -> None:
             print(f"{r['tokens']:>6},{r['hidden']:>5},{r['ffn']:>5} {r['tp']:>2} {phase:>7} | {t['comm']:7.2f} "
                   f"{t['ring_comm']:7.2f} {t['gemms']:7.2f} {t['no_comm']:7.2f} | {t['plain']:7.2f} "
                   f"{t['overlapped']:7.2f} {t['exposed_comm']:7.2f} {t['speedup']:7.3f} "
-                  f"{t['overlapped_over_max_no_comm_comm']:7.3f}")
+                  f"{t['overlapped_over_max_no_comm_comm']:7.3f} | {t['plain_host']:7.2f} {t['overlapped_host']:7.2f}")
     for name, met in report["targets"].items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
 
@@ -355,6 +399,11 @@ def main() -> None:
     if not args.no_timeline:
         os.makedirs(args.out_dir, exist_ok=True)
         report["timeline"] = timeline(*shapes[0], group, recipe, args.out_dir, label, args.warmup)
+        pair = Pair(*shapes[0], group, recipe)
+        for name, overlapped in (("plain", False), ("overlapped", True)):
+            pair.use_overlap(overlapped)
+            host_profile(pair.forward_backward, os.path.join(args.out_dir, f"overlap_host_profile_{label}_{name}.txt"))
+        del pair
     if rank == 0:
         out = args.out or os.path.join("benchmarks", "results", f"overlap_{label}.json")
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
