@@ -563,6 +563,7 @@ def forward_backward(model, tokens, labels, tracer):
     """(loss, problem): the local loss after backward, or problem = (where, what) for a NaN/Inf loss or amax."""
     import torch
 
+    from nvfp4_dist import raise_pending_nonfinite
     from nvfp4_dist.launch import faults
 
     try:
@@ -575,6 +576,7 @@ def forward_backward(model, tokens, labels, tracer):
         return None, ("the loss", f"the loss is {loss.item()}")
     try:
         loss.backward()
+        raise_pending_nonfinite()  # the GPU's asynchronous amax checks of this step
     except ValueError as error:
         if not faults.is_nonfinite_amax_error(error):
             raise

@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from . import reference
+from . import finite_check, reference
+from .finite_check import NonFiniteAmaxError  # noqa: F401 (part of this module's interface)
 from .formats import BLOCK_SIZE
 from .recipe import NVFP4Recipe
 from .tensor import NVFP4Tensor
@@ -62,10 +63,6 @@ def validate_input(x: torch.Tensor, *, name: str = "x", columnwise: bool = False
         raise ValueError(f"{name}.dtype={x.dtype}: the RHT columnwise copy takes torch.bfloat16 input (SPEC 5)")
 
 
-class NonFiniteAmaxError(ValueError):
-    """A tensor's amax is NaN or Inf: its input holds NaN/Inf (recipe.check_finite)."""
-
-
 def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, device: torch.device) -> None:
     if amax is None:
         return
@@ -75,15 +72,6 @@ def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, devi
         raise ValueError(f"{name}.shape={tuple(amax.shape)}: expected {' or '.join(map(str, expected_numel))} elements")
     if amax.device != device:
         raise ValueError(f"{name}.device={amax.device} differs from the input's device {device}")
-
-
-def check_finite_amax(q: NVFP4Tensor) -> None:
-    """Reject a non-finite amax (NaN/Inf input) with a clear error (SPEC 2, NaN input)."""
-    for name in ("amax_rowwise", "amax_columnwise"):
-        amax = getattr(q, name)
-        if amax is not None and not bool(torch.isfinite(amax).all()):
-            raise NonFiniteAmaxError(f"{name} is not finite ({amax.flatten()[:4].tolist()}...): the input holds "
-                             f"NaN or Inf; pass a recipe with check_finite=False to quantize it anyway")
 
 
 def compute_amaxes(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True, columnwise: bool = True,
@@ -134,7 +122,7 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
         x, rowwise=rowwise, columnwise=columnwise, sr_seed=sr_seed if stochastic else None,
         sr_row_offset=sr_row_offset, amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise, **options)
     if recipe.check_finite:
-        check_finite_amax(q)
+        finite_check.check_amaxes({"amax_rowwise": q.amax_rowwise, "amax_columnwise": q.amax_columnwise})
     return q
 
 

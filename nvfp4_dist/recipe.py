@@ -31,7 +31,8 @@ class NVFP4Recipe:
     bf16_first_layers / bf16_last_layers: transformer layers kept in BF16.
     gemm_backend: auto | cublaslt | emulated | reference (SPEC 8).
     overlap: pipeline TP communication with the GEMMs (parallel layers only).
-    check_finite: reject a non-finite amax with an error (SPEC 2).
+    check_finite: reject a non-finite amax with NonFiniteAmaxError (SPEC 2); on CUDA without a host sync, raised
+      by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     """
 
     rht: bool = True

@@ -1,0 +1,69 @@
+"""recipe.check_finite on CUDA: no host sync per quantize, the NaN/Inf still reported (nvfp4_dist/finite_check.py).
+
+    python3 -m pytest -q tests_multigpu/test_finite_check_gpu.py
+"""
+import time
+
+import pytest
+import torch
+
+import nvfp4_dist as nv
+from nvfp4_dist import finite_check
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def finite(rows=64, cols=64):
+    return torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+
+
+def test_nan_input_is_reported_by_the_pending_check_then_cleared():
+    nv.raise_pending_nonfinite()
+    poisoned = finite()
+    poisoned[3, 5] = float("nan")
+    nv.quantize(poisoned, "activation")  # queued, not necessarily raised yet
+    with pytest.raises(nv.NonFiniteAmaxError, match="amax_(rowwise|columnwise) is not finite"):
+        nv.raise_pending_nonfinite()
+    nv.quantize(finite(), "activation")
+    nv.raise_pending_nonfinite()  # the error was consumed: clean input passes
+
+
+def test_inf_in_row_scaled_amax_is_reported():
+    poisoned = finite()
+    poisoned[7, 0] = float("inf")
+    nv.quantize(poisoned, "activation", columnwise=False, recipe=nv.NVFP4Recipe(row_scaled_activation=True))
+    with pytest.raises(nv.NonFiniteAmaxError, match="inf"):
+        nv.raise_pending_nonfinite()
+
+
+def test_a_later_quantize_raises_once_the_check_landed():
+    poisoned = finite()
+    poisoned[0, 0] = float("nan")
+    nv.quantize(poisoned, "weight")
+    torch.cuda.synchronize()  # the pending check's copy has landed
+    with pytest.raises(nv.NonFiniteAmaxError):
+        nv.quantize(finite(), "weight")
+    nv.raise_pending_nonfinite()
+
+
+def test_quantize_does_not_wait_for_the_gpu():
+    """With the GPU busy for ~1 s, 20 checked quantizes return at once and at most MAX_PENDING checks wait."""
+    x = finite(1024, 1024)
+    nv.quantize(x, "activation")
+    nv.raise_pending_nonfinite()
+    torch.cuda._sleep(2_000_000_000)
+    began = time.perf_counter()
+    for _ in range(20):
+        nv.quantize(x, "activation")
+    host_seconds = time.perf_counter() - began
+    assert host_seconds < 0.5, host_seconds
+    assert 0 < len(finite_check._pending) <= finite_check.MAX_PENDING
+    nv.raise_pending_nonfinite()
+    assert not finite_check._pending
+
+
+def test_check_finite_false_skips_the_check():
+    poisoned = finite()
+    poisoned[1, 1] = float("nan")
+    nv.quantize(poisoned, "activation", recipe=nv.NVFP4Recipe(check_finite=False))
+    nv.raise_pending_nonfinite()
