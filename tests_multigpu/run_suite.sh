@@ -111,7 +111,7 @@ g)  # every Megatron training case that fits 2 GPUs (the BF16 reference first, i
         -k "trains_like_bf16 or tp_invariant"
     ;;
 h)  # in priority order
-    step gemm_hopper 120 python3 -m pytest -q tests_multigpu/test_gemm_hopper.py
+    step gemm_hopper 120 python3 -m pytest -q tests_multigpu/test_gemm_hopper.py tests_multigpu/test_finite_check_gpu.py
     step overlap_tp2 120 $TORCHRUN --nproc-per-node 2 tests_multigpu/test_overlap_gpu.py
     step overlap_bench_tp2 200 $TORCHRUN --nproc-per-node 2 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp2.json" \
         --out-dir "$R/overlap_tp2" --shapes "8192,4096,14336;16384,8192,28672"
