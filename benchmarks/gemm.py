@@ -39,7 +39,7 @@ FUSED_CANDIDATES = {
     "fused_bfirst_128x256x128_s3": FUSED(block_n=256, block_k=128, num_stages=3, dequantize_b_first=True),
     "fused_bfirst_256x128x64_s3": FUSED(block_m=256, num_stages=3, dequantize_b_first=True),
 }
-DEQUANTIZE_CANDIDATES = {"dequantize_full": None, "dequantize_chunk512": 512, "dequantize_chunk1024": 1024,
+DEQUANTIZE_CANDIDATES = {"dequantize_full": 1 << 30, "dequantize_auto": None, "dequantize_chunk512": 512, "dequantize_chunk1024": 1024,
                          "dequantize_chunk2048": 2048}
 
 
@@ -144,7 +144,7 @@ def main() -> None:
     torch.manual_seed(0)
     report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
                   torch=torch.__version__, triton=triton.__version__)
-    config, rows_per_chunk = gemm_hopper.DEFAULT_FUSED_CONFIG, gemm_hopper.DEFAULT_ROWS_PER_CHUNK
+    config, rows_per_chunk = gemm_hopper.DEFAULT_FUSED_CONFIG, None  # None: gemm_hopper.CHUNK_BYTES
     if args.sweep:
         report["sweep_8192"] = sweep(8192, 8192, 8192, device)
         config = FUSED_CANDIDATES[fastest(report["sweep_8192"], FUSED_CANDIDATES)]

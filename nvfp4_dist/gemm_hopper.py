@@ -251,7 +251,10 @@ class FusedConfig:
 
 
 DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # fastest fused variant on H100 (benchmarks/gemm.py)
-DEFAULT_ROWS_PER_CHUNK = None  # gemm_dequantize_matmul: all rows in one pass
+# gemm_dequantize_matmul's row chunks: at most this many bytes of BF16 A rows and FP32 output rows at once,
+# so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunking costs
+# ~2% at 8192^3 on H100, benchmarks/results/gemm_h100.json).
+CHUNK_BYTES = 512 << 20
 
 
 def packed_words(data: torch.Tensor) -> torch.Tensor:
@@ -359,14 +362,16 @@ def apply_epilogue(acc: torch.Tensor, a_amax: torch.Tensor, b_amax: torch.Tensor
 
 def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
                            bias=None, accumulate_into=None, out=None, use_ptx: bool = True,
-                           rows_per_chunk: int | None = DEFAULT_ROWS_PER_CHUNK) -> torch.Tensor:
+                           rows_per_chunk: int | None = None) -> torch.Tensor:
     """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel.
 
-    rows_per_chunk: run A in row chunks through reused BF16/FP32 buffers (less memory, and the FP32
-    chunk can stay in L2 between the matmul and the epilogue); None: one pass over all rows.
+    rows_per_chunk: run A in row chunks through reused BF16/FP32 buffers; None: as many rows as fit in
+    CHUNK_BYTES (all of them for most GEMMs); pass the row count for one pass.
     """
     rows, cols = a_data.shape[0], b_data.shape[0]
-    chunk = rows if rows_per_chunk is None else min(rows, rows_per_chunk)
+    if rows_per_chunk is None:
+        rows_per_chunk = max(256, CHUNK_BYTES // (4 * cols + 2 * 2 * a_data.shape[1]) // 256 * 256)
+    chunk = min(rows, rows_per_chunk)
     b_values = _last_b.get(b_data, b_scale, use_ptx)
     a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
     out = output_tensor(rows, cols, out_dtype, accumulate_into, out, a_data.device)

@@ -195,3 +195,17 @@ def test_dequantized_b_is_reused_then_dropped_with_its_operand():
     assert gemm_hopper._last_b.get(b_data, b_scale, True) is not first
     del first, b_data
     assert gemm_hopper._last_b.values is None and gemm_hopper._last_b.key is None
+
+
+def test_dequantize_path_chunks_rows_to_its_byte_budget(monkeypatch):
+    """With the default rows_per_chunk, a GEMM whose temporaries exceed CHUNK_BYTES runs in row chunks."""
+    monkeypatch.setattr(gemm_hopper, "CHUNK_BYTES", 1 << 20)  # 256-row chunks for these shapes
+    x, w, dy = layer_operands(1000, 384, 512, seed=23)
+    calls = []
+    original = gemm_hopper.dequantize_into
+    monkeypatch.setattr(gemm_hopper, "dequantize_into", lambda data, *rest: calls.append(data.shape[0]) or original(data, *rest))
+    for name in ("fprop", "wgrad"):
+        args = operands(*layout(name, x, w, dy))
+        calls.clear()
+        check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), reference.gemm_reference(*args))
+        assert len(calls) > 2, calls  # B once (or cached), A in several chunks
