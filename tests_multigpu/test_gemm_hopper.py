@@ -200,7 +200,7 @@ def test_dequantized_b_is_reused_then_dropped_with_its_operand():
 def test_dequantize_path_chunks_rows_to_its_byte_budget(monkeypatch):
     """With the default rows_per_chunk, a GEMM whose temporaries exceed CHUNK_BYTES runs in row chunks."""
     monkeypatch.setattr(gemm_hopper, "CHUNK_BYTES", 1 << 20)  # 256-row chunks for these shapes
-    x, w, dy = layer_operands(1000, 384, 512, seed=23)
+    x, w, dy = layer_operands(1024, 384, 512, seed=23)
     calls = []
     original = gemm_hopper.dequantize_into
     monkeypatch.setattr(gemm_hopper, "dequantize_into", lambda data, *rest: calls.append(data.shape[0]) or original(data, *rest))
@@ -208,4 +208,4 @@ def test_dequantize_path_chunks_rows_to_its_byte_budget(monkeypatch):
         args = operands(*layout(name, x, w, dy))
         calls.clear()
         check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), reference.gemm_reference(*args))
-        assert len(calls) > 2, calls  # B once (or cached), A in several chunks
+        assert len([rows for rows in calls if rows <= 256]) >= 2, calls  # A in chunks of at most 256 rows
