@@ -220,12 +220,13 @@ def _side_stream() -> torch.cuda.Stream:
     return _side_streams[device]
 
 
-def _peer_view(workspace: SymmetricWorkspace, rank: int, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """A tensor shaped like `like` at byte `offset` of rank `rank`'s symmetric buffer (cached: training repeats shapes)."""
-    key = (rank, offset, tuple(like.shape), like.dtype)
+def _peer_view(workspace: SymmetricWorkspace, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A `shape` tensor of `dtype` at byte `offset` of rank `rank`'s symmetric buffer (cached: training repeats shapes)."""
+    key = (rank, offset, tuple(shape), dtype)
     view = workspace.views.get(key)
     if view is None:
-        view = workspace.views[key] = workspace.handle.get_buffer(rank, key[2], like.dtype, offset // like.element_size())
+        element_size = torch.empty((), dtype=dtype).element_size()
+        view = workspace.views[key] = workspace.handle.get_buffer(rank, key[2], dtype, offset // element_size)
     return view
 
 
@@ -242,7 +243,7 @@ def all_gather_consume(local_chunk, consume, order: list, group=None) -> None:
         with torch.cuda.stream(side):
             for name, t in received.items():
                 if t.numel():
-                    t.copy_(_peer_view(workspace, source, half + layout[name], t))
+                    t.copy_(_peer_view(workspace, source, half + layout[name], t.shape, t.dtype))
             done = torch.cuda.Event()
             done.record(side)
         pulls.append((source, list(received.values()), done))
@@ -268,12 +269,11 @@ def reduce_scatter_produce(produce, order: list, group=None) -> torch.Tensor:
         partial = first if step == 0 else produce(chunk).contiguous()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            _peer_view(workspace, chunk, half + rank * slot_bytes, partial).copy_(partial)
+            _peer_view(workspace, chunk, half + rank * slot_bytes, partial.shape, partial.dtype).copy_(partial)
         partial.record_stream(side)
     current.wait_stream(side)
     workspace.handle.barrier(channel=0)  # every rank's pushes have landed (torch's barrier, its own channel)
     slot_elements = slot_bytes // first.element_size()
-    region = workspace.handle.get_buffer(rank, (world_size * slot_elements,), first.dtype,
-                                         half // first.element_size())
+    region = _peer_view(workspace, rank, half, (world_size * slot_elements,), first.dtype)
     slots = region.as_strided((world_size, first.numel()), (slot_elements, 1))
     return slots.sum(dim=0, dtype=torch.float32).to(first.dtype).view(first.shape)
