@@ -162,44 +162,57 @@ NVFP4_HD float fp4_value(uint32_t code) {
 #endif
 }
 
-// ceil(a * scale - r) + magic for the stochastic-rounding candidates (0 <= a * scale < 2^22, 0 <= r < 1):
-// rounding up twice gives the exact ceiling, as one FMA and one FADD on the GPU.
-NVFP4_HD float ceil_scaled_minus_plus_magic(float a, float scale, float r, float magic) {
+// Stochastic rounding (SPEC 7) of a = min(|v|, 6) on the FP32 bits, the reference's rule
+// (reference/quantize.py): up in magnitude iff bits16 < p * 65536, p = (a - lo) / (hi - lo).
+// The carrier x = max(a, RU(a / 2 + 1 / 2)) is a itself for a >= 1, and 1/2 + RU(a / 2) on the 2^-24
+// grid for a < 1 (rounding up commutes with comparing against the thresholds below). Its bits then
+// hold 2^22 * (252 + lo's index) + 2^22 * p exactly: the E2M1 grid on [1/2, 6] is "FP32 with one
+// mantissa bit", and the low 22 bits are the fraction p of the step.
+NVFP4_HD float stochastic_rounding_carrier(float a) {
 #ifdef __CUDA_ARCH__
-  return __fadd_ru(__fmaf_ru(a, scale, -r), magic);
+  return fmaxf(a, __fmaf_ru(a, 0.5f, 0.5f));
 #else
-  // a * scale - r is exact in double wherever its ceiling is in doubt (see the GPU tests).
-  return static_cast<float>(std::ceil(static_cast<double>(a) * scale - static_cast<double>(r))) + magic;
+  if (a >= 1.0f) return a;
+  return 0.5f + static_cast<float>(std::ceil(static_cast<double>(a) * 8388608.0) * 5.9604644775390625e-8);
 #endif
 }
 
-// kRoundMagic plus the FP4 magnitude index of v in [-6, 6] (low 4 bits), rounded stochastically with
-// the 16-bit comparison value bits16 (SPEC 7, reference/quantize.py; the quantize kernels pass 8 random
-// bits times 256): up in magnitude iff float(bits16) < p * 65536, p = (|v| - lo) / (hi - lo).
-// fp4_index_stochastic_fraction_plus_magic takes r = bits16 / 65536. With the grid step of a's range (0.5, 1, 2), that is index = ceil(a / step - r)
-// plus the range's first index; as for round to nearest, the smallest of the three ranges'
-// candidates is the right one (a <= 6 keeps it <= 7).
-NVFP4_HD float fp4_index_stochastic_fraction_plus_magic(float v, float r) {
+// The addend that turns 4 * bits(carrier) into the index in bits 24..27: bits 8..23 hold 0xFFFF - bits16
+// and bits 0..7 all ones, so the fraction 4 * p * 2^22 carries into bit 24 iff p * 65536 > bits16;
+// bits 24..31 hold 4, which with 4 * 252 = 1008 = 1024 - 16 (mod 256) leaves lo's index.
+NVFP4_HD uint32_t stochastic_rounding_addend(uint32_t bits16) { return (4u << 24) | ((0xFFFFu - bits16) << 8) | 0xFFu; }
+
+// The bits of 1.0f times this are 8 << 24 (mod 2^32): 0x3F800000 * 0x1F0 = 0x7B08000000.
+constexpr uint32_t kSignBitOfOneFloat = 0x1F0u;
+
+// The stochastic FP4 code of v (sign in bit 27) in bits 24..27, bits 28..31 clear, bits 0..23 arbitrary:
+// one FMNMX, FFMA, FMNMX and IMAD for the magnitude, one FSET and IMAD for the sign. v < 0 sets the
+// sign (a negative value that rounds to 0 gives code 8; -0.0 and NaN do not), NaN rounds as 6.
+NVFP4_HD uint32_t fp4_code_stochastic_word(float v, uint32_t addend) {
   const float a = fminf(fabsf(v), kFp4Max);
-  const float fine = ceil_scaled_minus_plus_magic(a, 2.0f, r, kRoundMagic);
-  const float middle = ceil_scaled_minus_plus_magic(a, 1.0f, r, kRoundMagic + 2.0f);
-  const float coarse = ceil_scaled_minus_plus_magic(a, 0.5f, r, kRoundMagic + 4.0f);
-  return fminf(fminf(fine, middle), coarse);  // kRoundMagic + index
-}
-
-NVFP4_HD float fp4_index_stochastic_plus_magic(float v, uint32_t bits16) {
-  return fp4_index_stochastic_fraction_plus_magic(v, bits_float(0x3F800000u | (bits16 << 7)) - 1.0f);  // r exact
-}
-
-NVFP4_HD float fp4_code_stochastic_plus_magic(float v, uint32_t bits16) {
-  return fmaf(negative_as_float(v), 8.0f, fp4_index_stochastic_plus_magic(v, bits16));
+  const uint32_t magnitude = float_bits(stochastic_rounding_carrier(a)) * 4u + addend;
+  return float_bits(negative_as_float(v)) * kSignBitOfOneFloat + magnitude;
 }
 
 NVFP4_HD uint32_t fp4_code_stochastic(float v, uint32_t bits16) {
-  return float_bits(fp4_code_stochastic_plus_magic(v, bits16)) & 0xFu;
+  return fp4_code_stochastic_word(v, stochastic_rounding_addend(bits16)) >> 24;
 }
 
-// Philox4x32-10, the same as curand's Philox4_32_10 and reference/philox.py.
+// Eight codes in bits 24..27 of their words -> one word, element i in nibble i: the even and the odd
+// elements' top bytes gathered by three byte permutes each, then one shift-add.
+NVFP4_HD uint32_t pack_eight_top_byte_codes(const uint32_t* words) {
+#ifdef __CUDA_ARCH__
+  const uint32_t even = __byte_perm(__byte_perm(words[0], words[2], 0x0073), __byte_perm(words[4], words[6], 0x0073), 0x5410);
+  const uint32_t odd = __byte_perm(__byte_perm(words[1], words[3], 0x0073), __byte_perm(words[5], words[7], 0x0073), 0x5410);
+  return even | (odd << 4);
+#else
+  uint32_t packed = 0;
+  for (int i = 0; i < 8; ++i) packed |= (words[i] >> 24) << (4 * i);
+  return packed;
+#endif
+}
+
+// Philox4x32 with kRounds rounds; 10 rounds is curand's Philox4_32_10 (reference/philox.py).
 struct PhiloxWords {
   uint32_t w[4];
 };
@@ -215,9 +228,10 @@ NVFP4_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
-NVFP4_HD PhiloxWords philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+template <int kRounds>
+NVFP4_HD PhiloxWords philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
 #pragma unroll
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < kRounds; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
     mulhilo32(0xD2511F53u, c0, hi0, lo0);
     mulhilo32(0xCD9E8D57u, c2, hi1, lo1);
@@ -232,35 +246,45 @@ NVFP4_HD PhiloxWords philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32
   return PhiloxWords{{c0, c1, c2, c3}};
 }
 
-// One Philox call serves 16 consecutive columns of a row, 8 random bits each (reference/philox.py).
+// One Philox4x32-7 call serves 16 consecutive columns of a row, 8 random bits each (reference/philox.py).
 constexpr int kColumnsPerPhiloxCall = 16;
+constexpr int kStochasticRoundingPhiloxRounds = 7;
 
 // The 4 Philox words serving the 16 columns [16*group, 16*group+16) of global row `row` in `stream`.
 NVFP4_HD PhiloxWords stochastic_rounding_words(uint64_t row, uint64_t group, uint32_t stream, uint64_t seed) {
-  return philox4x32_10(static_cast<uint32_t>(row), static_cast<uint32_t>(group), stream, 0u,
-                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return philox4x32<kStochasticRoundingPhiloxRounds>(static_cast<uint32_t>(row), static_cast<uint32_t>(group), stream,
+                                                     0u, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
-// r = byte / 256 (for fp4_index_stochastic_fraction_plus_magic) of the column at position 0..15 in its
-// group: byte (position % 4) of word position / 4. On the GPU one PRMT puts the byte in bits 8..15 of
-// 1.0f, giving 1 + byte * 2^-15, and one FMA scales (that - 1) by 128, exactly.
-NVFP4_HD float random_fraction_of_column(const PhiloxWords& words, uint32_t column_in_group) {
-  const uint32_t word_index = column_in_group >> 2;
-  const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
-#ifdef __CUDA_ARCH__
-  const uint32_t selector = 0x7604u | ((column_in_group & 3u) << 4);  // bytes: 0x00, word's byte, 0x80, 0x3F
-  return fmaf(__uint_as_float(__byte_perm(word, 0x3F800000u, selector)), 128.0f, -128.0f);
-#else
-  return static_cast<float>((word >> (8 * (column_in_group & 3))) & 0xFFu) / 256.0f;
-#endif
-}
-
-// The comparison value (byte << 8, for fp4_index_stochastic_plus_magic) of the column at position
-// 0..15 in its group: byte (position % 4) of word position / 4.
+// The comparison value (byte << 8) of the column at position 0..15 in its group: byte (position % 4)
+// of word position / 4.
 NVFP4_HD uint32_t bits_of_column(const PhiloxWords& words, uint32_t column_in_group) {
   const uint32_t word_index = column_in_group >> 2;
   const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
   return ((word >> (8 * (column_in_group & 3))) & 0xFFu) << 8;
+}
+
+static __constant__ uint32_t kStochasticAddendBytes = 0x04FFFFFFu;  // stochastic_rounding_addend's constant bytes
+
+// stochastic_rounding_addend(bits_of_column(words, column_in_group)); on the GPU one PRMT of the
+// complemented word (the complement folds into Philox's last XOR) and the constant bytes.
+NVFP4_HD uint32_t stochastic_rounding_addend_of_column(const PhiloxWords& words, uint32_t column_in_group) {
+#ifdef __CUDA_ARCH__
+  const uint32_t word_index = column_in_group >> 2;
+  const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
+  // bytes: 0xFF, 0xFF, ~byte, 0x04; the constant bytes come from constant memory, so that the
+  // selector can stay an immediate (with both immediate, ptxas moves the selector into a register)
+  uint32_t addend;
+  switch (column_in_group & 3u) {
+    case 0: asm("prmt.b32 %0, %1, %2, 0x7054;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
+    case 1: asm("prmt.b32 %0, %1, %2, 0x7154;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
+    case 2: asm("prmt.b32 %0, %1, %2, 0x7254;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
+    default: asm("prmt.b32 %0, %1, %2, 0x7354;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
+  }
+  return addend;
+#else
+  return stochastic_rounding_addend(bits_of_column(words, column_in_group));
+#endif
 }
 
 // The comparison value of the element at global (row, column): one whole Philox call, kept out of line
@@ -329,30 +353,36 @@ NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockS
 template <bool kSR>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
                             uint32_t stream, int64_t sr_row, int64_t sr_column) {
-  float scaled[kBlockSize], indices[kBlockSize];  // kRoundMagic + index of |scaled|
+  float scaled[kBlockSize];
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) scaled[i] = values[i] * encode;
   if constexpr (!kSR) {
+    float indices[kBlockSize];  // kRoundMagic + index of |scaled|
     if (!(block_amax * encode < 7.0f)) {
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) scaled[i] = clamp_fp4(scaled[i]);
     }
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic(scaled[i]);
-  } else if ((sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
-    const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, seed);
+    float codes[kBlockSize];  // kRoundMagic + code: the sign adds 8 (one FSET and one FFMA)
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_stochastic_fraction_plus_magic(scaled[i], random_fraction_of_column(bits, i));
-  } else {  // a shard offset that is not a multiple of 16: one call per element
+    for (int i = 0; i < kBlockSize; ++i) codes[i] = fmaf(negative_as_float(scaled[i]), 8.0f, indices[i]);
+    return make_uint2(pack_eight_magic_codes(codes), pack_eight_magic_codes(codes + 8));
+  } else {
+    uint32_t words[kBlockSize];  // the code in bits 24..27
+    if ((sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
+      const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, seed);
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) {
-      indices[i] = fp4_index_stochastic_plus_magic(scaled[i], stochastic_rounding_bits_at(sr_row, sr_column + i, stream, seed));
+      for (int i = 0; i < kBlockSize; ++i) words[i] = fp4_code_stochastic_word(scaled[i], stochastic_rounding_addend_of_column(bits, i));
+    } else {  // a shard offset that is not a multiple of 16: one call per element
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) {
+        words[i] = fp4_code_stochastic_word(
+            scaled[i], stochastic_rounding_addend(stochastic_rounding_bits_at(sr_row, sr_column + i, stream, seed)));
+      }
     }
+    return make_uint2(pack_eight_top_byte_codes(words), pack_eight_top_byte_codes(words + 8));
   }
-  float codes[kBlockSize];  // kRoundMagic + code: the sign adds 8 (one FSET and one FFMA)
-#pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) codes[i] = fmaf(negative_as_float(scaled[i]), 8.0f, indices[i]);
-  return make_uint2(pack_eight_magic_codes(codes), pack_eight_magic_codes(codes + 8));
 }
 
 }  // namespace nvfp4

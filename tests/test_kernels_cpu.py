@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nvfp4_dist import _extension, kernels, reference
-from nvfp4_dist.reference.philox import philox4x32
+from nvfp4_dist.reference.philox import CURAND_ROUNDS, SR_ROUNDS, philox4x32
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
@@ -53,9 +53,11 @@ void fp4_codes(const float* v, long n, const unsigned* bits, int stochastic, uns
   for (long i = 0; i < n; ++i)
     out[i] = static_cast<unsigned char>(stochastic ? fp4_code_stochastic(clamp_fp4(v[i]), bits[i]) : fp4_code_rne(v[i]));
 }
-void philox(const unsigned* counters, long n, unsigned k0, unsigned k1, unsigned* out) {
+void philox(const unsigned* counters, long n, unsigned k0, unsigned k1, int rounds, unsigned* out) {
   for (long i = 0; i < n; ++i) {
-    const PhiloxWords w = philox4x32_10(counters[4 * i], counters[4 * i + 1], counters[4 * i + 2], counters[4 * i + 3], k0, k1);
+    const unsigned* c = counters + 4 * i;
+    const PhiloxWords w = rounds == 10 ? philox4x32<10>(c[0], c[1], c[2], c[3], k0, k1)
+                                       : philox4x32<kStochasticRoundingPhiloxRounds>(c[0], c[1], c[2], c[3], k0, k1);
     for (int j = 0; j < 4; ++j) out[4 * i + j] = w.w[j];
   }
 }
@@ -251,14 +253,16 @@ def test_stochastic_rounding_ties_of_the_random_bits(numerics):
 
 
 @needs_nvcc
-def test_philox_matches_reference(numerics):
+@pytest.mark.parametrize("rounds", [CURAND_ROUNDS, SR_ROUNDS])
+def test_philox_matches_reference(numerics, rounds):
     generator = torch.Generator().manual_seed(3)
     counters = torch.randint(0, 2 ** 32, (1000, 4), generator=generator, dtype=torch.int64)
     key = (0x89ABCDEF, 0x01234567)
-    want = torch.stack(philox4x32(tuple(counters.t()), key), dim=1)
+    want = torch.stack(philox4x32(tuple(counters.t()), key, rounds), dim=1)
     counters_np = np.ascontiguousarray(counters.numpy().astype(np.uint32))
     out = np.zeros((1000, 4), dtype=np.uint32)
-    numerics.philox(pointer(counters_np), ctypes.c_long(1000), ctypes.c_uint(key[0]), ctypes.c_uint(key[1]), pointer(out))
+    numerics.philox(pointer(counters_np), ctypes.c_long(1000), ctypes.c_uint(key[0]), ctypes.c_uint(key[1]),
+                    ctypes.c_int(rounds), pointer(out))
     assert torch.equal(torch.from_numpy(out.astype(np.int64)), want)
 
 

@@ -1,15 +1,17 @@
-"""Philox4x32-10 counter-based generator in plain torch (SPEC section 7).
+"""Philox4x32 counter-based generator in plain torch (SPEC section 7).
 
-The stochastic-rounding kernels use the same generator, so the reference and the
-CUDA kernels draw identical bits: SR output is reproducible byte for byte from
-(seed, position), on any device and under any sharding.
+Stochastic rounding draws its bits from Philox4x32-7 (7 rounds, which pass TestU01's BigCrush
+in the Random123 paper; curand's Philox4_32_10 has 10). The CUDA kernels use the same generator,
+so the reference and the kernels draw identical bits: SR output is reproducible byte for
+byte from (seed, position), on any device and under any sharding.
 """
 import torch
 
 _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57   # round multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85   # key schedule (Weyl) increments
-ROUNDS = 10
+CURAND_ROUNDS = 10              # curand's Philox4_32_10 (Random123's known-answer vectors)
+SR_ROUNDS = 7                   # the stochastic-rounding bits
 
 
 def _mulhilo(a: int, b: torch.Tensor):
@@ -23,14 +25,14 @@ def _mulhilo(a: int, b: torch.Tensor):
     return hi & _MASK32, lo
 
 
-def philox4x32(counter, key):
-    """Philox4x32-10 of 4 counter words (int64 tensors holding uint32) and 2 key ints.
+def philox4x32(counter, key, rounds: int = CURAND_ROUNDS):
+    """Philox4x32 with `rounds` rounds of 4 counter words (int64 tensors holding uint32) and 2 key ints.
 
-    Returns 4 int64 tensors of uint32 words, the same as curand's Philox4_32_10.
+    Returns 4 int64 tensors of uint32 words; with 10 rounds the same as curand's Philox4_32_10.
     """
     c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _MASK32 for c in counter)
     k0, k1 = key[0] & _MASK32, key[1] & _MASK32
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo(_M0, c0)
         hi1, lo1 = _mulhilo(_M1, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
@@ -38,7 +40,7 @@ def philox4x32(counter, key):
     return c0, c1, c2, c3
 
 
-COLUMNS_PER_CALL = 16  # one Philox call (4 words of 32 bits) serves 16 columns, 8 bits each
+COLUMNS_PER_CALL = 16  # one Philox4x32-7 call (4 words of 32 bits) serves 16 columns, 8 bits each
 
 
 def _select_bits(words, cols: torch.Tensor) -> torch.Tensor:
@@ -60,12 +62,12 @@ def stochastic_rounding_bits(rows: torch.Tensor, cols: torch.Tensor, stream: int
     (row, col) of a copy: 8 random bits each, times 256, so the rule `bits < p * 65536` of
     reference/quantize.py rounds up in magnitude iff byte < p * 256.
 
-    One Philox4x32-10 call serves 16 consecutive columns: counter = (row, col // 16, stream, 0),
+    One Philox4x32-7 call serves 16 consecutive columns: counter = (row, col // 16, stream, 0),
     key = (seed low word, seed high word); column col uses byte (col % 16) % 4 (bits 8 * that and up)
     of word (col % 16) // 4.
     """
     words = philox4x32((rows, cols // COLUMNS_PER_CALL, torch.full_like(rows, stream), torch.zeros_like(rows)),
-                       _key(seed))
+                       _key(seed), SR_ROUNDS)
     return _select_bits(words, cols)
 
 
@@ -79,6 +81,6 @@ def stochastic_rounding_bits_grid(num_rows: int, num_cols: int, row_offset: int,
     groups = torch.arange(first_group, (col_offset + num_cols - 1) // COLUMNS_PER_CALL + 1, dtype=torch.int64,
                           device=device)
     rows, groups = torch.broadcast_tensors(rows, groups[None, :])
-    words = philox4x32((rows, groups, torch.full_like(rows, stream), torch.zeros_like(rows)), _key(seed))
+    words = philox4x32((rows, groups, torch.full_like(rows, stream), torch.zeros_like(rows)), _key(seed), SR_ROUNDS)
     group_of_col = cols // COLUMNS_PER_CALL - first_group
     return _select_bits([w[:, group_of_col] for w in words], cols[None, :])
