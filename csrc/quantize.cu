@@ -224,17 +224,13 @@ __global__ void __launch_bounds__(kThreads, k2D && sizeof(T) == 2 ? kMinTilesPer
         for (int j = 0; j < 2; ++j) {
           float transformed[kBlockSize];
           rht_chunk<kRandomSign>(pair[j], transformed);
-          uint32_t running = 0u;  // the amax on the packed pairs, as for the input
 #pragma unroll
           for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
             const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
             pair[j][i] = __low2float(rounded);
             pair[j][i + 1] = __high2float(rounded);
-            const uint32_t packed = *reinterpret_cast<const uint32_t*>(&rounded);
-            running = i == 0 ? packed : max_abs_halves<__nv_bfloat16>(running, packed);
           }
-          const float2 halves = abs_halves_as_float<__nv_bfloat16>(running);
-          pair_amax[j] = fmaxf(fmaxf(0.0f, halves.x), halves.y);  // all-NaN halves give 0, as block_amax
+          pair_amax[j] = block_amax(pair[j]);
         }
       }
 #pragma unroll
