@@ -179,10 +179,11 @@ NVFP4_HD float stochastic_rounding_carrier(float a) {
 
 // The addend that turns 4 * bits(carrier) into the index in bits 24..27: bits 8..23 hold 0xFFFF - bits16
 // and bits 0..7 all ones, so the fraction 4 * p * 2^22 carries into bit 24 iff p * 65536 > bits16;
-// bits 24..31 hold 4, which with 4 * 252 = 1008 = 1024 - 16 (mod 256) leaves lo's index.
+// bits 24..31 hold 4: those of 4 * bits(carrier) are 252 + lo's index (mod 256), plus 4 lo's index.
 NVFP4_HD uint32_t stochastic_rounding_addend(uint32_t bits16) { return (4u << 24) | ((0xFFFFu - bits16) << 8) | 0xFFu; }
 
-// The bits of 1.0f times this are 8 << 24 (mod 2^32): 0x3F800000 * 0x1F0 = 0x7B08000000.
+// The bits of 1.0f (negative_as_float of a negative value) times this are the code's sign bit 8 << 24
+// (mod 2^32): 0x3F800000 * 0x1F0 = 0x7B08000000.
 constexpr uint32_t kSignBitOfOneFloat = 0x1F0u;
 
 // The stochastic FP4 code of v (sign in bit 27) in bits 24..27, bits 28..31 clear, bits 0..23 arbitrary:
