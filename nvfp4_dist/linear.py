@@ -4,7 +4,8 @@ The three GEMMs of y = x W^T run in NVFP4 (SPEC 3):
   fprop  y  = x . W^T   x rowwise (1D),  W rowwise (2D blocks by default)
   dgrad  dx = dy . W    dy rowwise (1D, stochastic rounding),  W columnwise
   wgrad  dW = dy^T . x  dy columnwise (RHT + SR),  x columnwise (RHT)
-Backward keeps only the quantized copies it needs (x columnwise, the cached weight), not x itself.
+Backward keeps only the quantized copies it needs (x columnwise, W columnwise), not x itself; with
+requantize_weight_in_backward it keeps no weight copy at all and quantizes W's columnwise copy again.
 
 Communication is a LinearComm object (this module's base class is TP=1: none); the tensor-parallel
 layers of nvfp4_dist.parallel subclass it. Row-scaled activations (SPEC 6) run fprop in NVFP4 and
@@ -75,6 +76,13 @@ def check_features(name: str, value: int) -> None:
                          f"(1x16 / 16x16 blocks); use bf16_fallback=True (or torch.nn.Linear) for other sizes")
 
 
+def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, rowwise: bool = True,
+                    columnwise: bool = True) -> NVFP4Tensor:
+    """The weight's NVFP4 copies (16x16 blocks when recipe.weight_2d); each copy's bytes do not depend on
+    whether the other one is made in the same call."""
+    return ops.quantize(weight.detach(), "weight", rowwise=rowwise, columnwise=columnwise, recipe=recipe)
+
+
 class WeightCache:
     """The quantized copies of one weight, reused (across micro-batches) until the parameter changes.
 
@@ -97,8 +105,7 @@ class WeightCache:
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape),
                recipe.weight_2d, columnwise)
         if key != self.key:
-            self.quantized = ops.quantize(weight.detach(), "weight", rowwise=True, columnwise=columnwise,
-                                          recipe=recipe)
+            self.quantized = quantize_weight(weight, recipe, columnwise=columnwise)
             self.key = key
             self.quantizations += 1
             logger.debug("quantized weight %s (version %d)", tuple(weight.shape), weight._version)
@@ -164,6 +171,9 @@ class LinearOptions:
     accumulate_into_main_grad: bool = False
     wgrad_store: list | None = None  # delay_wgrad: wgrad closures appended here, run by the layer's backward_dw()
     grad_enabled: bool = True  # autograd was recording at the call (else no backward copies are made)
+    # Keep no weight copy between forward and backward: backward quantizes the (unchanged) weight again, only
+    # the copy it needs. Less memory for layers that requantize every forward anyway (no WeightCache reuse).
+    requantize_weight_in_backward: bool = False
 
 
 def deliver_weight_grad(weight: torch.Tensor, compute: Callable, accumulate_into_main_grad: bool,
@@ -212,11 +222,16 @@ class NVFP4LinearFunction(torch.autograd.Function):
         row_scaled = recipe.row_scaled_activation
         xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad and not row_scaled)
         y2d = comm.fprop(xq.rowwise_only(), weight_q, bias=bias, out_dtype=x.dtype, recipe=recipe)
-        # Backward needs x's columnwise copy (wgrad), or for row-scaled layers its rowwise copy (BF16 wgrad).
+        # Backward needs x's columnwise copy (wgrad), or for row-scaled layers its rowwise copy (BF16 wgrad),
+        # and W's copy for dgrad: columnwise (rowwise for the BF16 backward of row-scaled layers).
         saved_x = xq.rowwise_only() if row_scaled else xq.columnwise_only()
         saved_x = comm.input_to_save(saved_x) if need_wgrad else NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
-        ctx.save_for_backward(*saved_x.tensors(), *weight_q.tensors())
-        ctx.x_meta, ctx.w_meta = saved_x.metadata(), weight_q.metadata()
+        saved_w = weight_q.rowwise_only() if row_scaled else weight_q.columnwise_only()
+        if options.requantize_weight_in_backward or not options.grad_enabled:
+            saved_w = NVFP4Tensor(shape=weight_q.shape, dtype=weight_q.dtype)
+        ctx.save_for_backward(*saved_x.tensors(), *saved_w.tensors())
+        ctx.x_meta, ctx.w_meta = saved_x.metadata(), saved_w.metadata()
+        ctx.weight_version = (weight.data_ptr(), weight._version)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.options, ctx.weight = options, weight
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -229,6 +244,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         weight_q = ctx.w_meta.with_tensors(saved[6:])
         options, weight = ctx.options, ctx.weight
         recipe, comm = options.recipe, options.comm
+        if options.requantize_weight_in_backward and ctx.needs_input_grad[0]:
+            weight_q = requantized_weight(weight, ctx.weight_version, recipe)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
         grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
@@ -241,6 +258,15 @@ class NVFP4LinearFunction(torch.autograd.Function):
         grad_x = dx2d.reshape(ctx.x_shape) if need_dgrad else None
         grad_weight = schedule_weight_grad(weight, wgrad, options) if need_wgrad else None
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def requantized_weight(weight: torch.Tensor, forward_version: tuple, recipe: NVFP4Recipe) -> NVFP4Tensor:
+    """The weight copy backward needs, quantized again: the same bytes as forward's, the weight being unchanged."""
+    if (weight.data_ptr(), weight._version) != forward_version:
+        raise RuntimeError("the weight was modified in place between forward and backward; with "
+                           "requantize_weight_in_backward the backward GEMM would use the new values")
+    row_scaled = recipe.row_scaled_activation
+    return quantize_weight(weight, recipe, rowwise=row_scaled, columnwise=not row_scaled)
 
 
 def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
@@ -313,8 +339,9 @@ class BF16LinearFunction(torch.autograd.Function):
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe, *,
                  weight_q: NVFP4Tensor, comm: LinearComm | None = None, accumulate_into_main_grad: bool = False,
-                 wgrad_store: list | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) in NVFP4 for x [..., in]; weight_q is `weight` quantized (see WeightCache)."""
+                 wgrad_store: list | None = None, requantize_weight_in_backward: bool = False) -> torch.Tensor:
+    """y = x W^T (+ bias) in NVFP4 for x [..., in]; weight_q is `weight` quantized (see WeightCache), at least
+    its rowwise copy, and its columnwise copy too unless requantize_weight_in_backward (LinearOptions)."""
     grad_enabled = torch.is_grad_enabled()
     tokens = x.numel() // x.shape[-1]
     if grad_enabled and weight.requires_grad and not recipe.row_scaled_activation and tokens % BLOCK_SIZE:
@@ -323,7 +350,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"explicitly or run under torch.no_grad()")
     options = LinearOptions(recipe=recipe, comm=comm or LinearComm(),
                             accumulate_into_main_grad=accumulate_into_main_grad, wgrad_store=wgrad_store,
-                            grad_enabled=grad_enabled)
+                            grad_enabled=grad_enabled, requantize_weight_in_backward=requantize_weight_in_backward)
     return NVFP4LinearFunction.apply(x, weight, bias, weight_q, options)
 
 

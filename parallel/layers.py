@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..autocast import nvfp4_enabled, resolve_recipe
-from ..linear import LinearComm, WeightCache, bf16_linear, check_activation, check_features, nvfp4_linear
+from ..linear import (LinearComm, WeightCache, bf16_linear, check_activation, check_features, nvfp4_linear,
+                      quantize_weight)
 from ..recipe import NVFP4Recipe
 from . import comm as C
 from .overlap import overlapped_comm
@@ -126,7 +127,14 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 
 class _ParallelLinear(torch.nn.Module):
-    """Parameters, weight cache, recipe and wgrad hooks shared by the column- and row-parallel layers."""
+    """Parameters, weight cache, recipe and wgrad hooks shared by the column- and row-parallel layers.
+
+    keep_quantized_weight: reuse the quantized weight across forwards while the parameter is unchanged
+    (WeightCache). False: quantize its rowwise copy at each forward and its columnwise copy in backward,
+    holding no copy in between (less memory; for callers that requantize every forward anyway).
+    """
+
+    keep_quantized_weight = True
 
     def __init__(self, in_features, out_features, *, bias, tp_group, sequence_parallel, skip_bias_add,
                  init_method, recipe, params_dtype, device, bf16_fallback, accumulate_into_main_grad, delay_wgrad,
@@ -181,9 +189,14 @@ class _ParallelLinear(torch.nn.Module):
         recipe = resolve_recipe(self.recipe)
         if recipe.overlap and self.world_size > 1:
             comm = self._overlapped(comm)
-        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
+        if self.keep_quantized_weight:
+            weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
+        else:  # requantized at every forward anyway: hold no copy between forward and backward
+            self.weight_cache.invalidate()
+            weight_q = quantize_weight(self.weight, recipe, columnwise=False)
         return nvfp4_linear(x, self.weight, bias, recipe, weight_q=weight_q, comm=comm,
-                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
+                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
+                            requantize_weight_in_backward=not self.keep_quantized_weight)
 
     def _overlapped(self, comm: LinearComm) -> LinearComm:
         """The ring-pipelined twin of `comm` (recipe.overlap, SPEC 9 "Overlap"), built once."""

@@ -160,10 +160,12 @@ class _MegatronLinearContract:
     # Megatron's optimizers write parameters through `.data` (no autograd version bump), so the
     # weight cache cannot see the update. Like Transformer Engine's layers, requantize the weight at
     # each step's first micro-batch when Megatron's schedules flag it (set_is_first_microbatch), and at
-    # every forward when nothing flags it (None).
+    # every forward when nothing flags it (None: Megatron flags it only with config.fp8/fp4). Requantized
+    # every forward, the weight is not kept between forward and backward (keep_quantized_weight).
     is_first_microbatch = None
 
     def forward(self, input_: torch.Tensor):
+        self.keep_quantized_weight = self.is_first_microbatch is not None
         if self.is_first_microbatch is not False:
             self.invalidate_weight_cache()
         if self.is_first_microbatch:

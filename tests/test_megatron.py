@@ -209,6 +209,8 @@ def _weight_refresh_worker(rank, world_size):
     x = _layer_input("row", False, rank)
     with torch.no_grad():
         before, _ = layer(x)
+        # Unflagged, every forward requantizes: no quantized copy is held after it.
+        assert layer.keep_quantized_weight is False and layer.weight_cache.quantized is None
         layer.weight.data.copy_(layer.weight.data * 2)      # no version bump
         after, _ = layer(x)
         torch.testing.assert_close(after, 2 * before, rtol=0.02, atol=1e-3)
@@ -218,6 +220,7 @@ def _weight_refresh_worker(rank, world_size):
         quantizations = layer.weight_cache.quantizations
         layer(x)
         assert layer.weight_cache.quantizations == quantizations and layer.is_first_microbatch is False
+        assert layer.keep_quantized_weight and layer.weight_cache.quantized is not None
 
 
 def test_weight_written_through_data_is_requantized():
