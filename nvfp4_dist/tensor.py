@@ -92,11 +92,6 @@ class NVFP4Tensor:
                                    rowwise_scale=self.rowwise_scale[start:stop], amax_rowwise=amax,
                                    columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
 
-    def dequantize(self, dtype: torch.dtype | None = None, copy: str | None = None) -> torch.Tensor:
-        """Back to `dtype` (default: the original) from the rowwise copy, or the columnwise one."""
-        from .ops import dequantize
-        return dequantize(self, dtype=dtype, copy=copy)
-
     def __repr__(self) -> str:
         copies = [name for name, present in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if present]
         flags = [name for name in ("block_2d", "rht", "row_scaled") if getattr(self, name)]

@@ -43,11 +43,11 @@ def test_tensor_bytes_save_restore_and_leading_dims():
     assert q.nbytes() == 2 * (32 * 32 + 32 * 4) + 2 * 4
     assert q.nbytes() / (x.numel() * 2) < 0.6
     restored = q.metadata().with_tensors(q.tensors())
-    assert torch.equal(restored.dequantize(), q.dequantize())
-    assert q.dequantize().shape == x.shape and q.dequantize().dtype == torch.bfloat16
+    assert torch.equal(nv.dequantize(restored), nv.dequantize(q))
+    assert nv.dequantize(q).shape == x.shape and nv.dequantize(q).dtype == torch.bfloat16
     assert q.to("cpu").rowwise_data.data_ptr() == q.rowwise_data.data_ptr()
     assert not q.rowwise_only().has_columnwise and not q.columnwise_only().has_rowwise
-    assert torch.equal(nv.dequantize(q, copy="columnwise"), q.dequantize(copy="columnwise"))
+    assert nv.dequantize(q, copy="columnwise").shape == x.shape
 
 
 def test_force_reference_env_on_cpu(monkeypatch):
