@@ -8,7 +8,6 @@ reference emulation; NCCL's BF16 sums over more than 2 ranks are checked within 
 The quantized all-gather is checked byte for byte against quantizing the full tensor (CUDA kernels and
 the CPU reference), through both the grouped (coalesced) NCCL launch and the packed byte buffer.
 """
-import os
 import pathlib
 import sys
 
@@ -24,19 +23,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import test_parallel_comm as comm_checks  # noqa: E402
 import test_parallel_layers as layer_checks  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs"),
+              pytest.mark.usefixtures("nccl_group")]
 EXACT = nv.NVFP4Recipe(gemm_backend="reference")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nccl_group():
-    if "LOCAL_RANK" not in os.environ:
-        pytest.fail("launch with torchrun --nproc-per-node N -m pytest tests_multigpu/test_parallel_gpu.py")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    yield
-    dist.destroy_process_group()
 
 
 def rank_and_size():

@@ -6,7 +6,6 @@
 Every check runs several rounds with fresh data so that both halves of the double-buffered workspace,
 and the reuse of a half two calls later, are exercised; one shape is large enough to grow the workspace.
 """
-import os
 
 import pytest
 import torch
@@ -18,19 +17,9 @@ from nvfp4_dist.parallel import all_gather_nvfp4, all_reduce_amax
 from nvfp4_dist.parallel import symmetric
 from nvfp4_dist.reference import swap_first_dims
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs"),
+              pytest.mark.usefixtures("nccl_group")]
 ROUNDS = 5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nccl_group():
-    if "LOCAL_RANK" not in os.environ:
-        pytest.fail("launch with torchrun --nproc-per-node N -m pytest tests_multigpu/test_symmetric_gpu.py")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    yield
-    dist.destroy_process_group()
 
 
 def test_enabled_on_one_host():
