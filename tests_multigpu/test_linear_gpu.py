@@ -109,3 +109,33 @@ def test_saved_activation_bytes_at_most_030_of_bf16():
     held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
     ratio = held / (x.numel() * 2)
     assert ratio <= 0.3, ratio
+
+
+def test_lean_weight_layers_match_cached_and_hold_less_memory():
+    """keep_quantized_weight=False (Megatron's unflagged micro-batches): identical outputs and gradients on the
+    CUDA kernels, and at least one quantized weight copy less held between forward and backward."""
+    from nvfp4_dist.parallel import ColumnParallelLinear
+    in_features, out_features, tokens = 4096, 8192, 256
+    x = torch.randn(tokens, 1, in_features, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, 1, out_features, device="cuda", dtype=torch.bfloat16)
+    results, held = [], []
+    for keep in (True, False):
+        torch.manual_seed(0)
+        layer = ColumnParallelLinear(in_features, out_features, recipe=nv.NVFP4Recipe(), device="cuda",
+                                     params_dtype=torch.bfloat16)
+        layer.keep_quantized_weight = keep
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        inp = x.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        out = layer(inp)[0]
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated() - before)  # output, saved tensors, cached weight copies
+        out.backward(dy)
+        results.append((out.detach(), inp.grad, layer.weight.grad))
+        del layer, out, inp
+    for lean, cached in zip(results[1], results[0]):
+        assert torch.equal(lean, cached)
+    one_copy = out_features * in_features // 2 + out_features * in_features // 16  # packed codes + E4M3 scales
+    assert held[0] - held[1] >= one_copy, (held, one_copy)
+    print(f"held between forward and backward: cached {held[0] / 2**20:.1f} MiB, lean {held[1] / 2**20:.1f} MiB")
