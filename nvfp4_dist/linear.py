@@ -77,10 +77,12 @@ def check_features(name: str, value: int) -> None:
 
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, rowwise: bool = True,
-                    columnwise: bool = True) -> NVFP4Tensor:
+                    columnwise: bool = True, amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """The weight's NVFP4 copies (16x16 blocks when recipe.weight_2d); each copy's bytes do not depend on
-    whether the other one is made in the same call."""
-    return ops.quantize(weight.detach(), "weight", rowwise=rowwise, columnwise=columnwise, recipe=recipe)
+    whether the other one is made in the same call. amax: the weight's amax when known (both copies share it:
+    no RHT on weights), which saves its pass over the weight."""
+    return ops.quantize(weight.detach(), "weight", rowwise=rowwise, columnwise=columnwise, recipe=recipe,
+                        amax_rowwise=amax if rowwise else None, amax_columnwise=amax if columnwise else None)
 
 
 class WeightCache:
@@ -232,6 +234,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved_x.tensors(), *saved_w.tensors())
         ctx.x_meta, ctx.w_meta = saved_x.metadata(), saved_w.metadata()
         ctx.weight_version = (weight.data_ptr(), weight._version)
+        ctx.weight_amax = weight_q.amax_rowwise if options.requantize_weight_in_backward else None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.options, ctx.weight = options, weight
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -245,7 +248,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         options, weight = ctx.options, ctx.weight
         recipe, comm = options.recipe, options.comm
         if options.requantize_weight_in_backward and ctx.needs_input_grad[0]:
-            weight_q = requantized_weight(weight, ctx.weight_version, recipe)
+            weight_q = requantized_weight(weight, ctx.weight_version, ctx.weight_amax, recipe)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
         grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
@@ -260,13 +263,15 @@ class NVFP4LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-def requantized_weight(weight: torch.Tensor, forward_version: tuple, recipe: NVFP4Recipe) -> NVFP4Tensor:
-    """The weight copy backward needs, quantized again: the same bytes as forward's, the weight being unchanged."""
+def requantized_weight(weight: torch.Tensor, forward_version: tuple, forward_amax: torch.Tensor,
+                       recipe: NVFP4Recipe) -> NVFP4Tensor:
+    """The weight copy backward needs, quantized again with forward's amax: the same bytes as forward's, the
+    weight being unchanged."""
     if (weight.data_ptr(), weight._version) != forward_version:
         raise RuntimeError("the weight was modified in place between forward and backward; with "
                            "requantize_weight_in_backward the backward GEMM would use the new values")
     row_scaled = recipe.row_scaled_activation
-    return quantize_weight(weight, recipe, rowwise=row_scaled, columnwise=not row_scaled)
+    return quantize_weight(weight, recipe, rowwise=row_scaled, columnwise=not row_scaled, amax=forward_amax)
 
 
 def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
