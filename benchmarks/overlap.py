@@ -309,12 +309,14 @@ def profile_step(step, trace_path: str, warmup: int) -> None:
 
 
 def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict:
+    """The kernel timeline picture and chrome traces of one plain and one overlapped step, and their cProfiles."""
     pair = Pair(tokens, hidden, ffn, group, recipe)
     paths = {}
     for name, overlapped in (("plain", False), ("overlapped", True)):
         pair.use_overlap(overlapped)
         paths[name] = os.path.join(out_dir, f"overlap_trace_{label}_{name}.json")
         profile_step(pair.forward_backward, paths[name], warmup)
+        host_profile(pair.forward_backward, os.path.join(out_dir, f"overlap_host_profile_{label}_{name}.txt"))
     png = os.path.join(out_dir, f"overlap_timeline_{label}.png")
     if dist.get_rank() == 0:
         shape = f"tokens={tokens} hidden={hidden} ffn={ffn} TP={dist.get_world_size(group)}"
@@ -399,11 +401,6 @@ def main() -> None:
     if not args.no_timeline:
         os.makedirs(args.out_dir, exist_ok=True)
         report["timeline"] = timeline(*shapes[0], group, recipe, args.out_dir, label, args.warmup)
-        pair = Pair(*shapes[0], group, recipe)
-        for name, overlapped in (("plain", False), ("overlapped", True)):
-            pair.use_overlap(overlapped)
-            host_profile(pair.forward_backward, os.path.join(args.out_dir, f"overlap_host_profile_{label}_{name}.txt"))
-        del pair
     if rank == 0:
         out = args.out or os.path.join("benchmarks", "results", f"overlap_{label}.json")
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

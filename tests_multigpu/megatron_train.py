@@ -114,26 +114,26 @@ def corpus() -> bytes:
     return importlib.resources.files("nvfp4_dist.launch").joinpath("data/fables.txt").read_bytes()
 
 
-def windows_of(text: bytes, args, stream: int):
-    """Endless [micro_batch, seq + 1] token windows on the CPU; the same on every TP rank, distinct per DP rank."""
+def windows_of(text: bytes, source: MarkovText | None, args, stream: int):
+    """Endless [micro_batch, seq + 1] token windows on the CPU; the same on every TP rank, distinct per DP rank.
+    source: the Markov chain of `text` (--data markov), else None (windows of the text itself)."""
     seed = args.seed * 1000 + stream * 100 + parallel_state.get_data_parallel_rank()
-    if args.data == "fables":
+    if source is None:
         tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         generator = torch.Generator().manual_seed(seed)
         while True:
             starts = torch.randint(0, tokens.numel() - args.seq - 1, (args.micro_batch,), generator=generator)
             yield torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()])
-    source = MarkovText(text, order=MARKOV_ORDER)
     for chunk in itertools.count():  # sampled MARKOV_CHUNK micro-batches at a time (vectorised over sequences)
         samples = source.sample(MARKOV_CHUNK * args.micro_batch, args.seq + 1, seed=seed * 100_000 + chunk)
         yield from samples.split(args.micro_batch)
 
 
-def batch_iterator(text: bytes, args, stream: int):
-    """Endless micro-batches for Megatron's forward_step_func."""
+def batch_iterator(text: bytes, source: MarkovText | None, args, stream: int):
+    """Endless micro-batches for Megatron's forward_step_func (windows_of's arguments)."""
     positions = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1).cuda()
     causal_mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool).triu(1).cuda()  # True = masked
-    for window in windows_of(text, args, stream):
+    for window in windows_of(text, source, args, stream):
         window = window.cuda()
         yield {"tokens": window[:, :-1], "labels": window[:, 1:], "position_ids": positions,
                "attention_mask": causal_mask}
@@ -160,9 +160,9 @@ def run_steps(model, data, args, forward_only: bool) -> float:
     return float(loss) / parallel_state.get_data_parallel_world_size()
 
 
-def evaluate(model, text, args) -> float:
+def evaluate(model, text, source, args) -> float:
     model.eval()
-    data = batch_iterator(text, args, stream=1)
+    data = batch_iterator(text, source, args, stream=1)
     with torch.no_grad():
         loss = sum(run_steps(model, data, args, forward_only=True) for _ in range(args.eval_batches))
     model.train()
@@ -193,7 +193,8 @@ def main(argv=None) -> dict:
         wd_incr_steps=max(args.steps, 1), wd_incr_style="constant")
 
     text = corpus()
-    data = batch_iterator(text, args, stream=0)
+    source = MarkovText(text, order=MARKOV_ORDER) if args.data == "markov" else None
+    data = batch_iterator(text, source, args, stream=0)
     losses = []
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
@@ -211,7 +212,7 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - start
     tokens_per_step = args.micro_batch * args.micro_batches * args.seq * parallel_state.get_data_parallel_world_size()
 
-    eval_loss = evaluate(model, text, args)
+    eval_loss = evaluate(model, text, source, args)
     if args.save:
         os.makedirs(args.save, exist_ok=True)
         dist_checkpointing.save(sharded_state_dict=gpt_model.sharded_state_dict(prefix=""),
@@ -220,7 +221,7 @@ def main(argv=None) -> dict:
         "spec": args.spec, "tp": args.tp, "sp": args.sp, "bf16_first_last": args.bf16_first_last,
         "overlap": args.overlap, "steps": args.steps, "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         "eval_loss": eval_loss, "losses": losses, "data": args.data,
-        "data_entropy_rate": MarkovText(text, order=MARKOV_ORDER).entropy_rate() if args.data == "markov" else None,
+        "data_entropy_rate": source.entropy_rate() if source is not None else None,
         "tokens_per_s": tokens_per_step * args.steps / elapsed if args.steps else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "megatron_core": MEGATRON_CORE_VERSION, "device": torch.cuda.get_device_name(), "args": vars(args),
