@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import nvfp4_dist as nv
 from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax, symmetric
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from torchrun_setup import init_nccl  # noqa: E402
 
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
 _SLEEP_CYCLES = 20_000_000  # about 10 ms at H100/H200 clocks: room to enqueue 10 calls
@@ -110,11 +110,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--out", default=None, help="default benchmarks/results/allgather_tp<W>.json")
     args = parser.parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = init_nccl()
     rows = [bench_size(size, args.hidden, world_size, rank) for size in args.sizes_mb]
     if rank == 0:
         header = (f"{'MB':>4} | {'BF16 ms':>8} {'peer':>7} | {'amax':>6} {'nccl':>6} | {'gather':>6} {'nccl':>6} | "

@@ -30,6 +30,7 @@ from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
                                           with_sdpa_attention, with_sequence_parallel_norm)
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from torchrun_setup import init_nccl  # noqa: E402
 
 
 def parse_args():
@@ -106,10 +107,7 @@ def measure(spec_name: str, args, tp: int) -> dict:
 
 def main():
     args = parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    torch.distributed.init_process_group(backend="nccl", device_id=torch.device("cuda", local_rank))
-    tp = torch.distributed.get_world_size()
+    _, tp = init_nccl()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)

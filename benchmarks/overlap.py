@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from torchrun_setup import init_nccl  # noqa: E402
 
 SHAPES = [(16384, 8192, 28672), (8192, 4096, 14336)]  # (tokens, hidden, ffn)
 GEMM_KERNEL_MARKERS = ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas")
@@ -372,10 +373,7 @@ def main() -> None:
 
     import nvfp4_dist as nv
     from nvfp4_dist.gemm_backends import hopper_path
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = init_nccl()
     for tokens, hidden, ffn in shapes:
         if tokens % (16 * world_size) or ffn % (16 * world_size) or hidden % 16:
             raise ValueError(f"--shapes {tokens},{hidden},{ffn}: tokens and ffn must be multiples of 16 * TP "

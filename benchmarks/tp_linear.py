@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from torchrun_setup import init_nccl  # noqa: E402
 
 
 def median_ms(fn, warmup: int = 3, iterations: int = 10) -> float:
@@ -86,11 +86,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=28672)
     parser.add_argument("--out", default=None, help="default benchmarks/results/tp_linear_tp<W>.json")
     args = parser.parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = init_nccl()
     torch.manual_seed(0)
     x = torch.randn(args.seq // world_size, args.batch, args.hidden, device="cuda", dtype=torch.bfloat16)
     x.requires_grad_(True)

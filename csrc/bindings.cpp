@@ -208,6 +208,11 @@ void peer_amax_all_reduce(const std::vector<int64_t>& values, const std::vector<
                "peer_amax_all_reduce");
 }
 
+void peer_barrier_only(const std::vector<int64_t>& signal_pads, int64_t channel, int64_t rank, int64_t stream) {
+  check_launch(nvfp4::launch_peer_barrier(peer_barrier(signal_pads, channel, rank, 0), as_stream(stream)),
+               "peer_barrier");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -222,5 +227,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
   m.def("peer_publish", &peer_publish, "this rank's pieces into its symmetric buffer, then a barrier over the ranks");
   m.def("peer_gather", &peer_gather, "every rank's published pieces into outputs, concatenated or interleaved");
+  m.def("peer_barrier", &peer_barrier_only, "a barrier over the ranks' signal pads, on the stream");
   m.def("peer_amax_all_reduce", &peer_amax_all_reduce, "MAX over ranks of a few FP32 values, in place");
 }

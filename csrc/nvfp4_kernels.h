@@ -95,5 +95,7 @@ struct PeerAmaxArgs {
   int count;
 };
 cudaError_t launch_peer_amax_all_reduce(const PeerAmaxArgs& args, const PeerBarrier& barrier, cudaStream_t stream);
+// The barrier alone (one block): every rank's earlier work on its stream is visible to its peers after it.
+cudaError_t launch_peer_barrier(const PeerBarrier& barrier, cudaStream_t stream);
 
 }  // namespace nvfp4

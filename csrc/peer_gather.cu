@@ -7,6 +7,7 @@
 //    the columnwise copies, done for free while gathering.
 //  - peer_amax_all_reduce: the MAX over ranks of a few FP32 values (the per-tensor amaxes, SPEC 9),
 //    publish + barrier + reduce in one single-block kernel.
+//  - peer_barrier: the barrier alone (the symmetric reduce-scatter's, after its copy-engine pushes).
 // Barrier: torch symmetric memory's signal pads, slot [channel * W + source] of each rank's pad, set
 // 0 -> 1 by the source and reset 1 -> 0 by the owner (system-scope CAS), with system fences around.
 #include <algorithm>
@@ -91,6 +92,8 @@ __global__ void peer_amax_all_reduce_kernel(const PeerAmaxArgs args, const PeerB
   *args.values[i] = running;
 }
 
+__global__ void peer_barrier_kernel(const PeerBarrier barrier) { barrier_with_peers(barrier); }
+
 int vector_bytes(const PeerPiece& piece, int world_size) {
   uintptr_t alignment = reinterpret_cast<uintptr_t>(piece.dst) | static_cast<uintptr_t>(piece.row_bytes);
   for (int rank = 0; rank < world_size; ++rank) alignment |= reinterpret_cast<uintptr_t>(piece.src[rank]);
@@ -137,6 +140,12 @@ cudaError_t launch_peer_gather(PeerGatherArgs args, int rank, cudaStream_t strea
 cudaError_t launch_peer_amax_all_reduce(const PeerAmaxArgs& args, const PeerBarrier& barrier, cudaStream_t stream) {
   if (args.count < 1 || args.count > kMaxPeerAmaxes || !valid(barrier)) return cudaErrorInvalidValue;
   peer_amax_all_reduce_kernel<<<1, 32, 0, stream>>>(args, barrier);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_peer_barrier(const PeerBarrier& barrier, cudaStream_t stream) {
+  if (!valid(barrier)) return cudaErrorInvalidValue;
+  peer_barrier_kernel<<<1, 32, 0, stream>>>(barrier);
   return cudaGetLastError();
 }
 

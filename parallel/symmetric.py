@@ -272,7 +272,7 @@ def reduce_scatter_produce(produce, order: list, group=None) -> torch.Tensor:
             _peer_view(workspace, chunk, half + rank * slot_bytes, partial.shape, partial.dtype).copy_(partial)
         partial.record_stream(side)
     current.wait_stream(side)
-    workspace.handle.barrier(channel=0)  # every rank's pushes have landed (torch's barrier, its own channel)
+    _extension().peer_barrier(*workspace.barrier_args(), _stream())  # every rank's pushes have landed
     slot_elements = slot_bytes // first.element_size()
     region = _peer_view(workspace, rank, half, (world_size * slot_elements,), first.dtype)
     slots = region.as_strided((world_size, first.numel()), (slot_elements, 1))
