@@ -208,7 +208,8 @@ def gemm_steps(tokens, hidden, ffn_local, recipe):
     return forward, lambda: (forward(), backward())
 
 
-def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup) -> dict:
+def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup, profile_dir=None) -> dict:
+    """Every time of one shape; profile_dir: also the cProfile of the overlapped fwd+bwd host-time steps."""
     world_size = dist.get_world_size(group)
     result = dict(tokens=tokens, hidden=hidden, ffn=ffn, tp=world_size)
     comm = comm_steps(tokens, hidden, ffn, group, recipe)
@@ -225,6 +226,8 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup)
             step = pair.forward if index == 0 else pair.forward_backward
             times[name] = time_ms(step, iters, warmup)
             times[f"{name}_host"] = host_ms(step, iters)
+            if profile_dir and overlapped and index == 1:
+                host_profile(step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"), iters)
         times.update(exposed_comm=times["overlapped"] - times["no_comm"],
                      exposed_comm_vs_gemms=times["overlapped"] - times["gemms"],
                      speedup=times["plain"] / times["overlapped"],
@@ -360,6 +363,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES),
                         help="tokens,hidden,ffn;... (default: %(default)s)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the profiled timeline step")
+    parser.add_argument("--host-profiles", action="store_true",
+                        help="cProfile the overlapped fwd+bwd host-time steps of each shape into --out-dir")
     parser.add_argument("--render-trace", nargs="+", metavar="TRACE", help="only draw TRACE.json file(s) to --png")
     parser.add_argument("--png", help="picture path for --render-trace")
     args = parser.parse_args()
@@ -370,6 +375,7 @@ def main() -> None:
         print(f"wrote {args.png}")
         return
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    os.makedirs(args.out_dir, exist_ok=True)
 
     import nvfp4_dist as nv
     from nvfp4_dist.gemm_backends import hopper_path
@@ -387,7 +393,7 @@ def main() -> None:
                   cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"), shapes=[])
     for tokens, hidden, ffn in shapes:
         report["shapes"].append(measure_shape(tokens, hidden, ffn, group, self_group, recipe, args.iters,
-                                              args.warmup))
+                                              args.warmup, args.out_dir if args.host_profiles else None))
         if rank == 0:
             print(json.dumps(report["shapes"][-1]), flush=True)
     ratios = [r[phase]["overlapped_over_max_no_comm_comm"] for r in report["shapes"] for phase in ("fwd", "fwd+bwd")]
@@ -397,7 +403,6 @@ def main() -> None:
         report["targets"][f"fwd+bwd speedup >= {TARGET_SPEEDUP_TP4} at TP=4"] = all(
             r["fwd+bwd"]["speedup"] >= TARGET_SPEEDUP_TP4 for r in report["shapes"])
     if not args.no_timeline:
-        os.makedirs(args.out_dir, exist_ok=True)
         report["timeline"] = timeline(*shapes[0], group, recipe, args.out_dir, label, args.warmup)
     if rank == 0:
         out = args.out or os.path.join("benchmarks", "results", f"overlap_{label}.json")
