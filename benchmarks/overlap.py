@@ -12,8 +12,9 @@ for the forward and for forward+backward:
   plain       the TP pair, overlap off
   overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters)
   exposed     overlapped - no-comm (issue 7 defines overlapped - GEMMs; both are in the JSON)
-  *_host      host time per plain / overlapped step with the GPU kept busy: near the GPU time, the step is
-              bound by Python and launches (a cProfile of the first shape goes into --out-dir)
+  *_host      host time per plain / overlapped step over HOST_STEPS steps queued behind a busy GPU: near the GPU
+              time, the step is bound by Python and launches (cProfiles: the timeline's pair, and with
+              --host-profiles every shape's overlapped fwd+bwd, into --out-dir)
 It prints a table and writes JSON (--out, default benchmarks/results/overlap_<gpu>_tp<N>.json), plus a timeline
 picture of one plain and one overlapped forward+backward step of the first shape (rank 0's CUDA kernels from
 torch.profiler, lanes: comm (NCCL, peer kernels, copy-engine copies), GEMM, other) and the chrome traces, into --out-dir.
@@ -40,7 +41,10 @@ SHAPES = [(16384, 8192, 28672), (8192, 4096, 14336)]  # (tokens, hidden, ffn)
 GEMM_KERNEL_MARKERS = ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas")
 TARGET_OVERLAP_RATIO = 1.1
 TARGET_SPEEDUP_TP4 = 1.15
-
+# Steps queued behind the GPU for the host time. CUDA's queue of pending launches is finite (about 1024), and ten
+# big overlapped fwd+bwd steps (chunked GEMMs: many launches each) seem to fill it: with 10 steps the host waited
+# ~1 s inside Triton's kernel launches (107 ms per step on 2 x H200 at fad9eeb), on the queue, not on its work.
+HOST_STEPS = 3
 
 
 def gpu_label() -> str:
@@ -67,7 +71,7 @@ def time_ms(step, iters: int, warmup: int) -> float:
     return median.item()
 
 
-def host_ms(step, iters: int) -> float:
+def host_ms(step, iters: int = HOST_STEPS) -> float:
     """Host time per step() in ms while the GPU is kept busy (it never waits for the GPU), the slowest rank's.
 
     Close to the CUDA-event time, the step is bound by the host (Python, launches), not by the GPU.
@@ -84,7 +88,7 @@ def host_ms(step, iters: int) -> float:
     return elapsed.item()
 
 
-def host_profile(step, path: str, iters: int = 5) -> None:
+def host_profile(step, path: str, iters: int = HOST_STEPS) -> None:
     """cProfile of `iters` steps on rank 0, the 30 functions with the most own time, as text."""
     import cProfile
     import io
@@ -225,9 +229,9 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup,
             pair.use_overlap(overlapped)
             step = pair.forward if index == 0 else pair.forward_backward
             times[name] = time_ms(step, iters, warmup)
-            times[f"{name}_host"] = host_ms(step, iters)
+            times[f"{name}_host"] = host_ms(step)
             if profile_dir and overlapped and index == 1:
-                host_profile(step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"), iters)
+                host_profile(step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"))
         times.update(exposed_comm=times["overlapped"] - times["no_comm"],
                      exposed_comm_vs_gemms=times["overlapped"] - times["gemms"],
                      speedup=times["plain"] / times["overlapped"],
