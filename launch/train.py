@@ -250,6 +250,10 @@ def launch_local(argv: list, nproc: int, grace_s: float) -> int:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", str(threads))
+        # a fixed thread count (MKL may otherwise use fewer threads on a loaded machine, changing how its
+        # CPU reductions are split): a resumed run reproduces the same losses
+        env.setdefault("MKL_DYNAMIC", "FALSE")
+        env.setdefault("OMP_DYNAMIC", "FALSE")
         workers.append(subprocess.Popen([sys.executable, "-m", "nvfp4_dist.launch.train", *argv], env=env))
     failed = None
     try:
