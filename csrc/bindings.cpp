@@ -104,10 +104,48 @@ void dequantize_rowwise(const at::Tensor& data, const at::Tensor& scale, const a
   check_device_tensor(data, "data");
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
-  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax,
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax, 1.0f,
                                                 out.size(0), out.size(1), out.data_ptr(), input_type(out),
                                                 as_stream(stream)),
                "dequantize_rowwise");
+}
+
+// data [rows, K/2] 8-byte aligned, scale [rows, K/16], out [rows, K] 16-byte aligned, all contiguous.
+void dequantize_block_values(const at::Tensor& data, const at::Tensor& scale, double factor, at::Tensor& out,
+                             int64_t stream) {
+  check_device_tensor(data, "data");
+  check_device_tensor(scale, "scale");
+  check_device_tensor(out, "out");
+  TORCH_CHECK(out.dim() == 2 && data.dim() == 2 && scale.dim() == 2 && data.size(0) == out.size(0) &&
+                  scale.size(0) == out.size(0) && 2 * data.size(1) == out.size(1) && 16 * scale.size(1) == out.size(1),
+              "nvfp4_dist._C.dequantize_block_values: data [rows, K/2], scale [rows, K/16], out [rows, K]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(data.data_ptr()) % 8 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "nvfp4_dist._C.dequantize_block_values: data must be 8-byte and out 16-byte aligned");
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), nullptr, false, static_cast<float>(factor),
+                                                out.size(0), out.size(1), out.data_ptr(), input_type(out),
+                                                as_stream(stream)),
+               "dequantize_block_values");
+}
+
+void gemm_epilogue(const at::Tensor& acc, const at::Tensor& a_amax, const at::Tensor& b_amax,
+                   const std::optional<at::Tensor>& bias, bool accumulate, at::Tensor& out, int64_t stream) {
+  TORCH_CHECK(acc.is_cuda() && acc.dim() == 2 && acc.scalar_type() == at::kFloat && acc.stride(1) == 1 &&
+                  out.is_cuda() && out.dim() == 2 && out.stride(1) == 1 && out.sizes() == acc.sizes(),
+              "nvfp4_dist._C.gemm_epilogue: acc FP32 and out of the same [rows, cols], rows of unit stride");
+  check_device_tensor(a_amax, "a_amax");
+  check_device_tensor(b_amax, "b_amax");
+  const bool a_per_row = a_amax.numel() != 1;
+  TORCH_CHECK(!a_per_row || a_amax.numel() == acc.size(0), "nvfp4_dist._C.gemm_epilogue: a_amax has 1 or rows elements");
+  if (bias.has_value()) {
+    check_device_tensor(*bias, "bias");
+    TORCH_CHECK(bias->numel() == acc.size(1), "nvfp4_dist._C.gemm_epilogue: bias has cols elements");
+  }
+  check_launch(nvfp4::launch_gemm_epilogue(acc.data_ptr<float>(), acc.stride(0), a_amax.data_ptr<float>(), a_per_row,
+                                           b_amax.data_ptr<float>(), bias.has_value() ? bias->data_ptr() : nullptr,
+                                           bias.has_value() ? input_type(*bias) : nvfp4::InputType::kFloat32,
+                                           accumulate, acc.size(0), acc.size(1), out.data_ptr(), input_type(out),
+                                           out.stride(0), as_stream(stream)),
+               "gemm_epilogue");
 }
 
 void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool rht,
@@ -222,6 +260,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
+  m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");
+  m.def("gemm_epilogue", &gemm_epilogue, "out (+)= acc * S_dec(a) * S_dec(b) (+ bias), FP32, one rounding");
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");

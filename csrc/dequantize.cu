@@ -1,5 +1,7 @@
 // Dequantization (SPEC 2.6): x' = fp4value(q) * fp32(s_b) * S_dec, for both copies; the
 // columnwise copy is written back in the original [rows, cols] layout, undoing the RHT if on.
+// Without an amax the rowwise kernel writes fp4value(q) * fp32(s_b) * factor instead: the exact block
+// values (times a power of two) that the Hopper GEMM's dequantize path feeds to cuBLAS.
 #include "nvfp4_device.cuh"
 #include "nvfp4_numerics.cuh"
 
@@ -20,12 +22,13 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads) dequantize_rowwise_kernel(const uint8_t* __restrict__ data,
                                                                       const uint8_t* __restrict__ scale,
                                                                       const float* __restrict__ amax, bool per_row_amax,
-                                                                      int64_t rows, int64_t cols, OutT* __restrict__ out) {
+                                                                      float factor, int64_t rows, int64_t cols,
+                                                                      OutT* __restrict__ out) {
   const int64_t blocks_per_row = cols / kBlockSize;
   const int64_t block = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (block >= rows * blocks_per_row) return;
   const int64_t row = block / blocks_per_row;
-  const float s_dec = decode_scale(encode_scale(amax[per_row_amax ? row : 0]));
+  const float s_dec = amax == nullptr ? factor : decode_scale(encode_scale(amax[per_row_amax ? row : 0]));
   float values[kBlockSize];
   decode_block(*reinterpret_cast<const uint2*>(data + block * (kBlockSize / 2)), scale[block], s_dec, values);
   alignas(16) OutT converted[kBlockSize];
@@ -67,12 +70,13 @@ unsigned int grid_for(int64_t items) { return static_cast<unsigned int>((items +
 }  // namespace
 
 cudaError_t launch_dequantize_rowwise(const uint8_t* data, const uint8_t* scale, const float* amax, bool per_row_amax,
-                                      int64_t rows, int64_t cols, void* out, InputType out_type, cudaStream_t stream) {
+                                      float factor, int64_t rows, int64_t cols, void* out, InputType out_type,
+                                      cudaStream_t stream) {
   if (cols % kBlockSize != 0) return cudaErrorInvalidValue;
   const int64_t blocks = rows * (cols / kBlockSize);
   if (blocks == 0) return cudaSuccess;
   NVFP4_DISPATCH_INPUT_TYPE(out_type, T, dequantize_rowwise_kernel<T><<<grid_for(blocks), kThreads, 0, stream>>>(
-                                             data, scale, amax, per_row_amax, rows, cols, static_cast<T*>(out)));
+                                             data, scale, amax, per_row_amax, factor, rows, cols, static_cast<T*>(out)));
   return cudaGetLastError();
 }
 

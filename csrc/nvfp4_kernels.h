@@ -44,14 +44,24 @@ struct QuantizeArgs {
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
 
 // dequantize.cu -----------------------------------------------------------------------------------
-// Rowwise copy [rows, cols/2] codes + [rows, cols/16] scales -> out [rows, cols] of out_type.
+// Rowwise copy [rows, cols/2] codes + [rows, cols/16] scales -> out [rows, cols] of out_type (all
+// contiguous). amax null: out = fp4 value * block scale * factor, without the global scale.
 cudaError_t launch_dequantize_rowwise(const uint8_t* data, const uint8_t* scale, const float* amax, bool per_row_amax,
-                                      int64_t rows, int64_t cols, void* out, InputType out_type, cudaStream_t stream);
+                                      float factor, int64_t rows, int64_t cols, void* out, InputType out_type,
+                                      cudaStream_t stream);
 // Columnwise copy of x [rows, cols]: codes [cols, rows/2], scales [cols, rows/16] -> out [rows, cols],
 // undoing the RHT when rht is set.
 cudaError_t launch_dequantize_columnwise(const uint8_t* data, const uint8_t* scale, const float* amax, int64_t rows,
                                          int64_t cols, bool rht, bool rht_random_sign, void* out, InputType out_type,
                                          cudaStream_t stream);
+
+// gemm_epilogue.cu --------------------------------------------------------------------------------
+// out[r, c] (+)= acc[r, c] * S_dec(a_amax) * S_dec(b_amax) (+ bias[c]) in FP32, rounded once to out_type.
+// a_amax: one value, or one per row when a_per_row; bias (bias_type) may be null; row strides in elements.
+cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const float* a_amax, bool a_per_row,
+                                 const float* b_amax, const void* bias, InputType bias_type, bool accumulate,
+                                 int64_t rows, int64_t cols, void* out, InputType out_type, int64_t out_stride,
+                                 cudaStream_t stream);
 
 // swizzle.cu --------------------------------------------------------------------------------------
 // [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (SPEC 8).

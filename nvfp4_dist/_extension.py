@@ -31,6 +31,14 @@ _lock = threading.Lock()
 _module = None
 
 
+def stream_handle(device: torch.device | None = None) -> int:
+    """The current CUDA stream of `device` (default: the current device) as the integer the bindings take,
+    by torch's cheapest lookup: small kernels' launches are host-bound."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw else torch.cuda.current_stream(index).cuda_stream
+
+
 def source_files() -> list[str]:
     """Every csrc/*.cu plus csrc/bindings.cpp."""
     return [str(p) for p in sorted(CSRC_DIR.glob("*.cu"))] + [str(CSRC_DIR / "bindings.cpp")]

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) NVFP4 GEMM by exact block emulation, in Triton (SPEC 8).
+"""Hopper (sm_90) NVFP4 GEMM by exact block emulation (SPEC 8).
 
 Every FP4 value times its E4M3 block scale has at most 6 significant bits, so it is
 exact in FP16 and BF16, and tensor-core products of such values are exact in FP32.
@@ -15,7 +15,9 @@ Two paths:
 - gemm_fused: dequantization inside the GEMM's K loop (packed tiles loaded, decoded in
   registers, tl.dot with FP32 accumulation); no operand copy is materialised.
 - gemm_dequantize_matmul: a dequantize kernel writes BF16 operands, torch.mm runs
-  cuBLAS with FP32 output, and an epilogue kernel applies alpha/bias/accumulate. The BF16
+  cuBLAS with FP32 output, and an epilogue kernel applies alpha/bias/accumulate. Those two
+  kernels are CUDA (csrc/dequantize.cu, csrc/gemm_epilogue.cu), not Triton: a C++ launch costs
+  a few microseconds of host time where Triton's Python launcher costs tens. The BF16
   copy of B is kept for the next call while that call's B is the same, unmodified tensor:
   the overlapped layers' per-chunk GEMMs (parallel/overlap.py) dequantize their weight once.
 """
@@ -28,9 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ._extension import load_extension, stream_handle
+
 
 # E4M3-packed FP4 values carry 2^-6 each; a product of two carries 2^-12.
 _OPERAND_EXPONENT_CORRECTION = tl.constexpr(4096.0)
+_FP16_OPERAND_FACTOR = 2.0 ** -6  # FP16 operands hold fp4 * scale * 2^-6, as the fused kernel decodes them
 
 # PTX for one 32-bit word of 8 packed FP4 codes and its FP16 block scale -> 8 FP16 values
 # fp4 * scale * 2^-6 in element order. $0..$7 outputs, $8 the word, $9 the scale.
@@ -200,42 +205,6 @@ def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_amax_ptr, b_ama
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, K_WORDS, stride_data, stride_scale, stride_out,
-                       USE_PTX: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
-    """From int32 words [rows, K/8]: BF16 out = fp4 * scale, or FP16 out = fp4 * scale * 2^-6 (both exact)."""
-    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    word = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
-    mask = (row < rows)[:, None] & (word < K_WORDS)[None, :]
-    words = tl.load(data_ptr + row[:, None] * stride_data + word[None, :], mask=mask, other=0)
-    scale_bytes = tl.load(scale_ptr + row[:, None] * stride_scale + (word // 2)[None, :], mask=mask, other=0)
-    scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    values = _dequantize_words(words, scale, BLOCK_ROWS, BLOCK_WORDS, USE_PTX)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        values = (values.to(tl.float32) * 64.0).to(tl.bfloat16)
-    col = tl.program_id(1) * BLOCK_WORDS * 8 + tl.arange(0, 8 * BLOCK_WORDS)
-    out_mask = (row < rows)[:, None] & (col < K_WORDS * 8)[None, :]
-    tl.store(out_ptr + row[:, None] * stride_out + col[None, :], values, mask=out_mask)
-
-
-@triton.jit
-def _epilogue_kernel(acc_ptr, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
-                     ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out (+)= acc * alpha (+ bias) in FP32, cast to out's dtype."""
-    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (row < M)[:, None] & (col < N)[None, :]
-    acc = tl.load(acc_ptr + row[:, None] * stride_acc + col[None, :], mask=mask, other=0.0)
-    acc = acc * _alpha(a_amax_ptr, b_amax_ptr, row, row < M, ALPHA_PER_ROW)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + col, mask=col < N, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + row[:, None] * stride_out + col[None, :]
-    if ACCUMULATE:
-        acc = acc + tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
     """Tile shape and pipelining of the fused kernel."""
@@ -280,7 +249,7 @@ def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=to
     a_words, a_scale = packed_words(a_data), a_scale.contiguous().view(torch.uint8)
     if config.dequantize_b_first:
         b_operand = torch.empty(cols, k_words * 8, dtype=torch.float16, device=b_data.device)
-        dequantize_into(b_data, b_scale, b_operand, config.use_ptx)
+        dequantize_into(b_data, b_scale, b_operand)
         b_scale = a_scale  # unused by the kernel
     else:
         b_operand, b_scale = packed_words(b_data), b_scale.contiguous().view(torch.uint8)
@@ -298,23 +267,20 @@ def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=to
     return out
 
 
-def dequantize_into(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, use_ptx: bool = True) -> torch.Tensor:
-    """Decode packed FP4 [rows, K/2] with E4M3 scales [rows, K/16] into out [rows, K]:
-    BF16 out gets fp4 * scale, FP16 out gets fp4 * scale * 2^-6 (both exact; no global factor)."""
-    rows, k_words = data.shape[0], data.shape[1] // 4
-    words = packed_words(data)
-    scale = scale.contiguous().view(torch.uint8)
-    block_rows, block_words = 32, 32
-    grid = (triton.cdiv(rows, block_rows), triton.cdiv(k_words, block_words))
-    _dequantize_kernel[grid](words, scale, out, rows, k_words, words.stride(0), scale.stride(0), out.stride(0),
-                             USE_PTX=use_ptx, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
+def dequantize_into(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Decode packed FP4 [rows, K/2] with E4M3 scales [rows, K/16] into out [rows, K] (contiguous):
+    BF16 out gets fp4 * scale, FP16 out gets fp4 * scale * 2^-6 (both exact; no global factor).
+    One CUDA kernel of csrc/dequantize.cu (a C++ launch: a few microseconds of host time)."""
+    factor = _FP16_OPERAND_FACTOR if out.dtype == torch.float16 else 1.0
+    load_extension().dequantize_block_values(data.contiguous(), scale.contiguous().view(torch.uint8), factor, out,
+                                             stream_handle(out.device))
     return out
 
 
-def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor, use_ptx: bool = True) -> torch.Tensor:
+def dequantize_to_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """BF16 [rows, K] = fp4 code value * E4M3 block scale (exact; the global factor is not applied)."""
     out = torch.empty(data.shape[0], data.shape[1] * 2, dtype=torch.bfloat16, device=data.device)
-    return dequantize_into(data, scale, out, use_ptx)
+    return dequantize_into(data, scale, out)
 
 
 class _LastDequantizedB:
@@ -331,15 +297,15 @@ class _LastDequantizedB:
         if self.key is key:
             self.key, self.values = None, None
 
-    def get(self, data: torch.Tensor, scale: torch.Tensor, use_ptx: bool) -> torch.Tensor:
-        key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version, use_ptx)
+    def get(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version)
         cached = self.key
         if (cached is None or cached[0]() is not data or cached[2]() is not scale
                 or cached[1:2] + cached[3:] != key[1:2] + key[3:]):
             if self.finalizer is not None:
                 self.finalizer.detach()  # one finalizer per cached operand, however often B changes
             self.key, self.values = None, None  # drop the old copy before making the new one
-            self.values = dequantize_to_bf16(data, scale, use_ptx)
+            self.values = dequantize_to_bf16(data, scale)
             self.key = key
             self.finalizer = weakref.finalize(data, self._forget, key)
         return self.values
@@ -350,18 +316,12 @@ _last_b = _LastDequantizedB()
 
 def apply_epilogue(acc: torch.Tensor, a_amax: torch.Tensor, b_amax: torch.Tensor, bias, out: torch.Tensor,
                    accumulate: bool) -> None:
-    """out (+)= acc * S_dec(a_amax) * S_dec(b_amax) (+ bias), FP32 math, one pass."""
-    rows, cols = acc.shape
-    block_m, block_n = 32, 128
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-    _epilogue_kernel[grid](acc, a_amax, b_amax, bias if bias is not None else a_amax, out, rows, cols,
-                           acc.stride(0), out.stride(0),
-                           ALPHA_PER_ROW=a_amax.numel() != 1, HAS_BIAS=bias is not None,
-                           ACCUMULATE=accumulate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    """out (+)= acc * S_dec(a_amax) * S_dec(b_amax) (+ bias), FP32 math, one pass (csrc/gemm_epilogue.cu)."""
+    load_extension().gemm_epilogue(acc, a_amax, b_amax, bias, accumulate, out, stream_handle(out.device))
 
 
 def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
-                           bias=None, accumulate_into=None, out=None, use_ptx: bool = True,
+                           bias=None, accumulate_into=None, out=None,
                            rows_per_chunk: int | None = None) -> torch.Tensor:
     """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel.
 
@@ -372,7 +332,7 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
     if rows_per_chunk is None:
         rows_per_chunk = max(256, CHUNK_BYTES // (4 * cols + 2 * 2 * a_data.shape[1]) // 256 * 256)
     chunk = min(rows, rows_per_chunk)
-    b_values = _last_b.get(b_data, b_scale, use_ptx)
+    b_values = _last_b.get(b_data, b_scale)
     a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
     out = output_tensor(rows, cols, out_dtype, accumulate_into, out, a_data.device)
     a_values = torch.empty(chunk, a_data.shape[1] * 2, dtype=torch.bfloat16, device=a_data.device)
@@ -380,7 +340,7 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
     for start in range(0, rows, chunk):
         stop = min(start + chunk, rows)
         a_chunk, acc_chunk = a_values[:stop - start], acc[:stop - start]
-        dequantize_into(a_data[start:stop], a_scale[start:stop], a_chunk, use_ptx)
+        dequantize_into(a_data[start:stop], a_scale[start:stop], a_chunk)
         torch.mm(a_chunk, b_values.t(), out_dtype=torch.float32, out=acc_chunk)
         apply_epilogue(acc_chunk, a_amax[start:stop] if a_amax.numel() != 1 else a_amax, b_amax, bias,
                        out[start:stop], accumulate_into is not None)

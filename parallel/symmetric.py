@@ -23,6 +23,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .._extension import load_extension, stream_handle
+
 log = logging.getLogger("nvfp4_dist")
 
 ENV_SWITCH = "NVFP4_SYMMETRIC_MEMORY"
@@ -37,17 +39,6 @@ _enabled: dict = {}
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
-
-
-def _extension():
-    from .._extension import load_extension
-    return load_extension()
-
-
-def _stream() -> int:
-    """The current CUDA stream as a raw handle (the cheapest lookup where torch has it: these calls are latency-bound)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(torch.cuda.current_device()) if raw else torch.cuda.current_stream().cuda_stream
 
 
 def _resolved(group):
@@ -160,8 +151,8 @@ def all_reduce_max(amaxes: list, group=None) -> None:
     workspace = _workspace(group, 0)
     slot = workspace.next_amax_offset()
     values = [t.data_ptr() + 4 * i for t in flat for i in range(t.numel())]
-    _extension().peer_amax_all_reduce(values, [base + slot for base in workspace.bases], *workspace.barrier_args(),
-                                      _stream())
+    load_extension().peer_amax_all_reduce(values, [base + slot for base in workspace.bases],
+                                          *workspace.barrier_args(), stream_handle())
 
 
 def _publish(pieces: dict, group) -> tuple:
@@ -179,9 +170,9 @@ def _publish(pieces: dict, group) -> tuple:
     names = [name for name, t in pieces.items() if t.numel()]
     if names:
         own = workspace.bases[workspace.rank] + half
-        _extension().peer_publish([pieces[n].data_ptr() for n in names], [own + layout[n] for n in names],
-                                  [pieces[n].numel() * pieces[n].element_size() for n in names],
-                                  *workspace.barrier_args(), workspace.blocks_done.data_ptr(), _stream())
+        load_extension().peer_publish([pieces[n].data_ptr() for n in names], [own + layout[n] for n in names],
+                                      [pieces[n].numel() * pieces[n].element_size() for n in names],
+                                      *workspace.barrier_args(), workspace.blocks_done.data_ptr(), stream_handle())
     return workspace, half, layout
 
 
@@ -199,9 +190,9 @@ def all_gather(pieces: dict, interleaved: set, group=None) -> dict:
     names = [name for name, t in pieces.items() if t.numel()]
     if names:
         row_bytes = [pieces[n].numel() * pieces[n].element_size() // pieces[n].shape[0] for n in names]
-        _extension().peer_gather([[base + half + layout[n] for base in workspace.bases] for n in names],
-                                 [outputs[n].data_ptr() for n in names], [pieces[n].shape[0] for n in names],
-                                 row_bytes, [n in interleaved for n in names], workspace.rank, _stream())
+        load_extension().peer_gather([[base + half + layout[n] for base in workspace.bases] for n in names],
+                                     [outputs[n].data_ptr() for n in names], [pieces[n].shape[0] for n in names],
+                                     row_bytes, [n in interleaved for n in names], workspace.rank, stream_handle())
     return outputs
 
 
@@ -272,7 +263,7 @@ def reduce_scatter_produce(produce, order: list, group=None) -> torch.Tensor:
             _peer_view(workspace, chunk, half + rank * slot_bytes, partial.shape, partial.dtype).copy_(partial)
         partial.record_stream(side)
     current.wait_stream(side)
-    _extension().peer_barrier(*workspace.barrier_args(), _stream())  # every rank's pushes have landed
+    load_extension().peer_barrier(*workspace.barrier_args(), stream_handle())  # every rank's pushes have landed
     slot_elements = slot_bytes // first.element_size()
     region = _peer_view(workspace, rank, half, (world_size * slot_elements,), first.dtype)
     slots = region.as_strided((world_size, first.numel()), (slot_elements, 1))

@@ -1,4 +1,5 @@
-"""The Hopper emulated NVFP4 GEMM (fused Triton kernel and dequantize + cuBLAS) vs the per-block reference.
+"""The Hopper emulated NVFP4 GEMM (fused Triton kernel; CUDA dequantize + cuBLAS + CUDA epilogue) vs the
+per-block reference.
 
 Operands are quantized by the reference quantizer (pure torch, run on the GPU for speed with
 NVFP4_FORCE_REFERENCE=1 set only while quantizing), so these tests do not depend on the CUDA
@@ -98,14 +99,45 @@ def test_largest_shape(name):
     check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=1024), ref)
 
 
-@pytest.mark.parametrize("use_ptx", [True, False])
-def test_dequantize_to_bf16_is_exact(use_ptx):
+def test_dequantize_into_bf16_and_fp16_is_exact():
+    """The dequantize path's CUDA kernel: BF16 fp4 * scale and FP16 fp4 * scale * 2^-6, bit for bit."""
     x, w, _ = layer_operands(96, 80, 272, seed=3)
     for data, scale in ((x.rowwise_data, x.rowwise_scale), (w.columnwise_data, w.columnwise_scale)):
         expected = block_values(data, scale).reshape(data.shape[0], -1)
-        out = gemm_hopper.dequantize_to_bf16(data, scale, use_ptx=use_ptx)
+        out = gemm_hopper.dequantize_to_bf16(data, scale)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out.float(), expected)
+        half = torch.empty(expected.shape, dtype=torch.float16, device="cuda")
+        assert torch.equal(gemm_hopper.dequantize_into(data, scale, half).float(), expected * 2.0 ** -6)
+    rows = x.rowwise_data[32:64]  # a row slice, as the chunked GEMM passes it
+    out = gemm_hopper.dequantize_to_bf16(rows, x.rowwise_scale[32:64])
+    assert torch.equal(out.float(), block_values(x.rowwise_data, x.rowwise_scale).reshape(96, -1)[32:64])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_epilogue_is_the_fp32_formula(out_dtype, bias_dtype, per_row):
+    """out (+)= acc * (S_dec(a) * S_dec(b)) (+ bias), in FP32 in that order, one rounding: torch's FP32
+    elementwise ops give the same bits. Rows of a larger output (strided), 2100 columns (two column blocks)."""
+    from nvfp4_dist.reference.quantize import decode_scale
+    rows, cols = 24, 2100
+    generator = torch.Generator().manual_seed(29)
+    acc = (torch.randn(rows, cols, generator=generator) * 1e4).cuda()
+    a_amax = (torch.rand(rows if per_row else 1, generator=generator) * 50 + 0.5).cuda()
+    b_amax = torch.tensor([3.75], device="cuda")
+    bias = None if bias_dtype is None else torch.randn(cols, generator=generator).to(bias_dtype).cuda()
+    alpha = decode_scale(a_amax) * decode_scale(b_amax)
+    expected = acc * (alpha[:, None] if per_row else alpha)
+    if bias is not None:
+        expected = expected + bias.float()
+    for accumulate in (False, True):
+        whole = torch.randn(rows, cols + 7, generator=generator).to(out_dtype).cuda()
+        out = whole[:, 3:3 + cols]
+        before = out.float().clone()
+        gemm_hopper.apply_epilogue(acc, a_amax, b_amax, bias, out, accumulate)
+        want = (expected + before if accumulate else expected).to(out_dtype)
+        assert torch.equal(out, want), (accumulate, (out.float() - want.float()).abs().max().item())
 
 
 PATHS = {"fused": gemm_hopper.gemm_fused,
@@ -189,10 +221,10 @@ def test_dequantized_b_is_reused_then_dropped_with_its_operand():
     """The dequantize path keeps B's BF16 copy while B lives and is unchanged, and frees it with B."""
     x, w, _ = layer_operands(128, 256, 192, seed=19)
     b_data, b_scale = w.rowwise_data.clone(), w.rowwise_scale.clone()
-    first = gemm_hopper._last_b.get(b_data, b_scale, True)
-    assert gemm_hopper._last_b.get(b_data, b_scale, True) is first
+    first = gemm_hopper._last_b.get(b_data, b_scale)
+    assert gemm_hopper._last_b.get(b_data, b_scale) is first
     b_data.add_(0)  # a new version: dequantized again
-    assert gemm_hopper._last_b.get(b_data, b_scale, True) is not first
+    assert gemm_hopper._last_b.get(b_data, b_scale) is not first
     del first, b_data
     assert gemm_hopper._last_b.values is None and gemm_hopper._last_b.key is None
 
