@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ._extension import load_extension, stream_handle
 from .formats import BLOCK_SIZE, SCALE_DTYPE
 from .reference.swizzle import padded_scale_shape
 from .tensor import NVFP4Tensor
@@ -17,12 +18,11 @@ _MAX_SEED = 2 ** 64
 
 
 def _extension():
-    from ._extension import load_extension
     return load_extension()
 
 
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+    return stream_handle(t.device)
 
 
 def _check_input(x2d: torch.Tensor, *, columnwise: bool, block_2d: bool = False, rht: bool = False) -> None:
