@@ -8,7 +8,7 @@
 #   bash tests_multigpu/run_suite.sh f OUTDIR   # 4 GPUs: the test matrix (worlds 1, 2, 4)
 #   bash tests_multigpu/run_suite.sh g OUTDIR   # 2 GPUs: Megatron GPT training at TP=1 and 2 against the BF16 spec
 #   bash tests_multigpu/run_suite.sh h OUTDIR   # 2 GPUs: Hopper GEMM tests, overlap tests and benchmarks at TP=2
-#   bash tests_multigpu/run_suite.sh i OUTDIR   # 2 GPUs: symmetric collectives, overlap, lean weights, benchmarks at TP=2
+#   bash tests_multigpu/run_suite.sh i OUTDIR   # 2 GPUs: Hopper GEMM, symmetric collectives, overlap, layers, benchmarks at TP=2
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -119,7 +119,8 @@ h)  # in priority order
     step megatron_bench_tp2 200 $TORCHRUN --nproc-per-node 2 benchmarks/megatron_gpt.py --layers 2 \
         --out "$R/megatron_gpt_${GPU}x2.json"
     ;;
-i)  # in priority order: the collectives and layers on 2 GPUs (shared nccl_group fixture), then the benchmarks
+i)  # in priority order: the Hopper GEMM, the collectives and layers on 2 GPUs, then the benchmarks
+    step gemm_hopper 150 python3 -m pytest -q tests_multigpu/test_gemm_hopper.py
     step symmetric_tp2 90 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_symmetric_gpu.py
     step overlap_tp2 120 $TORCHRUN --nproc-per-node 2 tests_multigpu/test_overlap_gpu.py
     step overlap_bench_tp2 200 $TORCHRUN --nproc-per-node 2 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp2.json" \
@@ -128,6 +129,7 @@ i)  # in priority order: the collectives and layers on 2 GPUs (shared nccl_group
         --out "$R/megatron_gpt_${GPU}x2.json"
     step linear_tests 100 python3 -m pytest -q -s tests_multigpu/test_linear_gpu.py
     step parallel_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_parallel_gpu.py
+    step gemm_bench 120 python3 benchmarks/gemm.py --out "$R/gemm_$GPU.json"
     ;;
 *) echo "usage: $0 a|b|c|d|e|f|g|h OUTDIR"; exit 2 ;;
 esac
