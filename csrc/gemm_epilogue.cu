@@ -20,27 +20,70 @@ __device__ __forceinline__ float load_as_float(const void* base, InputType type,
   }
 }
 
+__device__ __forceinline__ float epilogue_value(float acc, float alpha, const void* bias, InputType bias_type,
+                                                int64_t column) {
+  const float value = acc * alpha;
+  return bias == nullptr ? value : value + load_as_float(bias, bias_type, column);
+}
+
 // Block b: row b / segments, columns [segment * 2048, +2048), lanes on consecutive columns (coalesced).
-template <typename OutT>
+// kVector: 4 columns per access (float4 of acc, 4 outputs at once), for 16-byte aligned acc rows and
+// out rows aligned to 4 elements; otherwise one column per access.
+template <typename OutT, bool kVector>
 __global__ void __launch_bounds__(kThreads) gemm_epilogue_kernel(const float* __restrict__ acc, int64_t acc_stride,
                                                                  const float* __restrict__ a_amax, bool a_per_row,
                                                                  const float* __restrict__ b_amax, const void* bias,
                                                                  InputType bias_type, bool accumulate, int64_t cols,
                                                                  int64_t segments, OutT* __restrict__ out,
                                                                  int64_t out_stride) {
+  constexpr int kWidth = kVector ? 4 : 1;
   const int64_t row = blockIdx.x / segments;
-  const int64_t first = (blockIdx.x % segments) * kColumnsPerBlock + threadIdx.x;
+  const int64_t segment_start = (blockIdx.x % segments) * kColumnsPerBlock;
   const float alpha = decode_scale(encode_scale(a_amax[a_per_row ? row : 0])) * decode_scale(encode_scale(b_amax[0]));
+  const float* acc_row = acc + row * acc_stride;
+  OutT* out_row = out + row * out_stride;
 #pragma unroll
-  for (int k = 0; k < kColumnsPerThread; ++k) {
-    const int64_t column = first + k * kThreads;
+  for (int k = 0; k < kColumnsPerThread / kWidth; ++k) {
+    const int64_t column = segment_start + (k * kThreads + threadIdx.x) * kWidth;
     if (column >= cols) break;
-    float value = acc[row * acc_stride + column] * alpha;
-    if (bias != nullptr) value = value + load_as_float(bias, bias_type, column);
-    OutT* destination = out + row * out_stride + column;
-    if (accumulate) value = value + to_float(*destination);
-    *destination = from_float<OutT>(value);
+    if constexpr (kVector) {
+      const float4 loaded = *reinterpret_cast<const float4*>(acc_row + column);
+      const float accs[4] = {loaded.x, loaded.y, loaded.z, loaded.w};
+      struct alignas(4 * sizeof(OutT)) Quad { OutT v[4]; };
+      Quad quad = accumulate ? *reinterpret_cast<const Quad*>(out_row + column) : Quad{};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float value = epilogue_value(accs[i], alpha, bias, bias_type, column + i);
+        if (accumulate) value = value + to_float(quad.v[i]);
+        quad.v[i] = from_float<OutT>(value);
+      }
+      *reinterpret_cast<Quad*>(out_row + column) = quad;
+    } else {
+      float value = epilogue_value(acc_row[column], alpha, bias, bias_type, column);
+      if (accumulate) value = value + to_float(out_row[column]);
+      out_row[column] = from_float<OutT>(value);
+    }
   }
+}
+
+template <typename OutT>
+cudaError_t launch_typed(const float* acc, int64_t acc_stride, const float* a_amax, bool a_per_row, const float* b_amax,
+                         const void* bias, InputType bias_type, bool accumulate, int64_t rows, int64_t cols, OutT* out,
+                         int64_t out_stride, cudaStream_t stream) {
+  const int64_t segments = (cols + kColumnsPerBlock - 1) / kColumnsPerBlock;
+  if (rows * segments == 0) return cudaSuccess;
+  if (rows * segments > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const unsigned int grid = static_cast<unsigned int>(rows * segments);
+  const bool vector = cols % 4 == 0 && acc_stride % 4 == 0 && out_stride % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(acc) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % (4 * sizeof(OutT)) == 0;
+  if (vector) {
+    gemm_epilogue_kernel<OutT, true><<<grid, kThreads, 0, stream>>>(acc, acc_stride, a_amax, a_per_row, b_amax, bias,
+                                                                     bias_type, accumulate, cols, segments, out, out_stride);
+  } else {
+    gemm_epilogue_kernel<OutT, false><<<grid, kThreads, 0, stream>>>(acc, acc_stride, a_amax, a_per_row, b_amax, bias,
+                                                                      bias_type, accumulate, cols, segments, out, out_stride);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -49,14 +92,10 @@ cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const flo
                                  const float* b_amax, const void* bias, InputType bias_type, bool accumulate,
                                  int64_t rows, int64_t cols, void* out, InputType out_type, int64_t out_stride,
                                  cudaStream_t stream) {
-  const int64_t segments = (cols + kColumnsPerBlock - 1) / kColumnsPerBlock;
-  if (rows * segments == 0) return cudaSuccess;
-  if (rows * segments > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  const unsigned int grid = static_cast<unsigned int>(rows * segments);
-  NVFP4_DISPATCH_INPUT_TYPE(out_type, T, gemm_epilogue_kernel<T><<<grid, kThreads, 0, stream>>>(
-                                             acc, acc_stride, a_amax, a_per_row, b_amax, bias, bias_type, accumulate,
-                                             cols, segments, static_cast<T*>(out), out_stride));
-  return cudaGetLastError();
+  NVFP4_DISPATCH_INPUT_TYPE(out_type, T,
+                            return launch_typed<T>(acc, acc_stride, a_amax, a_per_row, b_amax, bias, bias_type,
+                                                   accumulate, rows, cols, static_cast<T*>(out), out_stride, stream));
+  return cudaSuccess;
 }
 
 }  // namespace nvfp4

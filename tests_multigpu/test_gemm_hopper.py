@@ -132,12 +132,13 @@ def test_epilogue_is_the_fp32_formula(out_dtype, bias_dtype, per_row):
     if bias is not None:
         expected = expected + bias.float()
     for accumulate in (False, True):
-        whole = torch.randn(rows, cols + 7, generator=generator).to(out_dtype).cuda()
-        out = whole[:, 3:3 + cols]
-        before = out.float().clone()
-        gemm_hopper.apply_epilogue(acc, a_amax, b_amax, bias, out, accumulate)
-        want = (expected + before if accumulate else expected).to(out_dtype)
-        assert torch.equal(out, want), (accumulate, (out.float() - want.float()).abs().max().item())
+        for offset in (0, 3):  # 4-column vectors, and single columns (rows not aligned to 4 elements)
+            whole = torch.randn(rows, cols + 8, generator=generator).to(out_dtype).cuda()
+            out = whole[:, offset:offset + cols]
+            before = out.float().clone()
+            gemm_hopper.apply_epilogue(acc, a_amax, b_amax, bias, out, accumulate)
+            want = (expected + before if accumulate else expected).to(out_dtype)
+            assert torch.equal(out, want), (accumulate, offset, (out.float() - want.float()).abs().max().item())
 
 
 PATHS = {"fused": gemm_hopper.gemm_fused,
