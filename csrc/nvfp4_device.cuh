@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,12 +24,28 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // BF16 rounding (RNE) of an FP32 value, back in FP32.
 __device__ __forceinline__ float round_to_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// The two halves of a packed BF16 pair as FP32 (exact): the low one shifted up, the high one masked
+// (one instruction each; converting each half on its own costs the high half an extra byte permute).
+__device__ __forceinline__ float2 bf16_pair_to_float2(uint32_t pair) {
+  return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xFFFF0000u));
+}
+
 // The elements of one 16-byte vector as FP32.
 template <typename T>
 __device__ __forceinline__ void unpack_vector(const uint4& vec, float (&out)[16 / sizeof(T)]) {
-  const T* elements = reinterpret_cast<const T*>(&vec);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t words[4] = {vec.x, vec.y, vec.z, vec.w};
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(elements[i]);
+    for (int i = 0; i < 4; ++i) {
+      const float2 pair = bf16_pair_to_float2(words[i]);
+      out[2 * i] = pair.x;
+      out[2 * i + 1] = pair.y;
+    }
+  } else {
+    const T* elements = reinterpret_cast<const T*>(&vec);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(elements[i]);
+  }
 }
 
 // max(|a|, |b|) of each 16-bit half of two packed pairs of T, its sign bit arbitrary: one HMNMX2

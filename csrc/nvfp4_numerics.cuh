@@ -58,6 +58,12 @@ NVFP4_HD uint8_t block_scale_e4m3(float block_amax, float s_enc) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// block_scale_e4m3 for block_amax >= 0 (or NaN) and a finite factor = s_enc * fp32(1/6) > 0: the
+// product is then in [0, FLT_MAX] after the first clamp, and SATFINITE clamps it to 448 itself.
+NVFP4_HD uint8_t block_scale_e4m3_of_nonnegative(float block_amax, float factor) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(fminf(block_amax * factor, kFltMax), __NV_SATFINITE, __NV_E4M3));
+}
+
 // Exact FP32 value of an E4M3 (float8_e4m3fn) byte; 0x7F/0xFF (NaN) never occur as scales.
 NVFP4_HD float e4m3_to_float(uint8_t byte) {
   const uint32_t sign = static_cast<uint32_t>(byte >> 7) << 31;

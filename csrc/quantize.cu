@@ -20,9 +20,12 @@ constexpr uint32_t kRowwiseStream = 0, kColumnwiseStream = 1;  // Philox counter
 constexpr int kPositiveScales = 128;  // E4M3 bytes 0x00..0x7F (0x7F, NaN, never occurs as a scale)
 static_assert(kThreads == 2 * kPositiveScales, "one thread per scale byte of each copy fills the e_b tables");
 
-// A tile of T in shared memory, row-major, its 16-byte chunks XOR-swizzled by the row's 16-row block
-// so that both the rowwise reads (16 consecutive elements) and the columnwise reads (an element
-// pair down 16 rows) are free of bank conflicts.
+// A tile of T in shared memory, row-major, its 16-byte chunks XOR-swizzled by the key
+// (row's 16-row block) ^ (row mod P), P = the chunks of a 16-element block (2 for 16-bit T, 4 for FP32).
+// Free of bank conflicts: the rowwise reads, where a quarter warp reads P rows x 8/P blocks; the
+// columnwise reads, where 8 lanes read row i of the 8 row blocks; the tile's stores, 8 lanes to 8
+// consecutive chunks of a row. A columnwise item's 16 rows use P base addresses (i mod P) and
+// immediate row offsets.
 template <typename T>
 struct TileLayout {
   static constexpr int kChunkElements = 16 / sizeof(T);
@@ -31,10 +34,8 @@ struct TileLayout {
   static constexpr int kRowBytes = kTileCols * sizeof(T);
   static constexpr int kBytes = kTileRows * kRowBytes;
 
-  __device__ static int chunk_offset(int row, int chunk) { return row * kRowBytes + ((chunk ^ ((row >> 4) & 7)) << 4); }
-  __device__ static int element_offset(int row, int column) {
-    const int byte = column * static_cast<int>(sizeof(T));
-    return chunk_offset(row, byte >> 4) + (byte & 15);
+  __device__ static int chunk_offset(int row, int chunk) {
+    return row * kRowBytes + ((chunk ^ (((row >> 4) ^ (row & (kChunksPerBlock - 1))) & 7)) << 4);
   }
 };
 
@@ -45,72 +46,91 @@ __device__ __forceinline__ float block_amax(const float (&values)[kBlockSize]) {
   return running;
 }
 
-// The 16 values of row `row`, column block `block` of the tile, and their amax (for 16-bit T taken on
-// the packed pairs, one HMNMX2 per pair). Lanes with block >= 4 (>= 2, ...) read their chunks in a
-// rotated order, which spreads one row's 8 blocks over all banks.
+// The 16 values of a block of one tile row whose first chunk is at `first_chunk` (a chunk_offset),
+// and their amax (for 16-bit T taken on the packed pairs, one HMNMX2 per pair). Chunk q of the block
+// lies at first_chunk ^ (q << 4): the block's chunks differ in the swizzle's low bits only.
 template <typename T>
-__device__ __forceinline__ void read_row_block(const uint8_t* tile, int row, int block, float (&values)[kBlockSize],
+__device__ __forceinline__ void read_row_block(const uint8_t* tile, int first_chunk, float (&values)[kBlockSize],
                                                float& amax) {
   using Layout = TileLayout<T>;
   constexpr int kParts = Layout::kChunksPerBlock;
-  const int rotation = (block >> (kParts == 2 ? 2 : 1)) & (kParts - 1);
   uint4 raw[kParts];
 #pragma unroll
-  for (int h = 0; h < kParts; ++h) {
-    const int chunk = block * kParts + ((h + rotation) & (kParts - 1));
-    raw[h] = *reinterpret_cast<const uint4*>(tile + Layout::chunk_offset(row, chunk));
-  }
-  uint4 logical[kParts];  // undo the rotation with compile-time register indices
-#pragma unroll
-  for (int q = 0; q < kParts; ++q) logical[q] = (rotation & 1) ? raw[(q + kParts - 1) % kParts] : raw[q];
-  if constexpr (kParts == 4) {
-    uint4 shifted[kParts];
-#pragma unroll
-    for (int q = 0; q < kParts; ++q) shifted[q] = (rotation & 2) ? logical[(q + 2) % kParts] : logical[q];
-#pragma unroll
-    for (int q = 0; q < kParts; ++q) logical[q] = shifted[q];
-  }
+  for (int q = 0; q < kParts; ++q) raw[q] = *reinterpret_cast<const uint4*>(tile + (first_chunk ^ (q << 4)));
 #pragma unroll
   for (int q = 0; q < kParts; ++q) {
     float part[Layout::kChunkElements];
-    unpack_vector<T>(logical[q], part);
+    unpack_vector<T>(raw[q], part);
 #pragma unroll
     for (int e = 0; e < Layout::kChunkElements; ++e) values[q * Layout::kChunkElements + e] = part[e];
   }
   if constexpr (sizeof(T) == 4) {
     amax = block_amax(values);
   } else {
-    uint32_t running = max_abs_halves<T>(logical[0].x, logical[0].y);
-    running = max_abs_halves<T>(running, logical[0].z);
-    running = max_abs_halves<T>(running, logical[0].w);
-    running = max_abs_halves<T>(running, logical[1].x);
-    running = max_abs_halves<T>(running, logical[1].y);
-    running = max_abs_halves<T>(running, logical[1].z);
-    running = max_abs_halves<T>(running, logical[1].w);
+    uint32_t running = max_abs_halves<T>(raw[0].x, raw[0].y);
+    running = max_abs_halves<T>(running, raw[0].z);
+    running = max_abs_halves<T>(running, raw[0].w);
+    running = max_abs_halves<T>(running, raw[1].x);
+    running = max_abs_halves<T>(running, raw[1].y);
+    running = max_abs_halves<T>(running, raw[1].z);
+    running = max_abs_halves<T>(running, raw[1].w);
     const float2 halves = abs_halves_as_float<T>(running);
     amax = fmaxf(halves.x, halves.y);
   }
 }
 
-// Columns (column, column + 1) of the 16 rows of row block `row_block`, and the amax of each (for
-// 16-bit T taken on the packed pairs, one HMNMX2 per row).
+// The rowwise items (tile row, 16-column block) of one thread. A quarter warp takes P consecutive rows
+// x 8/P consecutive blocks (P = TileLayout<T>::kChunksPerBlock: conflict-free reads), a warp 4 rows
+// x 8 blocks (it writes 64 contiguous bytes of each row), and item u lies 32u rows below item 0. Item
+// 0's row is below 32, so the row step moves the swizzle key by 2u, an XOR: the items' shared-memory
+// offsets differ by constants.
 template <typename T>
-__device__ __forceinline__ void read_column_pair(const uint8_t* tile, int row_block, int column, float (&first)[kBlockSize],
-                                                 float (&second)[kBlockSize], float (&amax)[2]) {
+struct RowwiseItems {
+  static constexpr int kParts = TileLayout<T>::kChunksPerBlock;
+  static constexpr int kBlocksPerQuarter = kColBlocksPerTile / kParts;
+  static constexpr int kRowStep = 32;
+  static_assert(kRowwiseItemsPerThread * kRowStep == kTileRows && kThreads == 256 && (kParts == 2 || kParts == 4),
+                "item layout");
+  int row, block, first_chunk;  // item 0
+
+  __device__ explicit RowwiseItems(int tid)
+      : row((tid >> 5) * 4 + (((tid & 31) >> 3) / kParts) * kParts + (tid & 7) / kBlocksPerQuarter),
+        block((((tid & 31) >> 3) % kParts) * kBlocksPerQuarter + (tid & 7) % kBlocksPerQuarter),
+        first_chunk(TileLayout<T>::chunk_offset(row, block * kParts)) {}
+
+  __device__ int chunk(int u) const {
+    return (first_chunk ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * TileLayout<T>::kRowBytes;
+  }
+};
+
+// Columns (column, column + 1) of the 16 rows of a row block, their first rows' element pairs at
+// base[b] (b < P: rows i and i + P share their swizzle key), and the amax of each (for 16-bit T taken
+// on the packed pairs, one HMNMX2 per row).
+template <typename T>
+__device__ __forceinline__ void read_column_pair(const uint8_t* const (&base)[TileLayout<T>::kChunksPerBlock], int shift,
+                                                 float (&first)[kBlockSize], float (&second)[kBlockSize],
+                                                 float (&amax)[2]) {
   using Layout = TileLayout<T>;
+  constexpr int kBases = Layout::kChunksPerBlock;
   [[maybe_unused]] uint32_t running = 0u;
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) {
-    const uint8_t* address = tile + Layout::element_offset(row_block * kBlockSize + i, column);
+    const uint8_t* address = base[i % kBases] + shift + (i / kBases) * kBases * Layout::kRowBytes;
     if constexpr (sizeof(T) == 4) {
       const float2 pair = *reinterpret_cast<const float2*>(address);
       first[i] = pair.x;
       second[i] = pair.y;
     } else {
       const uint32_t pair = *reinterpret_cast<const uint32_t*>(address);
-      const T* halves = reinterpret_cast<const T*>(&pair);
-      first[i] = to_float(halves[0]);
-      second[i] = to_float(halves[1]);
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const float2 both = bf16_pair_to_float2(pair);
+        first[i] = both.x;
+        second[i] = both.y;
+      } else {
+        const T* halves = reinterpret_cast<const T*>(&pair);
+        first[i] = to_float(halves[0]);
+        second[i] = to_float(halves[1]);
+      }
       running = i == 0 ? pair : max_abs_halves<T>(running, pair);
     }
   }
@@ -131,48 +151,60 @@ __global__ void __launch_bounds__(kThreads, k2D && sizeof(T) == 2 ? kMinTilesPer
   __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
   __shared__ float tile_amax_2d[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ float encode_of_scale[2][kPositiveScales];  // e_b of each scale byte: rowwise, columnwise
+  __shared__ float scale_factor[2];                     // S_enc * fp32(1/6): rowwise, columnwise
   using Layout = TileLayout<T>;
   const int64_t rows = args.rows, cols = args.cols;
   const int64_t column_tiles = (cols + kTileCols - 1) / kTileCols;
   const int64_t m0 = (blockIdx.x / column_tiles) * kTileRows, k0 = (blockIdx.x % column_tiles) * kTileCols;
+  const int rows_in_tile = rows - m0 < kTileRows ? static_cast<int>(rows - m0) : kTileRows;
+  const int cols_in_tile = cols - k0 < kTileCols ? static_cast<int>(cols - k0) : kTileCols;
   const int tid = threadIdx.x;
 
-  // 1. The tile into shared memory, all loads in flight before the first store.
+  // 1. The tile into shared memory, all loads in flight before the first store. Load u of a thread
+  //    is chunk tid % kChunksPerRow of row tid / kChunksPerRow + u * kLoadRowStep.
   constexpr int kLoads = kTileRows * Layout::kChunksPerRow / kThreads;
-  const uint8_t* x = static_cast<const uint8_t*>(args.x);
+  constexpr int kLoadRowStep = kThreads / Layout::kChunksPerRow;
+  const int load_row = tid / Layout::kChunksPerRow, load_chunk = tid % Layout::kChunksPerRow;
+  const uint8_t* x = static_cast<const uint8_t*>(args.x) +
+                     ((m0 + load_row) * cols + k0 + load_chunk * Layout::kChunkElements) * static_cast<int64_t>(sizeof(T));
+  const int64_t load_stride = kLoadRowStep * cols * static_cast<int64_t>(sizeof(T));
+  const bool load_columns_in = load_chunk * Layout::kChunkElements < cols_in_tile;
   uint4 staged[kLoads];
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    const int index = u * kThreads + tid, row = index / Layout::kChunksPerRow, chunk = index % Layout::kChunksPerRow;
-    const int64_t global_row = m0 + row, global_col = k0 + chunk * Layout::kChunkElements;
-    staged[u] = (global_row < rows && global_col < cols)
-                    ? load_streaming(x + (global_row * cols + global_col) * static_cast<int64_t>(sizeof(T)))
-                    : make_uint4(0u, 0u, 0u, 0u);
+    staged[u] = (load_columns_in && load_row + u * kLoadRowStep < rows_in_tile) ? load_streaming(x + u * load_stride)
+                                                                                : make_uint4(0u, 0u, 0u, 0u);
   }
-  // While the loads are in flight: e_b of each non-negative scale byte, once per tile instead of one
-  // division per block (a per-row S_enc, for row-scaled copies, divides per block instead).
+  // While the loads are in flight: e_b of each scale byte a non-negative block amax can give
+  // (block_scale_e4m3_of_nonnegative: 0x00..0x7E), once per tile instead of one division per block
+  // (a per-row S_enc, for row-scaled copies, divides per block instead).
   {
     const int copy = tid / kPositiveScales, scale = tid % kPositiveScales;
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
     if (amax != nullptr && !(copy == 0 && args.row_scaled)) {
-      encode_of_scale[copy][scale] = block_encode_factor(static_cast<uint8_t>(scale), decode_scale(encode_scale(amax[0])));
+      const float s_enc = encode_scale(amax[0]);
+      encode_of_scale[copy][scale] = block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc));
+      if (scale == 0) scale_factor[copy] = s_enc * kOneSixth;
     }
   }
+  // Store u's offset differs from store 0's by u * kLoadRowStep rows, which moves the swizzle key by
+  // (u * kLoadRowStep) >> 4 (an XOR, load_row < kLoadRowStep <= 16) and leaves row mod P alone.
+  const int store_offset = Layout::chunk_offset(load_row, load_chunk);
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    const int index = u * kThreads + tid;
-    *reinterpret_cast<uint4*>(tile + Layout::chunk_offset(index / Layout::kChunksPerRow, index % Layout::kChunksPerRow)) = staged[u];
+    *reinterpret_cast<uint4*>(tile + ((store_offset ^ ((((u * kLoadRowStep) >> 4) & 7) << 4)) +
+                                      u * kLoadRowStep * Layout::kRowBytes)) = staged[u];
   }
   __syncthreads();
 
+  const RowwiseItems<T> rowwise(tid);
   // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4).
   if constexpr (k2D) {
 #pragma unroll
     for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
-      const int item = u * kThreads + tid, block = item & 7, row = item >> 3;
       float values[kBlockSize], amax;
-      read_row_block<T>(tile, row, block, values, amax);
-      block_amax_2d[row][block] = amax;
+      read_row_block<T>(tile, rowwise.chunk(u), values, amax);
+      block_amax_2d[rowwise.row + u * rowwise.kRowStep][rowwise.block] = amax;
     }
     __syncthreads();
     if (tid < kRowBlocksPerTile * kColBlocksPerTile) {
@@ -185,40 +217,58 @@ __global__ void __launch_bounds__(kThreads, k2D && sizeof(T) == 2 ? kMinTilesPer
     __syncthreads();
   }
 
-  // 3. Rowwise copy: item = (tile row, 16-column block); 8 lanes write one row's 64 bytes.
+  // 3. Rowwise copy.
   if (args.rowwise_data != nullptr) {
-    const float tensor_s_enc = args.row_scaled ? 1.0f : encode_scale(args.amax_rowwise[0]);
+    const float tensor_factor = scale_factor[0];
+    const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
+    uint8_t* const data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
+    uint8_t* const scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
 #pragma unroll
     for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
-      const int item = u * kThreads + tid, block = item & 7, row = item >> 3;
-      const int64_t global_row = m0 + row, global_col = k0 + block * kBlockSize;
-      if (global_row >= rows || global_col >= cols) continue;
+      const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
+      if (row >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
       float values[kBlockSize], row_block_amax;
-      read_row_block<T>(tile, row, block, values, row_block_amax);
+      read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
       const float amax_of_block = k2D ? tile_amax_2d[row >> 4][block] : row_block_amax;
-      const float s_enc = args.row_scaled ? encode_scale(args.amax_rowwise[global_row]) : tensor_s_enc;
-      const uint8_t scale = block_scale_e4m3(amax_of_block, s_enc);
-      const float encode = args.row_scaled || scale >= kPositiveScales ? block_encode_factor(scale, decode_scale(s_enc))
-                                                                       : encode_of_scale[0][scale];
+      float encode;
+      uint8_t scale;
+      if (args.row_scaled) {
+        const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
+        scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
+        encode = block_encode_factor(scale, decode_scale(s_enc));
+      } else {
+        scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
+        encode = encode_of_scale[0][scale];
+      }
       const uint2 packed = encode_block<kSR>(values, encode, amax_of_block, args.sr_seed, kRowwiseStream,
-                                             global_row + args.sr_row_offset, global_col);
-      *reinterpret_cast<uint2*>(args.rowwise_data + global_row * (cols / 2) + global_col / 2) = packed;
-      args.rowwise_scale[global_row * (cols / kBlockSize) + global_col / kBlockSize] = scale;
+                                             m0 + row + args.sr_row_offset, k0 + block * kBlockSize);
+      const int64_t row_offset = u * rowwise.kRowStep;
+      *reinterpret_cast<uint2*>(data + row_offset * data_stride) = packed;
+      scales[row_offset * scale_stride] = scale;
     }
   }
 
-  // 4. Columnwise copy of x^T (after the RHT when on): item = (16-row block, column pair);
-  //    8 lanes write 64 bytes of each of their two columns.
+  // 4. Columnwise copy of x^T (after the RHT when on): item u = (16-row block tid % 8, column pair
+  //    (tid / 8) * 2 + u * 64); 8 lanes write 64 bytes of each of their two columns.
   if (args.columnwise_data != nullptr) {
-    const float s_enc = encode_scale(args.amax_columnwise[0]);
-    const float s_dec = decode_scale(s_enc);
+    const float factor = scale_factor[1];
+    const int row_block = tid & 7, first_column = (tid >> 3) * 2;
+    constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
+    const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
+    uint8_t* const data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
+    uint8_t* const scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
+    const uint8_t* base[Layout::kChunksPerBlock];
+#pragma unroll
+    for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
+      base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
+                first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
+    }
 #pragma unroll
     for (int u = 0; u < kColumnwiseItemsPerThread; ++u) {
-      const int item = u * kThreads + tid, row_block = item & 7, column = (item >> 3) * 2;
-      const int64_t global_row = m0 + row_block * kBlockSize, global_col = k0 + column;
-      if (global_row >= rows || global_col >= cols) continue;
+      const int column = first_column + u * kColumnStep;
+      if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
       float pair[2][kBlockSize], pair_amax[2];
-      read_column_pair<T>(tile, row_block, column, pair[0], pair[1], pair_amax);
+      read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
       if constexpr (kRHT) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -236,13 +286,12 @@ __global__ void __launch_bounds__(kThreads, k2D && sizeof(T) == 2 ? kMinTilesPer
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
-        const uint8_t scale = block_scale_e4m3(amax_of_block, s_enc);
-        const float encode = scale >= kPositiveScales ? block_encode_factor(scale, s_dec) : encode_of_scale[1][scale];
-        const uint2 packed = encode_block<kSR>(pair[j], encode, amax_of_block, args.sr_seed, kColumnwiseStream,
-                                               global_col + j,
-                                               global_row + args.sr_row_offset);
-        *reinterpret_cast<uint2*>(args.columnwise_data + (global_col + j) * (rows / 2) + global_row / 2) = packed;
-        args.columnwise_scale[(global_col + j) * (rows / kBlockSize) + global_row / kBlockSize] = scale;
+        const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
+        const uint2 packed = encode_block<kSR>(pair[j], encode_of_scale[1][scale], amax_of_block, args.sr_seed,
+                                               kColumnwiseStream, k0 + column + j, m0 + row_block * kBlockSize + args.sr_row_offset);
+        const int64_t column_offset = u * kColumnStep + j;
+        *reinterpret_cast<uint2*>(data + column_offset * data_stride) = packed;
+        scales[column_offset * scale_stride] = scale;
       }
     }
   }
