@@ -1,9 +1,11 @@
 """NVFP4 emulated GEMM on Hopper vs cuBLAS BF16 torch.matmul, same shapes, one run.
 
 Times (median, CUDA events via triton.testing.do_bench) the fused Triton GEMM and the
-dequantize + cuBLAS path, each including all of its dequantization, against
-torch.matmul of BF16 operands; reports TFLOP/s, the ratios, and the device memory each
-NVFP4 path allocates beyond its output. Writes JSON (--out).
+dequantize + cuBLAS path (cuBLASLt scaling and writing BF16, and the FP32-product + epilogue
+path it replaced), against torch.matmul of BF16 operands; reports TFLOP/s, the ratios, and the
+device memory each NVFP4 path allocates beyond its output. The dequantize path decodes A at every
+call; B's BF16 copy is reused while B is unchanged (in a layer: once per weight copy and step),
+so its one decode is not in the timed calls. Writes JSON (--out).
 
     python benchmarks/gemm.py [--sweep] [--out benchmarks/results/gemm_h100.json]
 """
@@ -79,8 +81,9 @@ def run_fused(a, b, config):
     return lambda: gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=config)
 
 
-def run_dequantize(a, b, rows_per_chunk):
-    return lambda: gemm_hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16, rows_per_chunk=rows_per_chunk)
+def run_dequantize(a, b, rows_per_chunk, via_fp32=False):
+    return lambda: gemm_hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16, rows_per_chunk=rows_per_chunk,
+                                                      via_fp32=via_fp32)
 
 
 def measure_shape(m: int, n: int, k: int, fused_config, rows_per_chunk, device) -> dict:
@@ -93,7 +96,8 @@ def measure_shape(m: int, n: int, k: int, fused_config, rows_per_chunk, device) 
     a_bf16 = b_bf16 = None  # free before the NVFP4 paths run
     row = dict(m=m, n=n, k=k, bf16_matmul_ms=bf16_ms, bf16_matmul_tflops=tflops(m, n, k, bf16_ms))
     output_bytes = m * n * 2
-    for name, fn in (("fused", run_fused(a, b, fused_config)), ("dequantize_matmul", run_dequantize(a, b, rows_per_chunk))):
+    for name, fn in (("fused", run_fused(a, b, fused_config)), ("dequantize_matmul", run_dequantize(a, b, rows_per_chunk)),
+                     ("dequantize_fp32", run_dequantize(a, b, rows_per_chunk, via_fp32=True))):
         error = relative_error(fn(), expected)
         ms = time_ms(fn)
         row.update({f"{name}_ms": ms, f"{name}_tflops": tflops(m, n, k, ms), f"{name}_ratio": bf16_ms / ms,
@@ -162,12 +166,14 @@ def main() -> None:
         json.dump(report, f, indent=2)
     print(f"\n{report['gpu']}  fused config {report['fused_config']}, dequantize rows_per_chunk "
           f"{report['dequantize_rows_per_chunk']}")
+    print("deq+mm: dequantize + cuBLASLt scaling and writing BF16; deq+fp32: cuBLAS FP32 product + epilogue kernel")
     print(f"{'M':>6} {'N':>6} {'K':>6} | {'BF16 TF/s':>9} | {'fused TF/s':>10} {'ratio':>6} | "
-          f"{'deq+mm TF/s':>11} {'ratio':>6} | {'extra MiB fused/deq':>20}")
+          f"{'deq+mm TF/s':>11} {'ratio':>6} | {'deq+fp32':>8} {'ratio':>6} | {'extra MiB fused/deq':>20}")
     for r in report["shapes"]:
         print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {r['bf16_matmul_tflops']:>9.1f} | "
               f"{r['fused_tflops']:>10.1f} {r['fused_ratio']:>6.3f} | {r['dequantize_matmul_tflops']:>11.1f} "
-              f"{r['dequantize_matmul_ratio']:>6.3f} | {r['fused_extra_bytes'] / 2**20:>9.1f}/"
+              f"{r['dequantize_matmul_ratio']:>6.3f} | {r['dequantize_fp32_tflops']:>8.1f} "
+              f"{r['dequantize_fp32_ratio']:>6.3f} | {r['fused_extra_bytes'] / 2**20:>9.1f}/"
               f"{r['dequantize_matmul_extra_bytes'] / 2**20:<9.1f}")
     print(f"wrote {args.out}")
 

@@ -159,6 +159,31 @@ void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, cons
                "dequantize_columnwise");
 }
 
+// False when cuBLASLt has no algorithm for the problem (nothing launched): the caller takes another path.
+bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
+                   const std::optional<at::Tensor>& bias, bool accumulate, at::Tensor& out, int64_t stream) {
+  constexpr int64_t kWorkspaceBytes = 32 << 20;
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && out.is_cuda() && a.dim() == 2 && b.dim() == 2 && out.dim() == 2 &&
+                  a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.stride(1) == 1 &&
+                  b.stride(1) == 1 && out.stride(1) == 1 && a.size(1) == b.size(1) && out.size(0) == a.size(0) &&
+                  out.size(1) == b.size(0),
+              "nvfp4_dist._C.cublaslt_gemm: BF16 a [M, K], b [N, K] and out [M, N], rows of unit stride");
+  check_device_tensor(a_amax, "a_amax");
+  check_device_tensor(b_amax, "b_amax");
+  TORCH_CHECK(a_amax.numel() == 1 && b_amax.numel() == 1, "nvfp4_dist._C.cublaslt_gemm: per-tensor amaxes");
+  if (bias.has_value()) check_device_tensor(*bias, "bias");
+  at::Tensor scalars = at::empty({2}, a_amax.options());
+  at::Tensor workspace = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
+  const cudaError_t status = nvfp4::launch_cublaslt_gemm(
+      a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1), a_amax.data_ptr<float>(),
+      b_amax.data_ptr<float>(), bias.has_value() ? bias->data_ptr() : nullptr,
+      bias.has_value() ? input_type(*bias) : input_type(out), accumulate, out.data_ptr(), input_type(out), out.stride(0),
+      scalars.data_ptr<float>(), workspace.data_ptr(), kWorkspaceBytes, as_stream(stream));
+  if (status == cudaErrorNotSupported) return false;
+  check_launch(status, "cublaslt_gemm");
+  return true;
+}
+
 void swizzle_scales(const at::Tensor& scale, at::Tensor& out, int64_t stream) {
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
@@ -261,6 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
   m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");
+  m.def("cublaslt_gemm", &cublaslt_gemm, "alpha * A . B^T (+ bias) or += it, alpha from the amaxes on the device");
   m.def("gemm_epilogue", &gemm_epilogue, "out (+)= acc * S_dec(a) * S_dec(b) (+ bias), FP32, one rounding");
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Compile every csrc/*.cu for sm_90a and sm_100a (compile only, no link) against the installed
 # torch's headers, and csrc/bindings.cpp with the host compiler; exit non-zero on any failure.
-# Usage: csrc/compile_check.sh   (NVCC=/path/to/nvcc to pick a compiler; JOBS=n parallel files)
+# Usage: csrc/compile_check.sh   (NVCC=/path/to/nvcc to pick a compiler; JOBS=n parallel files;
+#        CUBLAS_INCLUDE=dir holding cublasLt.h where the CUDA toolkit lacks the cuBLAS headers: else they
+#        are taken once from NVIDIA's cuBLAS wheel into ~/.cache/nvfp4_dist/cublas_include)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 nvcc="${NVCC:-nvcc}"
@@ -15,8 +17,24 @@ python_include=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['in
 probe="$out/probe.cu"; : >"$probe"
 cuda_top=$("$nvcc" --dryrun -c "$probe" -o "$out/probe.o" 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n1)
 cuda_include="${CUDA_HOME:-$cuda_top}/include"
+if [ -z "${CUBLAS_INCLUDE:-}" ] && ! echo '#include <cublasLt.h>' | "$nvcc" -x cu -E - -o /dev/null >/dev/null 2>&1; then
+  CUBLAS_INCLUDE="${XDG_CACHE_HOME:-$HOME/.cache}/nvfp4_dist/cublas_include"
+  if [ ! -f "$CUBLAS_INCLUDE/cublasLt.h" ]; then  # headers only: the wheel's libraries are not kept
+    "$python" -m pip download -q --no-deps -d "$out/wheel" "nvidia-cublas-cu12==12.9.*"
+    "$python" - "$out"/wheel/nvidia_cublas*.whl "$CUBLAS_INCLUDE" <<'PY'
+import os, sys, zipfile
+wheel, target = zipfile.ZipFile(sys.argv[1]), sys.argv[2]
+os.makedirs(target, exist_ok=True)
+prefix = "nvidia/cublas/include/"
+for name in wheel.namelist():
+    if name.startswith(prefix) and not name.endswith("/"):
+        with open(os.path.join(target, name[len(prefix):]), "wb") as f:
+            f.write(wheel.read(name))
+PY
+  fi
+fi
 # The flags nvfp4_dist/_extension.py builds with, plus torch's own nvcc defines.
-nvcc_flags=(-c -O3 -std=c++17 -fmad=false -lineinfo -I"$here"
+nvcc_flags=(-c -O3 -std=c++17 -fmad=false -lineinfo -I"$here" ${CUBLAS_INCLUDE:+-I"$CUBLAS_INCLUDE"}
             -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
             -D__CUDA_NO_HALF2_OPERATORS__
             -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a)

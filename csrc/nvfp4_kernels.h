@@ -63,6 +63,17 @@ cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const flo
                                  int64_t rows, int64_t cols, void* out, InputType out_type, int64_t out_stride,
                                  cudaStream_t stream);
 
+// cublaslt_gemm.cu --------------------------------------------------------------------------------
+// out[M, N] (row stride out_stride) = S_dec(a_amax) * S_dec(b_amax) * A[M, K] . B[N, K]^T (+ bias[N]), or
+// out += that when accumulate (then no bias); A, B BF16 with row strides lda, ldb; bias of out_type; one
+// rounding to out_type by cuBLASLt. scalars: 2 floats of device memory. cudaErrorNotSupported: cuBLASLt has
+// no algorithm for this problem (nothing was launched).
+cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t m, int64_t n,
+                                 int64_t k, const float* a_amax, const float* b_amax, const void* bias,
+                                 InputType bias_type, bool accumulate, void* out, InputType out_type,
+                                 int64_t out_stride, float* scalars, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+
 // swizzle.cu --------------------------------------------------------------------------------------
 // [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (SPEC 8).
 cudaError_t launch_swizzle_scales(const uint8_t* scale, int64_t rows, int64_t cols, uint8_t* out,

@@ -39,6 +39,28 @@ def stream_handle(device: torch.device | None = None) -> int:
     return raw(index) if raw else torch.cuda.current_stream(index).cuda_stream
 
 
+def cublas_lt_flags() -> tuple[list[str], list[str]]:
+    """(include dirs, linker flags) for cuBLASLt (csrc/cublaslt_gemm.cu): the CUDA toolkit's, else those of
+    NVIDIA's cuBLAS wheel that CUDA builds of torch install (the library torch itself loads at run time)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    if CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "include", "cublasLt.h")):
+        for libdir in ("lib64", "lib"):
+            if os.path.exists(os.path.join(CUDA_HOME, libdir, "libcublasLt.so")):
+                return [], [f"-L{os.path.join(CUDA_HOME, libdir)}", "-lcublasLt"]
+    try:
+        import nvidia
+        roots = list(nvidia.__path__)
+    except ImportError:
+        roots = []
+    for root in roots:
+        headers = sorted(pathlib.Path(root).glob("**/include/cublasLt.h"))
+        libraries = sorted(pathlib.Path(root).glob("**/lib/libcublasLt.so*"))
+        if headers and libraries:
+            library = libraries[-1]
+            return [str(headers[-1].parent)], [f"-L{library.parent}", f"-l:{library.name}", f"-Wl,-rpath,{library.parent}"]
+    return [], ["-lcublasLt"]  # let the linker search; its error says what is missing
+
+
 def source_files() -> list[str]:
     """Every csrc/*.cu plus csrc/bindings.cpp."""
     return [str(p) for p in sorted(CSRC_DIR.glob("*.cu"))] + [str(CSRC_DIR / "bindings.cpp")]
@@ -91,8 +113,10 @@ def load_extension(verbose: bool = False):
             from torch.utils.cpp_extension import load
             directory = build_directory()
             logger.info("building/loading %s in %s", EXTENSION_NAME, directory)
+            cublas_includes, cublas_link = cublas_lt_flags()
             module = load(name=EXTENSION_NAME, sources=source_files(), extra_cflags=list(CXX_FLAGS),
-                          extra_cuda_cflags=list(NVCC_FLAGS) + arch_flags(), extra_include_paths=[str(CSRC_DIR)],
+                          extra_cuda_cflags=list(NVCC_FLAGS) + arch_flags(),
+                          extra_include_paths=[str(CSRC_DIR), *cublas_includes], extra_ldflags=cublas_link,
                           build_directory=str(directory), verbose=verbose)
         except Exception as error:  # compiler missing, compile error, load error: all need the same advice
             raise RuntimeError(f"nvfp4_dist._C could not be built or loaded ({type(error).__name__}: {error}). "

@@ -14,12 +14,14 @@ inside the kernels from the amax tensors (no host sync, no extra launches).
 Two paths:
 - gemm_fused: dequantization inside the GEMM's K loop (packed tiles loaded, decoded in
   registers, tl.dot with FP32 accumulation); no operand copy is materialised.
-- gemm_dequantize_matmul: a dequantize kernel writes BF16 operands, torch.mm runs
-  cuBLAS with FP32 output, and an epilogue kernel applies alpha/bias/accumulate. Those two
-  kernels are CUDA (csrc/dequantize.cu, csrc/gemm_epilogue.cu), not Triton: a C++ launch costs
-  a few microseconds of host time where Triton's Python launcher costs tens. The BF16
-  copy of B is kept for the next call while that call's B is the same, unmodified tensor:
-  the overlapped layers' per-chunk GEMMs (parallel/overlap.py) dequantize their weight once.
+- gemm_dequantize_matmul: a dequantize kernel writes BF16 operands and cuBLASLt multiplies
+  them, scaling by alpha read from device memory and writing the output dtype itself
+  (csrc/cublaslt_gemm.cu); where it cannot (row-scaled A, ...), cuBLAS writes the FP32
+  product and an epilogue kernel applies alpha/bias/accumulate (csrc/gemm_epilogue.cu). The
+  kernels are CUDA, not Triton: a C++ launch costs a few microseconds of host time where
+  Triton's Python launcher costs tens. The BF16 copy of B is kept for the next call while
+  that call's B is the same, unmodified tensor: the overlapped layers' per-chunk GEMMs
+  (parallel/overlap.py) dequantize their weight once.
 """
 from __future__ import annotations
 
@@ -220,7 +222,7 @@ class FusedConfig:
 
 
 DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # fastest fused variant on H100 (benchmarks/gemm.py)
-# gemm_dequantize_matmul's row chunks: at most this many bytes of BF16 A rows and FP32 output rows at once,
+# gemm_dequantize_matmul's row chunks: at most this many bytes of BF16 A rows (and FP32 product rows) at once,
 # so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunking costs
 # ~2% at 8192^3 on H100, benchmarks/results/gemm_h100.json).
 CHUNK_BYTES = 512 << 20
@@ -321,27 +323,38 @@ def apply_epilogue(acc: torch.Tensor, a_amax: torch.Tensor, b_amax: torch.Tensor
 
 
 def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
-                           bias=None, accumulate_into=None, out=None,
-                           rows_per_chunk: int | None = None) -> torch.Tensor:
-    """y = A . B^T as dequantize-to-BF16 kernels, cuBLAS with FP32 output, and an epilogue kernel.
+                           bias=None, accumulate_into=None, out=None, rows_per_chunk: int | None = None,
+                           via_fp32: bool = False) -> torch.Tensor:
+    """y = A . B^T as dequantize-to-BF16 kernels and cuBLAS.
 
-    rows_per_chunk: run A in row chunks through reused BF16/FP32 buffers; None: as many rows as fit in
-    CHUNK_BYTES (all of them for most GEMMs); pass the row count for one pass.
+    cuBLASLt scales by alpha (read from the amaxes on the device) and writes y in its dtype, adding a bias
+    of that dtype. Row-scaled A, a bias of another dtype, a bias with accumulate_into, via_fp32=True, or
+    no cuBLASLt algorithm: cuBLAS writes the FP32 product and an epilogue kernel applies alpha, bias and
+    accumulation (one more pass over the output). rows_per_chunk: run A in row chunks through reused
+    buffers; None: as many rows as fit in CHUNK_BYTES (all of them for most GEMMs).
     """
     rows, cols = a_data.shape[0], b_data.shape[0]
-    if rows_per_chunk is None:
-        rows_per_chunk = max(256, CHUNK_BYTES // (4 * cols + 2 * 2 * a_data.shape[1]) // 256 * 256)
-    chunk = min(rows, rows_per_chunk)
     b_values = _last_b.get(b_data, b_scale)
     a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
     out = output_tensor(rows, cols, out_dtype, accumulate_into, out, a_data.device)
+    accumulate = accumulate_into is not None
+    scaled_by_cublaslt = (not via_fp32 and a_amax.numel() == 1
+                          and (bias is None or (not accumulate and bias.dtype == out.dtype)))
+    row_bytes = 2 * 2 * a_data.shape[1] + (0 if scaled_by_cublaslt else 4 * cols)  # BF16 A row (+ FP32 product row)
+    chunk = min(rows, rows_per_chunk or max(256, CHUNK_BYTES // row_bytes // 256 * 256))
     a_values = torch.empty(chunk, a_data.shape[1] * 2, dtype=torch.bfloat16, device=a_data.device)
-    acc = torch.empty(chunk, cols, dtype=torch.float32, device=a_data.device)
+    acc = None
     for start in range(0, rows, chunk):
         stop = min(start + chunk, rows)
-        a_chunk, acc_chunk = a_values[:stop - start], acc[:stop - start]
+        a_chunk = a_values[:stop - start]
         dequantize_into(a_data[start:stop], a_scale[start:stop], a_chunk)
+        if scaled_by_cublaslt and load_extension().cublaslt_gemm(a_chunk, b_values, a_amax, b_amax, bias, accumulate,
+                                                                 out[start:stop], stream_handle(out.device)):
+            continue
+        if acc is None:  # the FP32 path (or cuBLASLt has no algorithm for this chunk's problem)
+            acc = torch.empty(chunk, cols, dtype=torch.float32, device=a_data.device)
+        acc_chunk = acc[:stop - start]
         torch.mm(a_chunk, b_values.t(), out_dtype=torch.float32, out=acc_chunk)
         apply_epilogue(acc_chunk, a_amax[start:stop] if a_amax.numel() != 1 else a_amax, b_amax, bias,
-                       out[start:stop], accumulate_into is not None)
+                       out[start:stop], accumulate)
     return out

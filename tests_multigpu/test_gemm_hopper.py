@@ -144,7 +144,8 @@ def test_epilogue_is_the_fp32_formula(out_dtype, bias_dtype, per_row):
 PATHS = {"fused": gemm_hopper.gemm_fused,
          "fused_b_first": lambda *args, **kw: gemm_hopper.gemm_fused(*args, config=B_FIRST, **kw),
          "dequantize": gemm_hopper.gemm_dequantize_matmul,
-         "dequantize_chunked": lambda *args, **kw: gemm_hopper.gemm_dequantize_matmul(*args, rows_per_chunk=160, **kw)}
+         "dequantize_chunked": lambda *args, **kw: gemm_hopper.gemm_dequantize_matmul(*args, rows_per_chunk=160, **kw),
+         "dequantize_fp32": lambda *args, **kw: gemm_hopper.gemm_dequantize_matmul(*args, via_fp32=True, **kw)}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -216,6 +217,26 @@ def test_out_rows_of_a_larger_tensor(path):
     assert returned.data_ptr() == whole[192:384].data_ptr()
     check_bf16(whole[192:384], reference.gemm_reference(*args))
     assert bool((whole[:192] == 7).all()) and bool((whole[384:] == 7).all())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cublaslt_scales_and_writes_the_output_itself(out_dtype, monkeypatch):
+    """Per-tensor amaxes: cuBLASLt applies alpha and the bias and writes out (no FP32 product, no epilogue
+    kernel), never reads the NaNs an output buffer may hold, and agrees with the FP32 path and the reference."""
+    epilogues = []
+    monkeypatch.setattr(gemm_hopper, "apply_epilogue", lambda *args: epilogues.append(args))
+    x, w, _ = layer_operands(320, 272, 224, seed=31)
+    args = operands(x, "rowwise", w, "rowwise")
+    bias = torch.randn(272, device="cuda").to(out_dtype)
+    out = torch.full((320, 272), float("nan"), device="cuda", dtype=out_dtype)
+    gemm_hopper.gemm_dequantize_matmul(*args, out=out, bias=bias)
+    assert not epilogues
+    expected = reference.gemm_reference(*args) + bias.float()
+    torch.testing.assert_close(out.float(), expected.to(out_dtype).float(), **TOLERANCE)
+    monkeypatch.undo()
+    via_fp32 = gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=out_dtype, bias=bias, via_fp32=True)
+    close = dict(atol=1e-2, rtol=1e-2) if out_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), via_fp32.float(), **close)  # only the summation order may differ
 
 
 def test_dequantized_b_is_reused_then_dropped_with_its_operand():
