@@ -252,14 +252,17 @@ def test_dequantized_b_is_reused_then_dropped_with_its_operand():
 
 
 def test_dequantize_path_chunks_rows_to_its_byte_budget(monkeypatch):
-    """With the default rows_per_chunk, a GEMM whose temporaries exceed CHUNK_BYTES runs in row chunks."""
-    monkeypatch.setattr(gemm_hopper, "CHUNK_BYTES", 1 << 20)  # 256-row chunks for these shapes
+    """With the default rows_per_chunk, a GEMM whose temporaries (BF16 A rows, plus FP32 product rows on the
+    FP32 path) exceed CHUNK_BYTES runs in row chunks."""
+    monkeypatch.setattr(gemm_hopper, "CHUNK_BYTES", 1 << 18)  # chunks of 256 rows for these shapes
     x, w, dy = layer_operands(1024, 384, 512, seed=23)
     calls = []
     original = gemm_hopper.dequantize_into
     monkeypatch.setattr(gemm_hopper, "dequantize_into", lambda data, *rest: calls.append(data.shape[0]) or original(data, *rest))
-    for name in ("fprop", "wgrad"):
-        args = operands(*layout(name, x, w, dy))
-        calls.clear()
-        check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), reference.gemm_reference(*args))
-        assert len([rows for rows in calls if rows <= 256]) >= 2, calls  # A in chunks of at most 256 rows
+    for via_fp32 in (False, True):
+        for name in ("fprop", "wgrad"):
+            args = operands(*layout(name, x, w, dy))
+            calls.clear()
+            out = gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, via_fp32=via_fp32)
+            check_bf16(out, reference.gemm_reference(*args))
+            assert len([rows for rows in calls if rows <= 256]) >= 2, calls  # A in chunks of at most 256 rows
