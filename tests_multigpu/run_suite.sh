@@ -130,6 +130,8 @@ i)  # in priority order: the Hopper GEMM, the collectives and layers on 2 GPUs, 
     step linear_tests 100 python3 -m pytest -q -s tests_multigpu/test_linear_gpu.py
     step parallel_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_parallel_gpu.py
     step gemm_bench 120 python3 benchmarks/gemm.py --out "$R/gemm_$GPU.json"
+    step megatron_tp2_sp 240 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
+        -k "2-True-0"
     ;;
 *) echo "usage: $0 a|b|c|d|e|f|g|h OUTDIR"; exit 2 ;;
 esac
