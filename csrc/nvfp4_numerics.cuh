@@ -18,7 +18,6 @@ namespace nvfp4 {
 constexpr int kBlockSize = 16;                       // elements per block scale
 constexpr float kFltMax = 3.40282346638528859812e+38f;
 constexpr float kGlobalScaleNumerator = 2688.0f;     // 448 * 6
-constexpr float kE4M3Max = 448.0f;
 constexpr float kFp4Max = 6.0f;
 constexpr float kOneSixth = static_cast<float>(1.0 / 6.0);  // fp32(1/6), as torch.tensor(1/6, float32)
 
@@ -50,16 +49,9 @@ NVFP4_HD float encode_scale(float amax) {
 
 NVFP4_HD float decode_scale(float s_enc) { return 1.0f / s_enc; }
 
-// E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (SPEC 2.3).
-NVFP4_HD uint8_t block_scale_e4m3(float block_amax, float s_enc) {
-  const float factor = s_enc * kOneSixth;
-  float v = fminf(block_amax * factor, kFltMax);
-  v = fminf(fmaxf(v, -kE4M3Max), kE4M3Max);
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-// block_scale_e4m3 for block_amax >= 0 (or NaN) and a finite factor = s_enc * fp32(1/6) > 0: the
-// product is then in [0, FLT_MAX] after the first clamp, and SATFINITE clamps it to 448 itself.
+// E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (SPEC 2.3), for
+// block_amax >= 0 (or NaN) and a finite factor = S_enc * fp32(1/6) > 0: the product is then in
+// [0, FLT_MAX] after the first clamp, and SATFINITE clamps it to 448 itself.
 NVFP4_HD uint8_t block_scale_e4m3_of_nonnegative(float block_amax, float factor) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(fminf(block_amax * factor, kFltMax), __NV_SATFINITE, __NV_E4M3));
 }

@@ -38,7 +38,7 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
       const float* v = x + r * cols + b * kBlockSize;
       float block_amax = 0.0f;
       for (int i = 0; i < kBlockSize; ++i) block_amax = fmaxf(block_amax, fabsf(v[i]));
-      const unsigned char scale = block_scale_e4m3(block_amax, s_enc);
+      const unsigned char scale = block_scale_e4m3_of_nonnegative(block_amax, s_enc * kOneSixth);
       const float encode = block_encode_factor(scale, s_dec);
       scales[r * (cols / kBlockSize) + b] = scale;
       float block[kBlockSize];
