@@ -223,8 +223,8 @@ class FusedConfig:
 
 DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # fastest fused variant on H100 (benchmarks/gemm.py)
 # gemm_dequantize_matmul's row chunks: at most this many bytes of BF16 A rows (and FP32 product rows) at once,
-# so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunking costs
-# ~2% at 8192^3 on H100, benchmarks/results/gemm_h100.json).
+# so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunking cost
+# ~2% at 8192^3 on H100 in `benchmarks/gemm.py --sweep` of the FP32-product path, session 3).
 CHUNK_BYTES = 512 << 20
 
 
