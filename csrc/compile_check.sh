@@ -20,15 +20,15 @@ cuda_include="${CUDA_HOME:-$cuda_top}/include"
 if [ -z "${CUBLAS_INCLUDE:-}" ] && ! echo '#include <cublasLt.h>' | "$nvcc" -x cu -E - -o /dev/null >/dev/null 2>&1; then
   CUBLAS_INCLUDE="${XDG_CACHE_HOME:-$HOME/.cache}/nvfp4_dist/cublas_include"
   if [ ! -f "$CUBLAS_INCLUDE/cublasLt.h" ]; then  # headers only: the wheel's libraries are not kept
-    "$python" -m pip download -q --no-deps -d "$out/wheel" "nvidia-cublas-cu12==12.9.*"
+    "$python" -m pip download -q --no-deps -d "$out/wheel" "nvidia-cublas==13.*"
     "$python" - "$out"/wheel/nvidia_cublas*.whl "$CUBLAS_INCLUDE" <<'PY'
 import os, sys, zipfile
 wheel, target = zipfile.ZipFile(sys.argv[1]), sys.argv[2]
 os.makedirs(target, exist_ok=True)
-prefix = "nvidia/cublas/include/"
-for name in wheel.namelist():
-    if name.startswith(prefix) and not name.endswith("/"):
-        with open(os.path.join(target, name[len(prefix):]), "wb") as f:
+for name in wheel.namelist():  # nvidia/cu13/include/cublasLt.h, ...
+    folder, _, file = name.rpartition("/")
+    if folder.endswith("/include") and file.endswith(".h"):
+        with open(os.path.join(target, file), "wb") as f:
             f.write(wheel.read(name))
 PY
   fi
