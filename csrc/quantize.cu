@@ -2,7 +2,12 @@
 // the rowwise copy and the columnwise (transposed) copy with their E4M3 scales.
 // Variants (template flags): 16x16 blocks for weights (SPEC 4), the RHT of the columnwise copy of
 // BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled amax (SPEC 6)
-// and which copies to write are run-time arguments.
+// and which copies to write are run-time arguments. For 16-bit inputs each CTA encodes 2
+// consecutive tiles, the next tile's copy (cp.async, into a second shared-memory buffer) in flight
+// while it encodes the current one, and pays the per-CTA setup (the e_b tables) once. FP32 tiles
+// (two would take 128 KiB) run one CTA per tile.
+#include <cstdint>
+
 #include "nvfp4_device.cuh"
 #include "nvfp4_numerics.cuh"
 
@@ -10,8 +15,11 @@ namespace nvfp4 {
 namespace {
 
 constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
-constexpr int kMinTilesPerMultiprocessor = 3;  // caps registers at 85 so 3 tiles overlap load and math
-constexpr int kMinTilesPerMultiprocessor2D = 4;  // 16x16 blocks of 16-bit input: 64 registers, ~4% faster on H100
+// CTAs per multiprocessor the registers must allow: FP32 input (85 registers, so 3 tiles overlap load
+// and math); 16-bit input, whose registers also hold the next tile; the same with 16x16 blocks.
+constexpr int kMinTilesPerMultiprocessor = 3;
+constexpr int kMinTilesPerMultiprocessor16Bit = 3;
+constexpr int kMinTilesPerMultiprocessor2D = 4;
 constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
 constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
 constexpr int kRowwiseItemsPerThread = kTileRows * kColBlocksPerTile / kThreads;        // (row, 16-col block)
@@ -144,40 +152,78 @@ __device__ __forceinline__ void read_column_pair(const uint8_t* const (&base)[Ti
   }
 }
 
+// Where a tile lies in x, and how much of it is inside x.
+struct TileOrigin {
+  int64_t m0, k0;
+  int rows_in_tile, cols_in_tile;
+
+  __device__ TileOrigin(const QuantizeArgs& args, int column_tiles, int tile)
+      : m0(static_cast<int64_t>(tile / column_tiles) * kTileRows),
+        k0(static_cast<int64_t>(tile % column_tiles) * kTileCols),
+        rows_in_tile(args.rows - m0 < kTileRows ? static_cast<int>(args.rows - m0) : kTileRows),
+        cols_in_tile(args.cols - k0 < kTileCols ? static_cast<int>(args.cols - k0) : kTileCols) {}
+};
+
+// One thread's share of a tile's copy from global to shared memory (cp.async, 16 bytes each, zeros
+// outside x): copy u is chunk tid % kChunksPerRow of tile row tid / kChunksPerRow + u * kRowStep.
+// Copy u's shared-memory offset differs from copy 0's by u * kRowStep rows, which moves the swizzle key
+// by (u * kRowStep) >> 4 (an XOR, the first row < kRowStep <= 16) and leaves row mod P alone.
+template <typename T>
+__device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArgs& args, const TileOrigin& origin, int tid) {
+  using Layout = TileLayout<T>;
+  constexpr int kCount = kTileRows * Layout::kChunksPerRow / kThreads;
+  constexpr int kRowStep = kThreads / Layout::kChunksPerRow;
+  const int row = tid / Layout::kChunksPerRow, chunk = tid % Layout::kChunksPerRow;
+  const int64_t element_bytes = sizeof(T);
+  const uint8_t* x = static_cast<const uint8_t*>(args.x) +
+                     ((origin.m0 + row) * args.cols + origin.k0 + chunk * Layout::kChunkElements) * element_bytes;
+  const int64_t stride = kRowStep * args.cols * element_bytes;
+  const bool columns_in = chunk * Layout::kChunkElements < origin.cols_in_tile;
+  const uint32_t tile_address = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+  const int offset = Layout::chunk_offset(row, chunk);
+#pragma unroll
+  for (int u = 0; u < kCount; ++u) {
+    const bool inside = columns_in && row + u * kRowStep < origin.rows_in_tile;
+    const uint32_t to = tile_address + ((offset ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * Layout::kRowBytes);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(inside ? x + u * stride : x),
+                 "r"(inside ? 16 : 0) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Whether a CTA copies its next tile into a second buffer while it encodes the current one (two
+// consecutive tiles per CTA): for 16-bit inputs, whose two tiles take 64 KiB of shared memory (FP32's 128 KiB
+// would leave one CTA per multiprocessor).
+template <typename T>
+constexpr bool kPrefetchNextTile = sizeof(T) == 2;
+template <typename T>
+constexpr int kTileBuffers = kPrefetchNextTile<T> ? 2 : 1;
+template <typename T>
+constexpr int kTilesPerCta = kPrefetchNextTile<T> ? 2 : 1;
+
+// CTA b encodes the kTilesPerCta<T> consecutive tiles from b * kTilesPerCta<T> of the `tiles`
+// (row-major, `column_tiles` per tile row).
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
-__global__ void __launch_bounds__(kThreads, k2D && sizeof(T) == 2 ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor)
-    quantize_tile_kernel(const QuantizeArgs args) {
-  extern __shared__ __align__(16) uint8_t tile[];
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
+                                              : (k2D ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor16Bit))
+    quantize_tile_kernel(const QuantizeArgs args, const int column_tiles, const int tiles) {
+  constexpr bool kPrefetch = kPrefetchNextTile<T>;
+  extern __shared__ __align__(16) uint8_t tiles_in_shared[];  // kTileBuffers<T> tiles
   __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
   __shared__ float tile_amax_2d[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ float encode_of_scale[2][kPositiveScales];  // e_b of each scale byte: rowwise, columnwise
   __shared__ float scale_factor[2];                     // S_enc * fp32(1/6): rowwise, columnwise
   using Layout = TileLayout<T>;
   const int64_t rows = args.rows, cols = args.cols;
-  const int64_t column_tiles = (cols + kTileCols - 1) / kTileCols;
-  const int64_t m0 = (blockIdx.x / column_tiles) * kTileRows, k0 = (blockIdx.x % column_tiles) * kTileCols;
-  const int rows_in_tile = rows - m0 < kTileRows ? static_cast<int>(rows - m0) : kTileRows;
-  const int cols_in_tile = cols - k0 < kTileCols ? static_cast<int>(cols - k0) : kTileCols;
   const int tid = threadIdx.x;
 
-  // 1. The tile into shared memory, all loads in flight before the first store. Load u of a thread
-  //    is chunk tid % kChunksPerRow of row tid / kChunksPerRow + u * kLoadRowStep.
-  constexpr int kLoads = kTileRows * Layout::kChunksPerRow / kThreads;
-  constexpr int kLoadRowStep = kThreads / Layout::kChunksPerRow;
-  const int load_row = tid / Layout::kChunksPerRow, load_chunk = tid % Layout::kChunksPerRow;
-  const uint8_t* x = static_cast<const uint8_t*>(args.x) +
-                     ((m0 + load_row) * cols + k0 + load_chunk * Layout::kChunkElements) * static_cast<int64_t>(sizeof(T));
-  const int64_t load_stride = kLoadRowStep * cols * static_cast<int64_t>(sizeof(T));
-  const bool load_columns_in = load_chunk * Layout::kChunkElements < cols_in_tile;
-  uint4 staged[kLoads];
-#pragma unroll
-  for (int u = 0; u < kLoads; ++u) {
-    staged[u] = (load_columns_in && load_row + u * kLoadRowStep < rows_in_tile) ? load_streaming(x + u * load_stride)
-                                                                                : make_uint4(0u, 0u, 0u, 0u);
-  }
-  // While the loads are in flight: e_b of each scale byte a non-negative block amax can give
-  // (block_scale_e4m3_of_nonnegative: 0x00..0x7E), once per tile instead of one division per block
-  // (a per-row S_enc, for row-scaled copies, divides per block instead).
+  // 1. The first tile's loads in flight; meanwhile e_b of each scale byte a non-negative block amax can
+  //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E), once per CTA instead of one division per
+  //    block (a per-row S_enc, for row-scaled copies, divides per block instead).
+  const int first_tile = static_cast<int>(blockIdx.x) * kTilesPerCta<T>;
+  const int end_tile = tiles - first_tile < kTilesPerCta<T> ? tiles : first_tile + kTilesPerCta<T>;
+  TileOrigin origin(args, column_tiles, first_tile);
+  copy_tile_async<T>(tiles_in_shared, args, origin, tid);
   {
     const int copy = tid / kPositiveScales, scale = tid % kPositiveScales;
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
@@ -187,127 +233,141 @@ __global__ void __launch_bounds__(kThreads, k2D && sizeof(T) == 2 ? kMinTilesPer
       if (scale == 0) scale_factor[copy] = s_enc * kOneSixth;
     }
   }
-  // Store u's offset differs from store 0's by u * kLoadRowStep rows, which moves the swizzle key by
-  // (u * kLoadRowStep) >> 4 (an XOR, load_row < kLoadRowStep <= 16) and leaves row mod P alone.
-  const int store_offset = Layout::chunk_offset(load_row, load_chunk);
-#pragma unroll
-  for (int u = 0; u < kLoads; ++u) {
-    *reinterpret_cast<uint4*>(tile + ((store_offset ^ ((((u * kLoadRowStep) >> 4) & 7) << 4)) +
-                                      u * kLoadRowStep * Layout::kRowBytes)) = staged[u];
-  }
-  __syncthreads();
-
   const RowwiseItems<T> rowwise(tid);
-  // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4).
-  if constexpr (k2D) {
-#pragma unroll
-    for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
-      float values[kBlockSize], amax;
-      read_row_block<T>(tile, rowwise.chunk(u), values, amax);
-      block_amax_2d[rowwise.row + u * rowwise.kRowStep][rowwise.block] = amax;
-    }
-    __syncthreads();
-    if (tid < kRowBlocksPerTile * kColBlocksPerTile) {
-      const int row_block = tid >> 3, block = tid & 7;
-      float running = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) running = fmaxf(running, block_amax_2d[row_block * kBlockSize + i][block]);
-      tile_amax_2d[row_block][block] = running;
-    }
-    __syncthreads();
-  }
 
-  // 3. Rowwise copy.
-  if (args.rowwise_data != nullptr) {
-    const float tensor_factor = scale_factor[0];
-    const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
-    uint8_t* const data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
-    uint8_t* const scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
+  for (int tile_index = first_tile, buffer = 0;; buffer ^= 1) {
+    const int64_t m0 = origin.m0, k0 = origin.k0;
+    const int rows_in_tile = origin.rows_in_tile, cols_in_tile = origin.cols_in_tile;
+    const uint8_t* const tile = tiles_in_shared + buffer * Layout::kBytes;
+    const int next_tile = tile_index + 1;
+    if (kPrefetch && next_tile < end_tile) {  // the next tile's copy in flight while this one is encoded
+      origin = TileOrigin(args, column_tiles, next_tile);
+      copy_tile_async<T>(tiles_in_shared + (buffer ^ 1) * Layout::kBytes, args, origin, tid);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
+
+    // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4).
+    if constexpr (k2D) {
 #pragma unroll
-    for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
-      const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
-      if (row >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
-      float values[kBlockSize], row_block_amax;
-      read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
-      const float amax_of_block = k2D ? tile_amax_2d[row >> 4][block] : row_block_amax;
-      float encode;
-      uint8_t scale;
-      if (args.row_scaled) {
-        const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
-        scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
-        encode = block_encode_factor(scale, decode_scale(s_enc));
-      } else {
-        scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
-        encode = encode_of_scale[0][scale];
+      for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
+        float values[kBlockSize], amax;
+        read_row_block<T>(tile, rowwise.chunk(u), values, amax);
+        block_amax_2d[rowwise.row + u * rowwise.kRowStep][rowwise.block] = amax;
       }
-      const uint2 packed = encode_block<kSR>(values, encode, amax_of_block, args.sr_seed, kRowwiseStream,
-                                             m0 + row + args.sr_row_offset, k0 + block * kBlockSize);
-      const int64_t row_offset = u * rowwise.kRowStep;
-      *reinterpret_cast<uint2*>(data + row_offset * data_stride) = packed;
-      scales[row_offset * scale_stride] = scale;
+      __syncthreads();
+      if (tid < kRowBlocksPerTile * kColBlocksPerTile) {
+        const int row_block = tid >> 3, block = tid & 7;
+        float running = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) running = fmaxf(running, block_amax_2d[row_block * kBlockSize + i][block]);
+        tile_amax_2d[row_block][block] = running;
+      }
+      __syncthreads();
     }
-  }
 
-  // 4. Columnwise copy of x^T (after the RHT when on): item u = (16-row block tid % 8, column pair
-  //    (tid / 8) * 2 + u * 64); 8 lanes write 64 bytes of each of their two columns.
-  if (args.columnwise_data != nullptr) {
-    const float factor = scale_factor[1];
-    const int row_block = tid & 7, first_column = (tid >> 3) * 2;
-    constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
-    const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
-    uint8_t* const data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
-    uint8_t* const scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
-    const uint8_t* base[Layout::kChunksPerBlock];
+    // 3. Rowwise copy.
+    if (args.rowwise_data != nullptr) {
+      const float tensor_factor = scale_factor[0];
+      const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
+      uint8_t* const data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
+      uint8_t* const scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
 #pragma unroll
-    for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
-      base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
-                first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
+      for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
+        const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
+        if (row >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
+        float values[kBlockSize], row_block_amax;
+        read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
+        const float amax_of_block = k2D ? tile_amax_2d[row >> 4][block] : row_block_amax;
+        float encode;
+        uint8_t scale;
+        if (args.row_scaled) {
+          const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
+          scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
+          encode = block_encode_factor(scale, decode_scale(s_enc));
+        } else {
+          scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
+          encode = encode_of_scale[0][scale];
+        }
+        const uint2 packed = encode_block<kSR>(values, encode, amax_of_block, args.sr_seed, kRowwiseStream,
+                                               m0 + row + args.sr_row_offset, k0 + block * kBlockSize);
+        const int64_t row_offset = u * rowwise.kRowStep;
+        *reinterpret_cast<uint2*>(data + row_offset * data_stride) = packed;
+        scales[row_offset * scale_stride] = scale;
+      }
     }
+
+    // 4. Columnwise copy of x^T (after the RHT when on): item u = (16-row block tid % 8, column pair
+    //    (tid / 8) * 2 + u * 64); 8 lanes write 64 bytes of each of their two columns.
+    if (args.columnwise_data != nullptr) {
+      const float factor = scale_factor[1];
+      const int row_block = tid & 7, first_column = (tid >> 3) * 2;
+      constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
+      const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
+      uint8_t* const data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
+      uint8_t* const scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
+      const uint8_t* base[Layout::kChunksPerBlock];
 #pragma unroll
-    for (int u = 0; u < kColumnwiseItemsPerThread; ++u) {
-      const int column = first_column + u * kColumnStep;
-      if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
-      float pair[2][kBlockSize], pair_amax[2];
-      read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
-      if constexpr (kRHT) {
+      for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
+        base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
+                  first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
+      }
+#pragma unroll
+      for (int u = 0; u < kColumnwiseItemsPerThread; ++u) {
+        const int column = first_column + u * kColumnStep;
+        if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
+        float pair[2][kBlockSize], pair_amax[2];
+        read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
+        if constexpr (kRHT) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            float transformed[kBlockSize];
+            rht_chunk<kRandomSign>(pair[j], transformed);
+#pragma unroll
+            for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
+              const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
+              pair[j][i] = __low2float(rounded);
+              pair[j][i + 1] = __high2float(rounded);
+            }
+            pair_amax[j] = block_amax(pair[j]);
+          }
+        }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          float transformed[kBlockSize];
-          rht_chunk<kRandomSign>(pair[j], transformed);
-#pragma unroll
-          for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
-            const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
-            pair[j][i] = __low2float(rounded);
-            pair[j][i + 1] = __high2float(rounded);
-          }
-          pair_amax[j] = block_amax(pair[j]);
+          const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
+          const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
+          const uint2 packed = encode_block<kSR>(pair[j], encode_of_scale[1][scale], amax_of_block, args.sr_seed,
+                                                 kColumnwiseStream, k0 + column + j,
+                                                 m0 + row_block * kBlockSize + args.sr_row_offset);
+          const int64_t column_offset = u * kColumnStep + j;
+          *reinterpret_cast<uint2*>(data + column_offset * data_stride) = packed;
+          scales[column_offset * scale_stride] = scale;
         }
       }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
-        const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
-        const uint2 packed = encode_block<kSR>(pair[j], encode_of_scale[1][scale], amax_of_block, args.sr_seed,
-                                               kColumnwiseStream, k0 + column + j, m0 + row_block * kBlockSize + args.sr_row_offset);
-        const int64_t column_offset = u * kColumnStep + j;
-        *reinterpret_cast<uint2*>(data + column_offset * data_stride) = packed;
-        scales[column_offset * scale_stride] = scale;
-      }
     }
+
+    if (!kPrefetch || next_tile >= end_tile) break;
+    tile_index = next_tile;
+    __syncthreads();  // this buffer's reads are done before the next iteration copies into it
   }
 }
 
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
-  const int64_t tiles = ((args.rows + kTileRows - 1) / kTileRows) * ((args.cols + kTileCols - 1) / kTileCols);
+  const int64_t column_tiles = (args.cols + kTileCols - 1) / kTileCols;
+  const int64_t tiles = ((args.rows + kTileRows - 1) / kTileRows) * column_tiles;
   if (tiles == 0) return cudaSuccess;
-  constexpr int kSharedBytes = TileLayout<T>::kBytes;
+  if (tiles > INT32_MAX) return cudaErrorInvalidValue;
+  constexpr int kSharedBytes = kTileBuffers<T> * TileLayout<T>::kBytes;
   auto kernel = quantize_tile_kernel<T, k2D, kRHT, kRandomSign, kSR>;
   if (kSharedBytes > 48 * 1024) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
     if (status != cudaSuccess) return status;
   }
-  kernel<<<static_cast<unsigned int>(tiles), kThreads, kSharedBytes, stream>>>(args);
+  const int grid = static_cast<int>((tiles + kTilesPerCta<T> - 1) / kTilesPerCta<T>);
+  kernel<<<grid, kThreads, kSharedBytes, stream>>>(args, static_cast<int>(column_tiles), static_cast<int>(tiles));
   return cudaGetLastError();
 }
 
