@@ -139,6 +139,31 @@ def test_extension_failure_says_how_to_build(monkeypatch):
         _extension.load_extension()
 
 
+def test_cublas_lt_comes_from_the_toolkit_or_from_torchs_cublas_wheel(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "lib64").mkdir()
+    (toolkit / "include" / "cublasLt.h").write_text("")
+    (toolkit / "lib64" / "libcublasLt.so").write_text("")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
+    assert _extension.cublas_lt_flags() == ([], [f"-L{toolkit / 'lib64'}", "-lcublasLt"])
+
+    (toolkit / "include" / "cublasLt.h").unlink()  # a toolkit without cuBLAS: the wheel's header and library
+    wheel = tmp_path / "site-packages" / "nvidia" / "cu13"
+    (wheel / "include").mkdir(parents=True)
+    (wheel / "lib").mkdir()
+    (wheel / "include" / "cublasLt.h").write_text("")
+    (wheel / "lib" / "libcublasLt.so.13").write_text("")
+    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(__path__=[str(wheel.parent)]))
+    assert _extension.cublas_lt_flags() == ([str(wheel / "include")],
+                                            [f"-L{wheel / 'lib'}", "-l:libcublasLt.so.13",
+                                             f"-Wl,-rpath,{wheel / 'lib'}"])
+
+
 def test_sources_are_every_cu_file_plus_bindings():
     sources = [pathlib.Path(s).name for s in _extension.source_files()]
     assert "bindings.cpp" in sources and "quantize.cu" in sources and "amax.cu" in sources
