@@ -16,7 +16,7 @@ namespace nvfp4 {
 namespace {
 
 __global__ void alpha_beta_kernel(const float* a_amax, const float* b_amax, bool accumulate, float* scalars) {
-  scalars[0] = decode_scale(encode_scale(a_amax[0])) * decode_scale(encode_scale(b_amax[0]));
+  scalars[0] = gemm_alpha(a_amax[0], b_amax[0]);
   scalars[1] = accumulate ? 1.0f : 0.0f;
 }
 

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) gemm_epilogue_kernel(const float* __
   constexpr int kWidth = kVector ? 4 : 1;
   const int64_t row = blockIdx.x / segments;
   const int64_t segment_start = (blockIdx.x % segments) * kColumnsPerBlock;
-  const float alpha = decode_scale(encode_scale(a_amax[a_per_row ? row : 0])) * decode_scale(encode_scale(b_amax[0]));
+  const float alpha = gemm_alpha(a_amax[a_per_row ? row : 0], b_amax[0]);
   const float* acc_row = acc + row * acc_stride;
   OutT* out_row = out + row * out_stride;
 #pragma unroll

@@ -49,6 +49,11 @@ NVFP4_HD float encode_scale(float amax) {
 
 NVFP4_HD float decode_scale(float s_enc) { return 1.0f / s_enc; }
 
+// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (SPEC 8), one FP32 product.
+NVFP4_HD float gemm_alpha(float a_amax, float b_amax) {
+  return decode_scale(encode_scale(a_amax)) * decode_scale(encode_scale(b_amax));
+}
+
 // E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (SPEC 2.3), for
 // block_amax >= 0 (or NaN) and a finite factor = S_enc * fp32(1/6) > 0: the product is then in
 // [0, FLT_MAX] after the first clamp, and SATFINITE clamps it to 448 itself.

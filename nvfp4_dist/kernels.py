@@ -17,14 +17,6 @@ _VECTOR_BYTES = 16  # the kernels read the input in 16-byte vectors
 _MAX_SEED = 2 ** 64
 
 
-def _extension():
-    return load_extension()
-
-
-def _stream(t: torch.Tensor) -> int:
-    return stream_handle(t.device)
-
-
 def _check_input(x2d: torch.Tensor, *, columnwise: bool, block_2d: bool = False, rht: bool = False) -> None:
     """ValueError naming the problem for inputs the kernels do not take."""
     if not isinstance(x2d, torch.Tensor) or not x2d.is_cuda:
@@ -62,7 +54,7 @@ def compute_amaxes(x2d: torch.Tensor, *, rowwise: bool = True, columnwise: bool 
     """
     _check_input(x2d, columnwise=columnwise, rht=rht)
     x2d = _kernel_input(x2d)
-    extension, stream = _extension(), _stream(x2d)
+    extension, stream = load_extension(), stream_handle(x2d.device)
     amax_rowwise = amax_columnwise = None
     with torch.cuda.device(x2d.device):
         if rowwise and row_scaled:
@@ -134,12 +126,12 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
         q.amax_columnwise = amax_columnwise
     seed = 0 if sr_seed is None else sr_seed
     with torch.cuda.device(device):
-        _extension().quantize(
+        load_extension().quantize(
             x2d, q.amax_rowwise, q.amax_columnwise, q.rowwise_data,
             None if q.rowwise_scale is None else q.rowwise_scale.view(torch.uint8),
             q.columnwise_data, None if q.columnwise_scale is None else q.columnwise_scale.view(torch.uint8),
             row_scaled, block_2d, rht, rht_random_sign, sr_seed is not None,
-            seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, _stream(x2d))
+            seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, stream_handle(x2d.device))
     return q
 
 
@@ -157,11 +149,11 @@ def dequantize_tensor(q: NVFP4Tensor, dtype: torch.dtype, copy: str) -> torch.Te
     scale = getattr(q, f"{copy}_scale").contiguous().view(torch.uint8)
     with torch.cuda.device(data.device):
         if copy == "rowwise":
-            _extension().dequantize_rowwise(data.contiguous(), scale, q.amax_rowwise.contiguous(), q.row_scaled, out,
-                                            _stream(out))
+            load_extension().dequantize_rowwise(data.contiguous(), scale, q.amax_rowwise.contiguous(), q.row_scaled,
+                                                out, stream_handle(out.device))
         else:
-            _extension().dequantize_columnwise(data.contiguous(), scale, q.amax_columnwise.contiguous(), q.rht,
-                                               q.rht_random_sign, out, _stream(out))
+            load_extension().dequantize_columnwise(data.contiguous(), scale, q.amax_columnwise.contiguous(), q.rht,
+                                                   q.rht_random_sign, out, stream_handle(out.device))
     return out.reshape(q.shape)
 
 
@@ -174,7 +166,7 @@ def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     rows = gathered.shape[0] // world_size
     out = torch.empty(rows, world_size * gathered.shape[1], dtype=gathered.dtype, device=gathered.device)
     with torch.cuda.device(gathered.device):
-        _extension().swap_first_dims(gathered, world_size, out, _stream(out))
+        load_extension().swap_first_dims(gathered, world_size, out, stream_handle(out.device))
     return out
 
 
@@ -186,5 +178,5 @@ def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
     padded_rows, padded_cols = padded_scale_shape(*raw.shape)
     out = torch.empty(padded_rows * padded_cols, dtype=torch.uint8, device=raw.device)
     with torch.cuda.device(raw.device):
-        _extension().swizzle_scales(raw, out, _stream(out))
+        load_extension().swizzle_scales(raw, out, stream_handle(out.device))
     return out.view(SCALE_DTYPE)
