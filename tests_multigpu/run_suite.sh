@@ -9,6 +9,7 @@
 #   bash tests_multigpu/run_suite.sh g OUTDIR   # 2 GPUs: Megatron GPT training at TP=1 and 2 against the BF16 spec
 #   bash tests_multigpu/run_suite.sh h OUTDIR   # 2 GPUs: Hopper GEMM tests, overlap tests and benchmarks at TP=2
 #   bash tests_multigpu/run_suite.sh i OUTDIR   # 2 GPUs: Hopper GEMM, symmetric collectives, overlap, layers, benchmarks at TP=2
+#   bash tests_multigpu/run_suite.sh j OUTDIR   # 4 GPUs: TP=4 overlap tests and benchmarks, Megatron benchmark and training
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -133,7 +134,17 @@ i)  # in priority order: the Hopper GEMM, the collectives and layers on 2 GPUs, 
     step megatron_tp2_sp 240 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
         -k "2-True-0"
     ;;
-*) echo "usage: $0 a|b|c|d|e|f|g|h OUTDIR"; exit 2 ;;
+j)  # in priority order: what needs 4 GPUs, after the cuBLASLt GEMM path, lean weights and the new quantize kernel
+    step overlap_tp4 120 $TORCHRUN --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py
+    step overlap_bench_tp4 150 $TORCHRUN --nproc-per-node 4 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp4.json" \
+        --out-dir "$R/overlap_tp4"
+    step megatron_bench_tp4 150 $TORCHRUN --nproc-per-node 4 benchmarks/megatron_gpt.py --out "$R/megatron_gpt_${GPU}x4.json"
+    step symmetric_tp4 90 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_symmetric_gpu.py
+    step parallel_tp4 120 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_parallel_gpu.py
+    step megatron_tp4 300 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
+        -k "4-True-1 or 4-False-0"
+    ;;
+*) echo "usage: $0 a|b|c|d|e|f|g|h|i|j OUTDIR"; exit 2 ;;
 esac
 cat "$SUMMARY"
 ! grep -qE "FAIL|TIMEOUT" "$SUMMARY"
