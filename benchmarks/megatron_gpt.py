@@ -47,6 +47,8 @@ def parse_args():
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="NVFP4 recipe.overlap: ring-pipelined TP communication (default on)")
     parser.add_argument("--out", default="benchmarks/results/megatron_gpt.json")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also profile one step per spec: GPU time by kernel kind and the top kernels, into DIR")
     return parser.parse_args()
 
 
@@ -96,6 +98,8 @@ def measure(spec_name: str, args, tp: int) -> dict:
         loss = step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    if args.profile:
+        profile_step(step, spec_name, args.profile)
     result = {"tokens_per_s": args.micro_batch * args.seq * args.iters / elapsed,
               "step_ms": 1000 * elapsed / args.iters,
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -103,6 +107,48 @@ def measure(spec_name: str, args, tp: int) -> dict:
               "loss": float(loss)}
     return result  # the model is freed on return, before the next spec is built
 
+
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("NCCL", ("nccl",)),
+    ("NVFP4 dequantize", ("dequantize",)),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),
+    ("NVFP4 cast/amax/other", ("nvfp4",)),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
+
+
+def profile_step(step, spec_name: str, out_dir: str) -> None:
+    """GPU time of one step by kernel kind and its 25 longest kernels (rank 0), as text in out_dir."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    if torch.distributed.get_rank() != 0:
+        return
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind, by_name = {}, {}
+    for event in kernels:
+        us = event.time_range.elapsed_us()
+        kind = kernel_kind(event.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+        count, total = by_name.get(event.name, (0, 0.0))
+        by_name[event.name] = (count + 1, total + us)
+    lines = [f"{spec_name}: GPU time of one step by kernel kind (ms; kinds on other streams overlap)"]
+    lines += [f"  {kind:<22}{us / 1e3:>9.2f}" for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    lines.append("top kernels: calls, total ms, name")
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        lines.append(f"  {count:>5}{us / 1e3:>9.2f}  {name[:150]}")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"megatron_profile_{spec_name}.txt"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():
