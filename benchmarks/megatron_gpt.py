@@ -13,6 +13,7 @@ autograd saved) and the NVFP4/BF16 ratios (targets: >= 1.10x tokens/s, <= 0.8x m
 import argparse
 import datetime
 import gc
+import gzip
 import json
 import os
 import time
@@ -111,9 +112,9 @@ def measure(spec_name: str, args, tp: int) -> dict:
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("NCCL", ("nccl",)),
     ("NVFP4 dequantize", ("dequantize",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),
     ("NVFP4 cast/amax/other", ("nvfp4",)),
-    ("attention", ("flash", "fmha", "attention", "cudnn")),
     ("copy", ("memcpy", "memset", "copy")),
 )
 
@@ -124,7 +125,8 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_step(step, spec_name: str, out_dir: str) -> None:
-    """GPU time of one step by kernel kind and its 25 longest kernels (rank 0), as text in out_dir."""
+    """One profiled step (rank 0 writes): GPU time by kernel kind, the 25 longest kernels, and the idle gaps
+    of the busiest stream with the kernels around them, as text; plus the chrome trace (gzip) in out_dir."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -132,23 +134,55 @@ def profile_step(step, spec_name: str, out_dir: str) -> None:
         torch.cuda.synchronize()
     if torch.distributed.get_rank() != 0:
         return
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_kind, by_name = {}, {}
-    for event in kernels:
-        us = event.time_range.elapsed_us()
-        kind = kernel_kind(event.name)
-        by_kind[kind] = by_kind.get(kind, 0.0) + us
-        count, total = by_name.get(event.name, (0, 0.0))
-        by_name[event.name] = (count + 1, total + us)
-    lines = [f"{spec_name}: GPU time of one step by kernel kind (ms; kinds on other streams overlap)"]
-    lines += [f"  {kind:<22}{us / 1e3:>9.2f}" for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])]
-    lines.append("top kernels: calls, total ms, name")
-    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
-        lines.append(f"  {count:>5}{us / 1e3:>9.2f}  {name[:150]}")
     os.makedirs(out_dir, exist_ok=True)
+    trace_path = os.path.join(out_dir, f"megatron_trace_{spec_name}.json")
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as handle:
+        events = [e for e in json.load(handle)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    with open(trace_path, "rb") as source, gzip.open(trace_path + ".gz", "wb") as target:
+        target.write(source.read())
+    os.remove(trace_path)
+    lines = [f"{spec_name}: one step, rank 0"] + kind_and_kernel_lines(events) + stream_gap_lines(events)
     with open(os.path.join(out_dir, f"megatron_profile_{spec_name}.txt"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def kind_and_kernel_lines(events: list) -> list:
+    by_kind, by_name = {}, {}
+    for event in events:
+        by_kind[kernel_kind(event["name"])] = by_kind.get(kernel_kind(event["name"]), 0.0) + event["dur"]
+        count, total = by_name.get(event["name"], (0, 0.0))
+        by_name[event["name"]] = (count + 1, total + event["dur"])
+    lines = ["GPU time by kernel kind (ms; kinds on different streams overlap)"]
+    lines += [f"  {kind:<22}{us / 1e3:>9.2f}" for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    lines.append("longest kernels: calls, total ms, name")
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        lines.append(f"  {count:>5}{us / 1e3:>9.2f}  {name[:140]}")
+    return lines
+
+
+def stream_gap_lines(events: list, top: int = 20) -> list:
+    """Idle time of the stream with the most kernel time (the compute stream) between its first and last
+    kernel, and its longest gaps with the kernels before and after (what it waited for)."""
+    streams = {}
+    for event in events:
+        streams.setdefault(event.get("args", {}).get("stream"), []).append(event)
+    busy = {stream: sum(e["dur"] for e in kernels) for stream, kernels in streams.items()}
+    stream = max(busy, key=busy.get)
+    kernels = sorted(streams[stream], key=lambda e: e["ts"])
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    gaps = [(after["ts"] - (before["ts"] + before["dur"]), before["name"], after["name"])
+            for before, after in zip(kernels, kernels[1:])]
+    idle = sum(gap for gap, _, _ in gaps if gap > 0)
+    lines = [f"stream {stream}: {len(kernels)} kernels, span {span / 1e3:.2f} ms, busy {busy[stream] / 1e3:.2f} ms, "
+             f"idle {idle / 1e3:.2f} ms (other streams' busy ms: "
+             f"{', '.join(f'{s}: {b / 1e3:.2f}' for s, b in busy.items() if s != stream)})",
+             f"its {top} longest gaps: ms, kernel before -> kernel after"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:7.3f}  {before[:70]}  ->  {after[:70]}")
+    return lines
 
 
 def main():
