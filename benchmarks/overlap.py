@@ -10,7 +10,9 @@ for the forward and for forward+backward:
   no-comm     the pair on a one-rank group with this rank's shard shapes and all tokens: every GEMM and
               quantization of a TP rank, no communication
   plain       the TP pair, overlap off
-  overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters)
+  overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters), every layer
+  auto        the TP pair as recipe.overlap=True runs it: ring-pipelined where one ring step's GEMM has at least
+              recipe.overlap_min_chunk_gflops, plain elsewhere ("auto_pipelined": whether it went round the ring)
   exposed     overlapped - no-comm (issue 7 defines overlapped - GEMMs; both are in the JSON)
   *_host      host time per plain / overlapped step over HOST_STEPS steps queued behind a busy GPU: near the GPU
               time, the step is bound by Python and launches (cProfiles: the timeline's pair, and with
@@ -126,12 +128,18 @@ class Pair:
         self.x = torch.randn(tokens // world_size, 1, hidden, device="cuda").bfloat16().requires_grad_(True)
         self.dy = torch.randn(tokens // world_size, 1, hidden, device="cuda").bfloat16()
 
-    def use_overlap(self, overlapped: bool) -> None:
+    def use_overlap(self, overlapped: bool, min_chunk_gflops: float = 0) -> None:
+        """Plain comms, or their overlapped twins pipelining ring steps of at least min_chunk_gflops."""
         from nvfp4_dist.parallel.overlap import overlapped_comm
         column_comm, row_comm = self.plain_comms
         if overlapped:
-            column_comm, row_comm = overlapped_comm(column_comm), overlapped_comm(row_comm)
+            column_comm = overlapped_comm(column_comm, min_chunk_gflops)
+            row_comm = overlapped_comm(row_comm, min_chunk_gflops)
         self.column.comm, self.row.comm = column_comm, row_comm
+
+    def pipelined(self) -> bool:
+        """Whether the last forward went round the ring (both layers have the same ring-step size)."""
+        return bool(getattr(self.column.comm, "pipelined", False))
 
     def forward(self):
         return self.row(self.column(self.x)[0])[0]
@@ -225,16 +233,19 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup,
                  "ring_comm": time_ms(comm["ring"][index], iters, warmup),
                  "gemms": time_ms(gemms[index], iters, warmup),
                  "no_comm": time_ms(no_comm.forward if index == 0 else no_comm.forward_backward, iters, warmup)}
-        for name, overlapped in (("plain", False), ("overlapped", True)):
-            pair.use_overlap(overlapped)
+        for name, overlapped, minimum in (("plain", False, 0), ("overlapped", True, 0),
+                                          ("auto", True, recipe.overlap_min_chunk_gflops)):
+            pair.use_overlap(overlapped, minimum)
             step = pair.forward if index == 0 else pair.forward_backward
             times[name] = time_ms(step, iters, warmup)
             times[f"{name}_host"] = host_ms(step)
-            if profile_dir and overlapped and index == 1:
+            if profile_dir and name == "overlapped" and index == 1:
                 host_profile(step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"))
+        result["auto_pipelined"] = pair.pipelined()
         times.update(exposed_comm=times["overlapped"] - times["no_comm"],
                      exposed_comm_vs_gemms=times["overlapped"] - times["gemms"],
                      speedup=times["plain"] / times["overlapped"],
+                     auto_speedup=times["plain"] / times["auto"],
                      overlapped_over_max_no_comm_comm=times["overlapped"] / max(times["no_comm"], times["comm"]),
                      overlapped_over_max_gemms_comm=times["overlapped"] / max(times["gemms"], times["comm"]))
         result[phase] = times
@@ -340,10 +351,11 @@ def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict
 def print_table(report: dict) -> None:
     header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'GEMMs':>7} "
               f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7} | "
-              f"{'host p':>7} {'host o':>7}")
+              f"{'host p':>7} {'host o':>7} | {'auto':>7} {'speedup':>7}")
     print(f"\n{report['gpu']}, TP={report['tp']}, Hopper GEMM path {report['hopper_gemm']}; times in ms (median, "
           f"slowest rank); exposed = overlapped - no-comm; ovl/max = overlapped / max(no-comm, comm); "
-          f"host p/o: host ms per plain/overlapped step")
+          f"host p/o: host ms per plain/overlapped step; auto: as recipe.overlap runs it (ring where a ring step "
+          f"has >= {report['overlap_min_chunk_gflops']} GFLOP, else plain; * = went round the ring)")
     print(header)
     print("-" * len(header))
     for r in report["shapes"]:
@@ -352,7 +364,8 @@ def print_table(report: dict) -> None:
             print(f"{r['tokens']:>6},{r['hidden']:>5},{r['ffn']:>5} {r['tp']:>2} {phase:>7} | {t['comm']:7.2f} "
                   f"{t['ring_comm']:7.2f} {t['gemms']:7.2f} {t['no_comm']:7.2f} | {t['plain']:7.2f} "
                   f"{t['overlapped']:7.2f} {t['exposed_comm']:7.2f} {t['speedup']:7.3f} "
-                  f"{t['overlapped_over_max_no_comm_comm']:7.3f} | {t['plain_host']:7.2f} {t['overlapped_host']:7.2f}")
+                  f"{t['overlapped_over_max_no_comm_comm']:7.3f} | {t['plain_host']:7.2f} {t['overlapped_host']:7.2f} | "
+                  f"{t['auto']:6.2f}{'*' if r['auto_pipelined'] else ' '} {t['auto_speedup']:7.3f}")
     for name, met in report["targets"].items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
 
@@ -394,6 +407,7 @@ def main() -> None:
     label = f"{gpu_label()}_tp{world_size}"
     report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
                   torch=torch.__version__, tp=world_size, recipe=str(recipe), hopper_gemm=hopper_path(),
+                  overlap_min_chunk_gflops=recipe.overlap_min_chunk_gflops,
                   cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"), shapes=[])
     for tokens, hidden, ffn in shapes:
         report["shapes"].append(measure_shape(tokens, hidden, ffn, group, self_group, recipe, args.iters,

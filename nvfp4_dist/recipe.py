@@ -15,6 +15,7 @@ _BOOLEAN_ENV_OVERRIDES = {
 _INTEGER_ENV_OVERRIDES = {
     "NVFP4_BF16_FIRST_LAYERS": "bf16_first_layers",
     "NVFP4_BF16_LAST_LAYERS": "bf16_last_layers",
+    "NVFP4_OVERLAP_MIN_CHUNK_GFLOPS": "overlap_min_chunk_gflops",
 }
 _GEMM_BACKEND_ENV = "NVFP4_GEMM_BACKEND"
 
@@ -31,6 +32,9 @@ class NVFP4Recipe:
     bf16_first_layers / bf16_last_layers: transformer layers kept in BF16.
     gemm_backend: auto | cublaslt | emulated | reference (SPEC 8).
     overlap: pipeline TP communication with the GEMMs (parallel layers only).
+    overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
+      many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
+      host time that small GEMMs cannot hide (the default: measured on H200, README "When to turn overlap on").
     check_finite: reject a non-finite amax with NonFiniteAmaxError (SPEC 2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     """
@@ -44,12 +48,13 @@ class NVFP4Recipe:
     bf16_last_layers: int = 0
     gemm_backend: str = "auto"
     overlap: bool = False
+    overlap_min_chunk_gflops: int = 256
     check_finite: bool = True
 
     def __post_init__(self):
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend={self.gemm_backend!r} is not one of {GEMM_BACKENDS}")
-        for name in ("bf16_first_layers", "bf16_last_layers"):
+        for name in ("bf16_first_layers", "bf16_last_layers", "overlap_min_chunk_gflops"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 0")

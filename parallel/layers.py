@@ -188,7 +188,7 @@ class _ParallelLinear(torch.nn.Module):
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
         if recipe.overlap and self.world_size > 1:
-            comm = self._overlapped(comm)
+            comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops)
         if self.keep_quantized_weight:
             weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
         else:  # requantized at every forward anyway: hold no copy between forward and backward
@@ -198,10 +198,9 @@ class _ParallelLinear(torch.nn.Module):
                             accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
                             requantize_weight_in_backward=not self.keep_quantized_weight)
 
-    def _overlapped(self, comm: LinearComm) -> LinearComm:
+    def _overlapped(self, comm: LinearComm, min_chunk_gflops: int) -> LinearComm:
         """The ring-pipelined twin of `comm` (recipe.overlap, SPEC 9 "Overlap"), built once."""
-        if getattr(self, "_overlapped_comm", None) is None:
-            self._overlapped_comm = overlapped_comm(comm)
+        self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops)
         return self._overlapped_comm
 
     def _uses_nvfp4(self) -> bool:

@@ -222,7 +222,14 @@ def ring_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out
 
 # ----------------------------------------------------------------------------------------------------------
 # The overlapped communication of the tensor-parallel layers (sequence parallelism; without it they are the
-# plain comms: the all-reduce paths are not pipelined).
+# plain comms: the all-reduce paths are not pipelined). A layer pipelines only where one ring step's GEMM has
+# at least min_chunk_gflops (recipe.overlap_min_chunk_gflops): each step costs host time (launches, Python)
+# that a small GEMM cannot hide, so small layers take the plain path. Forward decides; the backward GEMMs of
+# the same layer have the same size per ring step and follow the forward's choice.
+
+def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) -> float:
+    """GFLOP of one ring step's GEMM: [rows_per_step, in_features] x [in_features, out_features]."""
+    return 2.0 * rows_per_step * out_features * in_features / 1e9
 
 class OverlappedColumnParallelComm(ColumnParallelComm):
     """ColumnParallelComm with the input all-gather pipelined into fprop and dgrad into the reduce-scatter.
@@ -231,9 +238,11 @@ class OverlappedColumnParallelComm(ColumnParallelComm):
     it with an asynchronous all-gather issued before the dgrad GEMM (ColumnParallelComm.input_for_wgrad).
     """
 
-    def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool):
+    def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool, min_chunk_gflops: float = 0):
         super().__init__(group, sequence_parallel, keep_input_columnwise)
+        self.min_chunk_gflops = min_chunk_gflops
         self.input_carry: ColumnwiseCarry | None = None
+        self.pipelined = True  # whether the last forward went round the ring (its backward does too)
 
     def overlaps(self) -> bool:
         return self.sequence_parallel and self.world_size > 1
@@ -245,7 +254,8 @@ class OverlappedColumnParallelComm(ColumnParallelComm):
         return xq
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        if not self.overlaps():
+        self.pipelined = self.overlaps() and ring_step_gflops(xq.rows, wq.rows, xq.cols) >= self.min_chunk_gflops
+        if not self.pipelined:  # a kept columnwise copy is gathered by input_to_save (carry.finish)
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
                                   group=self.group, carry=self.input_carry)
@@ -257,7 +267,7 @@ class OverlappedColumnParallelComm(ColumnParallelComm):
         return super().input_to_save(xq)
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
-        if not self.overlaps():
+        if not (self.overlaps() and self.pipelined):
             return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
         return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
                                         group=self.group)
@@ -270,15 +280,19 @@ class OverlappedRowParallelComm(RowParallelComm):
     when the wgrad GEMM asks for it.
     """
 
-    def __init__(self, group, sequence_parallel: bool):
+    def __init__(self, group, sequence_parallel: bool, min_chunk_gflops: float = 0):
         super().__init__(group, sequence_parallel)
+        self.min_chunk_gflops = min_chunk_gflops
         self.grad_output_carry: ColumnwiseCarry | None = None
+        self.pipelined = True  # whether the last forward went round the ring (its backward does too)
 
     def overlaps(self) -> bool:
         return self.sequence_parallel and self.world_size > 1
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        if not self.overlaps():
+        self.pipelined = self.overlaps() and ring_step_gflops(xq.rows // self.world_size, wq.rows,
+                                                              xq.cols) >= self.min_chunk_gflops
+        if not self.pipelined:
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
                                         group=self.group)
@@ -288,25 +302,30 @@ class OverlappedRowParallelComm(RowParallelComm):
         return super().quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=rowwise, columnwise=columnwise)
 
     def grad_output_for_wgrad(self, dyq):
-        if not self.overlaps():
+        if not (self.overlaps() and self.pipelined):
             return super().grad_output_for_wgrad(dyq)
         self.grad_output_carry = ColumnwiseCarry(dyq, self.group)
         return self.grad_output_carry.finish
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
-        if not self.overlaps():
+        if not (self.overlaps() and self.pipelined):
             return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
         carry, self.grad_output_carry = self.grad_output_carry, None
         return ring_gathered_gemm(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
                                   group=self.group, carry=carry)
 
 
-def overlapped_comm(comm: LinearComm) -> LinearComm:
-    """The overlapped twin of a layer's ColumnParallelComm / RowParallelComm (same group and options)."""
+def overlapped_comm(comm: LinearComm, min_chunk_gflops: float = 0) -> LinearComm:
+    """The overlapped twin of a layer's ColumnParallelComm / RowParallelComm (same group and options),
+    pipelining ring steps of at least min_chunk_gflops (an overlapped comm given here gets that threshold)."""
+    if min_chunk_gflops < 0:
+        raise ValueError(f"min_chunk_gflops={min_chunk_gflops}: must be >= 0")
     if isinstance(comm, (OverlappedColumnParallelComm, OverlappedRowParallelComm)):
+        comm.min_chunk_gflops = min_chunk_gflops
         return comm
     if isinstance(comm, ColumnParallelComm):
-        return OverlappedColumnParallelComm(comm.group, comm.sequence_parallel, comm.keep_input_columnwise)
+        return OverlappedColumnParallelComm(comm.group, comm.sequence_parallel, comm.keep_input_columnwise,
+                                            min_chunk_gflops)
     if isinstance(comm, RowParallelComm):
-        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel)
+        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops)
     raise ValueError(f"comm={type(comm).__name__}: overlap applies to ColumnParallelComm and RowParallelComm")

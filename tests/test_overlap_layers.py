@@ -178,6 +178,44 @@ def check_row(rank, world_size, recipe, sequence_parallel=True):
     assert_reduce_scatter_close(overlapped["y"], plain["y"], partial, world_size, what + " y")
 
 
+def check_minimum_ring_step(rank, world_size):
+    """recipe.overlap_min_chunk_gflops: a layer whose ring steps are smaller takes the plain path in forward and
+    backward (its results are the plain layer's, bit for bit); at 0 it goes round the ring."""
+    recipe = RECIPES["default"]
+
+    def make_column(overlap, minimum):
+        torch.manual_seed(1)
+        return ColumnParallelLinear(HIDDEN, LOCAL_FFN * world_size, sequence_parallel=True, keep_input_columnwise=True,
+                                    recipe=recipe.replace(overlap=overlap, overlap_min_chunk_gflops=minimum))
+
+    def make_row(overlap, minimum):
+        torch.manual_seed(2)
+        return RowParallelLinear(LOCAL_FFN * world_size, HIDDEN, sequence_parallel=True, skip_bias_add=True,
+                                 recipe=recipe.replace(overlap=overlap, overlap_min_chunk_gflops=minimum))
+
+    column_x, column_dy = inputs(world_size, HIDDEN, LOCAL_FFN * world_size, True)
+    row_x, row_dy = inputs(world_size, LOCAL_FFN * world_size, HIDDEN, True)
+    for make, x, dy in ((make_column, column_x.chunk(world_size)[rank], column_dy.chunk(world_size, dim=-1)[rank]),
+                        (make_row, row_x.chunk(world_size, dim=-1)[rank], row_dy.chunk(world_size)[rank])):
+        plain = run_layer(make(False, 0), x, dy)
+        small = make(True, 1)  # these layers' ring steps are ~1e-4 GFLOP
+        with count_calls(*SPIED) as counts:
+            got = run_layer(small, x, dy)
+        assert counts["ring_all_gather_consume"] == counts["ring_reduce_scatter_produce"] == 0, counts
+        assert not small._overlapped_comm.pipelined
+        for name in ("y", "dx", "dw", "db"):
+            assert_equal(got[name], plain[name], f"{make.__name__} below the minimum: {name}")
+        with count_calls(*SPIED) as counts:
+            run_layer(make(True, 0), x, dy)
+        assert counts["ring_all_gather_consume"] == counts["ring_reduce_scatter_produce"] == 1, counts
+
+
+def test_ring_step_gflops():
+    assert O.ring_step_gflops(8192, 8192, 2048) == 2 * 8192 * 8192 * 2048 / 1e9
+    with pytest.raises(ValueError, match="min_chunk_gflops"):
+        O.overlapped_comm(O.OverlappedRowParallelComm(None, True), -1)
+
+
 def check_ring_gemms(rank, world_size):
     """The pipelined GEMMs on their own: chunk order, the rows each step produces, the carried columnwise copy."""
     recipe = RECIPES["default"]
@@ -248,6 +286,7 @@ def check_ring_gemms(rank, world_size):
 def _check(rank, world_size, which):
     if which == "ring":
         check_ring_gemms(rank, world_size)
+        check_minimum_ring_step(rank, world_size)
     elif which == "column":
         check_column(rank, world_size, RECIPES["default"])
         check_column(rank, world_size, RECIPES["default"], keep_input_columnwise=True)

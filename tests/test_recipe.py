@@ -16,6 +16,7 @@ def test_defaults_follow_the_nvidia_recipe():
     (dict(gemm_backend="cutlass"), "gemm_backend"),
     (dict(bf16_first_layers=-1), "bf16_first_layers"),
     (dict(bf16_last_layers=1.5), "bf16_last_layers"),
+    (dict(overlap_min_chunk_gflops=-1), "overlap_min_chunk_gflops"),
 ])
 def test_bad_combinations_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -40,8 +41,10 @@ def test_environment_numbers_and_backend(monkeypatch):
     monkeypatch.setenv("NVFP4_BF16_FIRST_LAYERS", "2")
     monkeypatch.setenv("NVFP4_BF16_LAST_LAYERS", "1")
     monkeypatch.setenv("NVFP4_GEMM_BACKEND", "reference")
+    monkeypatch.setenv("NVFP4_OVERLAP_MIN_CHUNK_GFLOPS", "0")
     r = NVFP4Recipe.from_env()
     assert (r.bf16_first_layers, r.bf16_last_layers, r.gemm_backend) == (2, 1, "reference")
+    assert (NVFP4Recipe().overlap_min_chunk_gflops, r.overlap_min_chunk_gflops) == (256, 0)
     assert [r.is_bf16_layer(i, 6) for i in range(6)] == [True, True, False, False, False, True]
 
 

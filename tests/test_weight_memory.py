@@ -92,7 +92,7 @@ def test_weight_changed_before_backward_is_refused():
 
 
 def _sequence_parallel_overlap_worker(rank, world_size):
-    recipe = nv.NVFP4Recipe(overlap=True)
+    recipe = nv.NVFP4Recipe(overlap=True, overlap_min_chunk_gflops=0)  # these small layers too go round the ring
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(world_size * 16, 64, generator=generator).to(torch.bfloat16).chunk(world_size)[rank]
     dy = torch.randn(world_size * 16, 64, generator=generator).to(torch.bfloat16).chunk(world_size)[rank]
