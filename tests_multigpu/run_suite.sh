@@ -10,6 +10,7 @@
 #   bash tests_multigpu/run_suite.sh h OUTDIR   # 2 GPUs: Hopper GEMM tests, overlap tests and benchmarks at TP=2
 #   bash tests_multigpu/run_suite.sh i OUTDIR   # 2 GPUs: Hopper GEMM, symmetric collectives, overlap, layers, benchmarks at TP=2
 #   bash tests_multigpu/run_suite.sh j OUTDIR   # 4 GPUs: TP=4 overlap tests and benchmarks, Megatron benchmark and training
+#   bash tests_multigpu/run_suite.sh k OUTDIR   # 4 GPUs: Megatron TP=1/2 training and checkpoints, overlap TP=2/4, matrix
 # Writes OUTDIR/summary.txt (per step: PASS/FAIL, seconds) and OUTDIR/results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
@@ -144,7 +145,27 @@ j)  # in priority order: what needs 4 GPUs, after the cuBLASLt GEMM path, lean w
     step megatron_tp4 300 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py \
         -k "4-True-1 or 4-False-0"
     ;;
-*) echo "usage: $0 a|b|c|d|e|f|g|h|i|j OUTDIR"; exit 2 ;;
+k)  # two 2-GPU lanes, then the whole machine
+    lane_01() {
+        step megatron_tp1_tp2 300 env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s \
+            tests_multigpu/test_megatron_gpt.py -k "1-False-0 or 1-False-1 or 2-False-1"
+    }
+    lane_23() {
+        step overlap_tp2 120 $TORCHRUN --nproc-per-node 2 tests_multigpu/test_overlap_gpu.py
+        step overlap_bench_tp2 200 $TORCHRUN --nproc-per-node 2 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp2.json" \
+            --out-dir "$R/overlap_tp2"
+        step megatron_checkpoint 200 env NVFP4_MEGATRON_STEPS=50 python3 -m pytest -q -s \
+            tests_multigpu/test_megatron_gpt.py -k checkpoint
+    }
+    lane 0,1 lane_01; lane 2,3 lane_23; wait
+    step overlap_tp4 120 $TORCHRUN --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py
+    step overlap_bench_tp4 150 $TORCHRUN --nproc-per-node 4 benchmarks/overlap.py --out "$R/overlap_${GPU}_tp4.json" \
+        --out-dir "$R/overlap_tp4"
+    step megatron_bench_tp4 150 $TORCHRUN --nproc-per-node 4 benchmarks/megatron_gpt.py --out "$R/megatron_gpt_${GPU}x4.json"
+    step matrix 240 python3 tests_multigpu/matrix.py --driver --max-world 4 --launcher torchrun --profile b200 \
+        --git-commit "$GIT_COMMIT" --out "$R/matrix"
+    ;;
+*) echo "usage: $0 a|b|c|d|e|f|g|h|i|j|k OUTDIR"; exit 2 ;;
 esac
 cat "$SUMMARY"
 ! grep -qE "FAIL|TIMEOUT" "$SUMMARY"
