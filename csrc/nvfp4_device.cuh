@@ -65,8 +65,13 @@ template <> __device__ __forceinline__ uint32_t max_abs_halves<__half>(uint32_t 
 // |low half| and |high half| of a packed pair of T as FP32.
 template <typename T>
 __device__ __forceinline__ float2 abs_halves_as_float(uint32_t pair) {
-  const T* halves = reinterpret_cast<const T*>(&pair);
-  return make_float2(fabsf(to_float(halves[0])), fabsf(to_float(halves[1])));
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const float2 both = bf16_pair_to_float2(pair);
+    return make_float2(fabsf(both.x), fabsf(both.y));
+  } else {
+    const T* halves = reinterpret_cast<const T*>(&pair);
+    return make_float2(fabsf(to_float(halves[0])), fabsf(to_float(halves[1])));
+  }
 }
 
 __device__ __forceinline__ uint4 load_streaming(const void* address) {

@@ -180,26 +180,22 @@ NVFP4_HD float stochastic_rounding_carrier(float a) {
 #endif
 }
 
-// The addend that turns 4 * bits(carrier) into the index in bits 24..27: bits 8..23 hold 0xFFFF - bits16
-// and bits 0..7 all ones, so the fraction 4 * p * 2^22 carries into bit 24 iff p * 65536 > bits16;
-// bits 24..31 hold 4: those of 4 * bits(carrier) are 252 + lo's index (mod 256), plus 4 lo's index.
-NVFP4_HD uint32_t stochastic_rounding_addend(uint32_t bits16) { return (4u << 24) | ((0xFFFFu - bits16) << 8) | 0xFFu; }
+// The subtrahend that turns 4 * bits(carrier) into the index in bits 24..27: bits 0..23 hold
+// bits16 * 256 + 1, so subtracting them from the fraction 4 * p * 2^22 borrows from bit 24 unless
+// p * 65536 > bits16; bits 24..31 hold 251: those of 4 * bits(carrier) are 252 + lo's index (mod 256).
+NVFP4_HD uint32_t stochastic_rounding_subtrahend(uint32_t bits16) { return (251u << 24) | (bits16 << 8) | 1u; }
 
-// The bits of 1.0f (negative_as_float of a negative value) times this are the code's sign bit 8 << 24
-// (mod 2^32): 0x3F800000 * 0x1F0 = 0x7B08000000.
-constexpr uint32_t kSignBitOfOneFloat = 0x1F0u;
-
-// The stochastic FP4 code of v (sign in bit 27) in bits 24..27, bits 28..31 clear, bits 0..23 arbitrary:
-// one FMNMX, FFMA, FMNMX and IMAD for the magnitude, one FSET and IMAD for the sign. v < 0 sets the
-// sign (a negative value that rounds to 0 gives code 8; -0.0 and NaN do not), NaN rounds as 6.
-NVFP4_HD uint32_t fp4_code_stochastic_word(float v, uint32_t addend) {
-  const float a = fminf(fabsf(v), kFp4Max);
-  const uint32_t magnitude = float_bits(stochastic_rounding_carrier(a)) * 4u + addend;
-  return float_bits(negative_as_float(v)) * kSignBitOfOneFloat + magnitude;
+// The stochastic FP4 magnitude index of a = min(|v|, 6) in bits 24..27 (bit 27 clear), bits 28..31 clear,
+// bits 0..23 arbitrary: one FFMA, FMNMX and IMAD.
+NVFP4_HD uint32_t fp4_magnitude_stochastic_word(float a, uint32_t subtrahend) {
+  return float_bits(stochastic_rounding_carrier(a)) * 4u - subtrahend;
 }
 
+// The stochastic FP4 code of v: v < 0 sets the sign (a negative value that rounds to 0 gives code 8;
+// -0.0 and NaN do not), NaN rounds as 6.
 NVFP4_HD uint32_t fp4_code_stochastic(float v, uint32_t bits16) {
-  return fp4_code_stochastic_word(v, stochastic_rounding_addend(bits16)) >> 24;
+  const uint32_t magnitude = fp4_magnitude_stochastic_word(fminf(fabsf(v), kFp4Max), stochastic_rounding_subtrahend(bits16));
+  return (magnitude >> 24) | (v < 0.0f ? 8u : 0u);
 }
 
 // Eight codes in bits 24..27 of their words -> one word, element i in nibble i: the even and the odd
@@ -213,6 +209,35 @@ NVFP4_HD uint32_t pack_eight_top_byte_codes(const uint32_t* words) {
   uint32_t packed = 0;
   for (int i = 0; i < 8; ++i) packed |= (words[i] >> 24) << (4 * i);
   return packed;
+#endif
+}
+
+#ifdef __CUDA_ARCH__
+// PTX prmt.b32 with an immediate selector; a selector nibble with bit 3 set fills its byte with the sign
+// (bit 7) of the source byte it names.
+template <uint32_t kSelector>
+__device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "n"(kSelector));
+  return d;
+}
+#endif
+
+// The FP4 sign bits of eight values whose sign bit is set only where v < 0 (no -0.0): element i's
+// sign bit in bit 4i + 3. Three sign-filling byte permutes gather the even elements' signs as bytes
+// 0xFF/0x00, three the odd elements', and two LOPs keep bit 3 and bit 7 of each byte.
+NVFP4_HD uint32_t sign_bits_of_eight(const float* v) {
+#ifdef __CUDA_ARCH__
+  constexpr uint32_t kSignsOfTwo = 0xFB;  // byte 0: sign of a's byte 3, byte 1: sign of b's byte 3
+  const uint32_t even = byte_permute<0x5410>(byte_permute<kSignsOfTwo>(float_bits(v[0]), float_bits(v[2])),
+                                             byte_permute<kSignsOfTwo>(float_bits(v[4]), float_bits(v[6])));
+  const uint32_t odd = byte_permute<0x5410>(byte_permute<kSignsOfTwo>(float_bits(v[1]), float_bits(v[3])),
+                                            byte_permute<kSignsOfTwo>(float_bits(v[5]), float_bits(v[7])));
+  return (even & 0x08080808u) | (odd & 0x80808080u);
+#else
+  uint32_t signs = 0;
+  for (int i = 0; i < 8; ++i) signs |= (float_bits(v[i]) >> 31) << (4 * i + 3);
+  return signs;
 #endif
 }
 
@@ -232,32 +257,66 @@ NVFP4_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
+// Philox4x32 with the round keys given: round r XORs k0[r] and k1[r].
 template <int kRounds>
-NVFP4_HD PhiloxWords philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+NVFP4_HD PhiloxWords philox4x32_with_round_keys(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                                const uint32_t (&k0)[kRounds], const uint32_t (&k1)[kRounds]) {
 #pragma unroll
   for (int round = 0; round < kRounds; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
     mulhilo32(0xD2511F53u, c0, hi0, lo0);
     mulhilo32(0xCD9E8D57u, c2, hi1, lo1);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    const uint32_t n0 = hi1 ^ c1 ^ k0[round], n2 = hi0 ^ c3 ^ k1[round];
     c0 = n0;
     c1 = lo1;
     c2 = n2;
     c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
   }
   return PhiloxWords{{c0, c1, c2, c3}};
+}
+
+// The round keys of key (k0, k1): the Weyl sequence k + r * (0x9E3779B9, 0xBB67AE85).
+template <int kRounds>
+NVFP4_HD void philox_round_keys(uint32_t k0, uint32_t k1, uint32_t (&round_k0)[kRounds], uint32_t (&round_k1)[kRounds]) {
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    round_k0[round] = k0 + static_cast<uint32_t>(round) * 0x9E3779B9u;
+    round_k1[round] = k1 + static_cast<uint32_t>(round) * 0xBB67AE85u;
+  }
+}
+
+template <int kRounds>
+NVFP4_HD PhiloxWords philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  uint32_t round_k0[kRounds], round_k1[kRounds];
+  philox_round_keys<kRounds>(k0, k1, round_k0, round_k1);
+  return philox4x32_with_round_keys<kRounds>(c0, c1, c2, c3, round_k0, round_k1);
 }
 
 // One Philox4x32-7 call serves 16 consecutive columns of a row, 8 random bits each (reference/philox.py).
 constexpr int kColumnsPerPhiloxCall = 16;
 constexpr int kStochasticRoundingPhiloxRounds = 7;
 
+// The seed of the stochastic rounding bits and its Philox round keys, computed once (for a kernel, on
+// the host into its parameters) rather than in every call.
+struct StochasticRoundingKeys {
+  uint64_t seed;
+  uint32_t k0[kStochasticRoundingPhiloxRounds], k1[kStochasticRoundingPhiloxRounds];
+};
+
+NVFP4_HD StochasticRoundingKeys stochastic_rounding_keys(uint64_t seed) {
+  StochasticRoundingKeys keys;
+  keys.seed = seed;
+  philox_round_keys<kStochasticRoundingPhiloxRounds>(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                                                     keys.k0, keys.k1);
+  return keys;
+}
+
 // The 4 Philox words serving the 16 columns [16*group, 16*group+16) of global row `row` in `stream`.
-NVFP4_HD PhiloxWords stochastic_rounding_words(uint64_t row, uint64_t group, uint32_t stream, uint64_t seed) {
-  return philox4x32<kStochasticRoundingPhiloxRounds>(static_cast<uint32_t>(row), static_cast<uint32_t>(group), stream,
-                                                     0u, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+NVFP4_HD PhiloxWords stochastic_rounding_words(uint64_t row, uint64_t group, uint32_t stream,
+                                               const StochasticRoundingKeys& keys) {
+  return philox4x32_with_round_keys<kStochasticRoundingPhiloxRounds>(static_cast<uint32_t>(row),
+                                                                    static_cast<uint32_t>(group), stream, 0u, keys.k0,
+                                                                    keys.k1);
 }
 
 // The comparison value (byte << 8) of the column at position 0..15 in its group: byte (position % 4)
@@ -268,26 +327,26 @@ NVFP4_HD uint32_t bits_of_column(const PhiloxWords& words, uint32_t column_in_gr
   return ((word >> (8 * (column_in_group & 3))) & 0xFFu) << 8;
 }
 
-static __constant__ uint32_t kStochasticAddendBytes = 0x04FFFFFFu;  // stochastic_rounding_addend's constant bytes
+static __constant__ uint32_t kStochasticSubtrahendBytes = 0xFB000001u;  // stochastic_rounding_subtrahend's constant bytes
 
-// stochastic_rounding_addend(bits_of_column(words, column_in_group)); on the GPU one PRMT of the
-// complemented word (the complement folds into Philox's last XOR) and the constant bytes.
-NVFP4_HD uint32_t stochastic_rounding_addend_of_column(const PhiloxWords& words, uint32_t column_in_group) {
+// stochastic_rounding_subtrahend(bits_of_column(words, column_in_group)); on the GPU one PRMT of the
+// word and the constant bytes.
+NVFP4_HD uint32_t stochastic_rounding_subtrahend_of_column(const PhiloxWords& words, uint32_t column_in_group) {
 #ifdef __CUDA_ARCH__
   const uint32_t word_index = column_in_group >> 2;
   const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
-  // bytes: 0xFF, 0xFF, ~byte, 0x04; the constant bytes come from constant memory, so that the
+  // bytes: 0x01, 0x00, byte, 0xFB; the constant bytes come from constant memory, so that the
   // selector can stay an immediate (with both immediate, ptxas moves the selector into a register)
-  uint32_t addend;
+  uint32_t subtrahend;
   switch (column_in_group & 3u) {
-    case 0: asm("prmt.b32 %0, %1, %2, 0x7054;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
-    case 1: asm("prmt.b32 %0, %1, %2, 0x7154;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
-    case 2: asm("prmt.b32 %0, %1, %2, 0x7254;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
-    default: asm("prmt.b32 %0, %1, %2, 0x7354;" : "=r"(addend) : "r"(~word), "r"(kStochasticAddendBytes)); break;
+    case 0: asm("prmt.b32 %0, %1, %2, 0x7054;" : "=r"(subtrahend) : "r"(word), "r"(kStochasticSubtrahendBytes)); break;
+    case 1: asm("prmt.b32 %0, %1, %2, 0x7154;" : "=r"(subtrahend) : "r"(word), "r"(kStochasticSubtrahendBytes)); break;
+    case 2: asm("prmt.b32 %0, %1, %2, 0x7254;" : "=r"(subtrahend) : "r"(word), "r"(kStochasticSubtrahendBytes)); break;
+    default: asm("prmt.b32 %0, %1, %2, 0x7354;" : "=r"(subtrahend) : "r"(word), "r"(kStochasticSubtrahendBytes)); break;
   }
-  return addend;
+  return subtrahend;
 #else
-  return stochastic_rounding_addend(bits_of_column(words, column_in_group));
+  return stochastic_rounding_subtrahend(bits_of_column(words, column_in_group));
 #endif
 }
 
@@ -295,7 +354,7 @@ NVFP4_HD uint32_t stochastic_rounding_addend_of_column(const PhiloxWords& words,
 // for the blocks that straddle two groups (a shard offset that is not a multiple of 16).
 static __host__ __device__ __noinline__ uint32_t stochastic_rounding_bits_at(uint64_t row, uint64_t column,
                                                                             uint32_t stream, uint64_t seed) {
-  const PhiloxWords words = stochastic_rounding_words(row, column / kColumnsPerPhiloxCall, stream, seed);
+  const PhiloxWords words = stochastic_rounding_words(row, column / kColumnsPerPhiloxCall, stream, stochastic_rounding_keys(seed));
   return bits_of_column(words, static_cast<uint32_t>(column % kColumnsPerPhiloxCall));
 }
 
@@ -348,18 +407,31 @@ NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockS
 }
 
 
+// The smallest encode factor for which v * encode of every nonzero 16-bit value (BF16 down to 2^-133,
+// FP16 down to 2^-24) is at least 2^-149, so nonzero: no product underflows to -0.0.
+constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  // 2^-16
+
 // Packed codes of one block of 16 values that are consecutive along the quantized dimension, round
 // to nearest even, or stochastic with the Philox bits of global row `sr_row`, global columns
 // sr_column .. sr_column + 15 of the copy in `stream` (SPEC 7).
 // block_amax: an upper bound of their |value| (NaN allowed). Round to nearest skips the saturation
 // when block_amax * encode < 7 (rounding is monotonic, so every |value * encode| is below 7 too), and
 // clamps to +-6 first otherwise.
-template <bool kSR>
-NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
-                            uint32_t stream, int64_t sr_row, int64_t sr_column) {
+// The sign bits come from the scaled values' sign bits (sign_bits_of_eight), which must then be set
+// only where value * encode < 0: v * encode + 0 turns a -0.0 input into +0.0, and a product that
+// underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
+// numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out.
+template <bool kSR, bool kSixteenBitValues = false>
+NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
+                            const StochasticRoundingKeys& keys, uint32_t stream, int64_t sr_row, int64_t sr_column) {
   float scaled[kBlockSize];
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) scaled[i] = values[i] * encode;
+  for (int i = 0; i < kBlockSize; ++i) scaled[i] = fmaf(values[i], encode, 0.0f);
+  if (!kSixteenBitValues || !(encode >= kEncodeKeepingSixteenBitProductsNonzero)) {
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) scaled[i] = scaled[i] + 0.0f;
+  }
+  uint2 packed;
   if constexpr (!kSR) {
     float indices[kBlockSize];  // kRoundMagic + index of |scaled|
     if (!(block_amax * encode < 7.0f)) {
@@ -368,25 +440,36 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     }
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic(scaled[i]);
-    float codes[kBlockSize];  // kRoundMagic + code: the sign adds 8 (one FSET and one FFMA)
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) codes[i] = fmaf(negative_as_float(scaled[i]), 8.0f, indices[i]);
-    return make_uint2(pack_eight_magic_codes(codes), pack_eight_magic_codes(codes + 8));
+    packed = make_uint2(pack_eight_magic_codes(indices), pack_eight_magic_codes(indices + 8));
   } else {
-    uint32_t words[kBlockSize];  // the code in bits 24..27
+    uint32_t words[kBlockSize];  // the magnitude index in bits 24..27
     if ((sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
-      const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, seed);
+      const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
 #pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) words[i] = fp4_code_stochastic_word(scaled[i], stochastic_rounding_addend_of_column(bits, i));
+      for (int i = 0; i < kBlockSize; ++i) {
+        words[i] = fp4_magnitude_stochastic_word(fminf(fabsf(scaled[i]), kFp4Max),
+                                                 stochastic_rounding_subtrahend_of_column(bits, i));
+      }
     } else {  // a shard offset that is not a multiple of 16: one call per element
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
-        words[i] = fp4_code_stochastic_word(
-            scaled[i], stochastic_rounding_addend(stochastic_rounding_bits_at(sr_row, sr_column + i, stream, seed)));
+        words[i] = fp4_magnitude_stochastic_word(
+            fminf(fabsf(scaled[i]), kFp4Max),
+            stochastic_rounding_subtrahend(stochastic_rounding_bits_at(sr_row, sr_column + i, stream, keys.seed)));
       }
     }
-    return make_uint2(pack_eight_top_byte_codes(words), pack_eight_top_byte_codes(words + 8));
+    packed = make_uint2(pack_eight_top_byte_codes(words), pack_eight_top_byte_codes(words + 8));
   }
+  packed.x |= sign_bits_of_eight(scaled);
+  packed.y |= sign_bits_of_eight(scaled + 8);
+  return packed;
+}
+
+// encode_block with the stochastic rounding seed (the keys computed here).
+template <bool kSR>
+NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
+                            uint32_t stream, int64_t sr_row, int64_t sr_column) {
+  return encode_block<kSR>(values, encode, block_amax, stochastic_rounding_keys(seed), stream, sr_row, sr_column);
 }
 
 }  // namespace nvfp4

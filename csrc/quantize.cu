@@ -2,10 +2,10 @@
 // the rowwise copy and the columnwise (transposed) copy with their E4M3 scales.
 // Variants (template flags): 16x16 blocks for weights (SPEC 4), the RHT of the columnwise copy of
 // BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled amax (SPEC 6)
-// and which copies to write are run-time arguments. For 16-bit inputs each CTA encodes 2
-// consecutive tiles, the next tile's copy (cp.async, into a second shared-memory buffer) in flight
-// while it encodes the current one, and pays the per-CTA setup (the e_b tables) once. FP32 tiles
-// (two would take 128 KiB) run one CTA per tile.
+// and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
+// tiles (but the last wave of CTAs, one each), the next tile's copy (cp.async, into a second
+// shared-memory buffer) in flight while it encodes the current one, and pays the per-CTA setup (the
+// e_b tables) once. FP32 tiles (two would take 128 KiB) run one CTA per tile.
 #include <cstdint>
 
 #include "nvfp4_device.cuh"
@@ -82,8 +82,8 @@ __device__ __forceinline__ void read_row_block(const uint8_t* tile, int first_ch
     running = max_abs_halves<T>(running, raw[1].y);
     running = max_abs_halves<T>(running, raw[1].z);
     running = max_abs_halves<T>(running, raw[1].w);
-    const float2 halves = abs_halves_as_float<T>(running);
-    amax = fmaxf(halves.x, halves.y);
+    // both halves the max of the two: one byte swap and one more HMNMX2
+    amax = abs_halves_as_float<T>(max_abs_halves<T>(running, __byte_perm(running, 0u, 0x1032))).x;
   }
 }
 
@@ -198,15 +198,17 @@ template <typename T>
 constexpr bool kPrefetchNextTile = sizeof(T) == 2;
 template <typename T>
 constexpr int kTileBuffers = kPrefetchNextTile<T> ? 2 : 1;
-template <typename T>
-constexpr int kTilesPerCta = kPrefetchNextTile<T> ? 2 : 1;
 
-// CTA b encodes the kTilesPerCta<T> consecutive tiles from b * kTilesPerCta<T> of the `tiles`
-// (row-major, `column_tiles` per tile row).
+// CTAs 0 .. paired_ctas - 1 encode two consecutive tiles each, 2b and 2b + 1 (paired_ctas is 0 without
+// kPrefetchNextTile), the CTAs after them one tile each, b + paired_ctas: the last CTAs to start, about
+// one wave of them, take one tile, so the wave that ends the grid is half as long. Tiles are row-major
+// in x, `column_tiles` per tile row. sr_keys: the Philox round keys of args.sr_seed, in the kernel's
+// parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
                                               : (k2D ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor16Bit))
-    quantize_tile_kernel(const QuantizeArgs args, const int column_tiles, const int tiles) {
+    quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
+                         const int column_tiles, const int paired_ctas) {
   constexpr bool kPrefetch = kPrefetchNextTile<T>;
   extern __shared__ __align__(16) uint8_t tiles_in_shared[];  // kTileBuffers<T> tiles
   __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
@@ -220,8 +222,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // 1. The first tile's loads in flight; meanwhile e_b of each scale byte a non-negative block amax can
   //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E), once per CTA instead of one division per
   //    block (a per-row S_enc, for row-scaled copies, divides per block instead).
-  const int first_tile = static_cast<int>(blockIdx.x) * kTilesPerCta<T>;
-  const int end_tile = tiles - first_tile < kTilesPerCta<T> ? tiles : first_tile + kTilesPerCta<T>;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int first_tile = cta < paired_ctas ? 2 * cta : cta + paired_ctas;
+  const int end_tile = cta < paired_ctas ? first_tile + 2 : first_tile + 1;
   TileOrigin origin(args, column_tiles, first_tile);
   copy_tile_async<T>(tiles_in_shared, args, origin, tid);
   {
@@ -272,10 +275,12 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     if (args.rowwise_data != nullptr) {
       const float tensor_factor = scale_factor[0];
       const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
-      uint8_t* const data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
-      uint8_t* const scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
+      // item u's data and scale at u item steps from item 0's (pointer steps, not 64-bit products per item)
+      uint8_t* data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
+      uint8_t* scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
+      const int64_t data_step = rowwise.kRowStep * data_stride, scale_step = rowwise.kRowStep * scale_stride;
 #pragma unroll
-      for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
+      for (int u = 0; u < kRowwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
         const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
         if (row >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
         float values[kBlockSize], row_block_amax;
@@ -291,11 +296,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
           encode = encode_of_scale[0][scale];
         }
-        const uint2 packed = encode_block<kSR>(values, encode, amax_of_block, args.sr_seed, kRowwiseStream,
+        const uint2 packed = encode_block<kSR, sizeof(T) == 2>(values, encode, amax_of_block, sr_keys, kRowwiseStream,
                                                m0 + row + args.sr_row_offset, k0 + block * kBlockSize);
-        const int64_t row_offset = u * rowwise.kRowStep;
-        *reinterpret_cast<uint2*>(data + row_offset * data_stride) = packed;
-        scales[row_offset * scale_stride] = scale;
+        *reinterpret_cast<uint2*>(data) = packed;
+        *scales = scale;
       }
     }
 
@@ -306,8 +310,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       const int row_block = tid & 7, first_column = (tid >> 3) * 2;
       constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
       const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
-      uint8_t* const data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
-      uint8_t* const scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
+      // item u's column pair's data and scales at u item steps from item 0's
+      uint8_t* data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
+      uint8_t* scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
+      const int64_t data_step = kColumnStep * data_stride, scale_step = kColumnStep * scale_stride;
       const uint8_t* base[Layout::kChunksPerBlock];
 #pragma unroll
       for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
@@ -315,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
                   first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
       }
 #pragma unroll
-      for (int u = 0; u < kColumnwiseItemsPerThread; ++u) {
+      for (int u = 0; u < kColumnwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
         const int column = first_column + u * kColumnStep;
         if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
         float pair[2][kBlockSize], pair_amax[2];
@@ -325,25 +331,29 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           for (int j = 0; j < 2; ++j) {
             float transformed[kBlockSize];
             rht_chunk<kRandomSign>(pair[j], transformed);
+            uint32_t running = 0u;  // the amax on the packed BF16 pairs, as read_row_block takes it
 #pragma unroll
             for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
               const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
-              pair[j][i] = __low2float(rounded);
-              pair[j][i + 1] = __high2float(rounded);
+              const uint32_t bits = *reinterpret_cast<const uint32_t*>(&rounded);
+              const float2 both = bf16_pair_to_float2(bits);
+              pair[j][i] = both.x;
+              pair[j][i + 1] = both.y;
+              running = i == 0 ? bits : max_abs_halves<__nv_bfloat16>(running, bits);
             }
-            pair_amax[j] = block_amax(pair[j]);
+            pair_amax[j] = abs_halves_as_float<__nv_bfloat16>(
+                max_abs_halves<__nv_bfloat16>(running, __byte_perm(running, 0u, 0x1032))).x;
           }
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
           const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
-          const uint2 packed = encode_block<kSR>(pair[j], encode_of_scale[1][scale], amax_of_block, args.sr_seed,
+          const uint2 packed = encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys,
                                                  kColumnwiseStream, k0 + column + j,
                                                  m0 + row_block * kBlockSize + args.sr_row_offset);
-          const int64_t column_offset = u * kColumnStep + j;
-          *reinterpret_cast<uint2*>(data + column_offset * data_stride) = packed;
-          scales[column_offset * scale_stride] = scale;
+          *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
+          scales[j * scale_stride] = scale;
         }
       }
     }
@@ -366,8 +376,11 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
     if (status != cudaSuccess) return status;
   }
-  const int grid = static_cast<int>((tiles + kTilesPerCta<T> - 1) / kTilesPerCta<T>);
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(args, static_cast<int>(column_tiles), static_cast<int>(tiles));
+  // about one wave of single-tile CTAs at the end (the CTAs per multiprocessor the registers allow)
+  const int64_t last_wave = static_cast<int64_t>(device_multiprocessors()) * kMinTilesPerMultiprocessor16Bit;
+  const int64_t paired_ctas = kPrefetchNextTile<T> && tiles > last_wave ? (tiles - last_wave) / 2 : 0;
+  kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
+      args, stochastic_rounding_keys(args.sr_seed), static_cast<int>(column_tiles), static_cast<int>(paired_ctas));
   return cudaGetLastError();
 }
 
