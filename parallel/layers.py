@@ -199,7 +199,8 @@ class _ParallelLinear(torch.nn.Module):
                             requantize_weight_in_backward=not self.keep_quantized_weight)
 
     def _overlapped(self, comm: LinearComm, min_chunk_gflops: int) -> LinearComm:
-        """The ring-pipelined twin of `comm` (recipe.overlap, SPEC 9 "Overlap"), built once."""
+        """The ring-pipelined twin of `comm` (recipe.overlap, SPEC 9 "Overlap"), built once; its minimum ring-step
+        size follows the recipe of each call."""
         self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops)
         return self._overlapped_comm
 

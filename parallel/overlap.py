@@ -231,6 +231,7 @@ def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) ->
     """GFLOP of one ring step's GEMM: [rows_per_step, in_features] x [in_features, out_features]."""
     return 2.0 * rows_per_step * out_features * in_features / 1e9
 
+
 class OverlappedColumnParallelComm(ColumnParallelComm):
     """ColumnParallelComm with the input all-gather pipelined into fprop and dgrad into the reduce-scatter.
 
