@@ -150,9 +150,11 @@ def profile_step(step, spec_name: str, out_dir: str) -> None:
 
 
 def kind_and_kernel_lines(events: list) -> list:
+    """GPU time by kernel kind, then the 25 kernels with the most total time."""
     by_kind, by_name = {}, {}
     for event in events:
-        by_kind[kernel_kind(event["name"])] = by_kind.get(kernel_kind(event["name"]), 0.0) + event["dur"]
+        kind = kernel_kind(event["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + event["dur"]
         count, total = by_name.get(event["name"], (0, 0.0))
         by_name[event["name"]] = (count + 1, total + event["dur"])
     lines = ["GPU time by kernel kind (ms; kinds on different streams overlap)"]
