@@ -232,7 +232,26 @@ def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) ->
     return 2.0 * rows_per_step * out_features * in_features / 1e9
 
 
-class OverlappedColumnParallelComm(ColumnParallelComm):
+class _RingChoice:
+    """Whether an overlapped comm goes round the ring: sequence parallel over more than one rank, and (decided
+    in forward by choose(), followed in backward by pipelines()) ring steps of at least min_chunk_gflops."""
+
+    min_chunk_gflops: float = 0
+    pipelined: bool = True  # whether the last forward went round the ring (its backward does too)
+
+    def overlaps(self) -> bool:
+        return self.sequence_parallel and self.world_size > 1
+
+    def choose(self, rows_per_step: int, out_features: int, in_features: int) -> bool:
+        self.pipelined = self.overlaps() and ring_step_gflops(rows_per_step, out_features,
+                                                              in_features) >= self.min_chunk_gflops
+        return self.pipelined
+
+    def pipelines(self) -> bool:
+        return self.overlaps() and self.pipelined
+
+
+class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
     """ColumnParallelComm with the input all-gather pipelined into fprop and dgrad into the reduce-scatter.
 
     keep_input_columnwise: the input's columnwise copy rides the fprop ring. Otherwise backward re-gathers
@@ -243,10 +262,6 @@ class OverlappedColumnParallelComm(ColumnParallelComm):
         super().__init__(group, sequence_parallel, keep_input_columnwise)
         self.min_chunk_gflops = min_chunk_gflops
         self.input_carry: ColumnwiseCarry | None = None
-        self.pipelined = True  # whether the last forward went round the ring (its backward does too)
-
-    def overlaps(self) -> bool:
-        return self.sequence_parallel and self.world_size > 1
 
     def quantize_input(self, x2d, recipe, *, columnwise):
         xq = super().quantize_input(x2d, recipe, columnwise=columnwise)
@@ -255,8 +270,7 @@ class OverlappedColumnParallelComm(ColumnParallelComm):
         return xq
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        self.pipelined = self.overlaps() and ring_step_gflops(xq.rows, wq.rows, xq.cols) >= self.min_chunk_gflops
-        if not self.pipelined:  # a kept columnwise copy is gathered by input_to_save (carry.finish)
+        if not self.choose(xq.rows, wq.rows, xq.cols):  # a kept columnwise copy: gathered by carry.finish()
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
                                   group=self.group, carry=self.input_carry)
@@ -268,13 +282,13 @@ class OverlappedColumnParallelComm(ColumnParallelComm):
         return super().input_to_save(xq)
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
-        if not (self.overlaps() and self.pipelined):
+        if not self.pipelines():
             return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
         return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
                                         group=self.group)
 
 
-class OverlappedRowParallelComm(RowParallelComm):
+class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
     """RowParallelComm with fprop pipelined into the reduce-scatter and the gradient all-gather into dgrad.
 
     The output gradient's columnwise copy (wgrad) rides the dgrad ring; without a dgrad it is gathered
@@ -285,15 +299,9 @@ class OverlappedRowParallelComm(RowParallelComm):
         super().__init__(group, sequence_parallel)
         self.min_chunk_gflops = min_chunk_gflops
         self.grad_output_carry: ColumnwiseCarry | None = None
-        self.pipelined = True  # whether the last forward went round the ring (its backward does too)
-
-    def overlaps(self) -> bool:
-        return self.sequence_parallel and self.world_size > 1
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        self.pipelined = self.overlaps() and ring_step_gflops(xq.rows // self.world_size, wq.rows,
-                                                              xq.cols) >= self.min_chunk_gflops
-        if not self.pipelined:
+        if not self.choose(xq.rows // self.world_size, wq.rows, xq.cols):
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
                                         group=self.group)
@@ -303,13 +311,13 @@ class OverlappedRowParallelComm(RowParallelComm):
         return super().quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=rowwise, columnwise=columnwise)
 
     def grad_output_for_wgrad(self, dyq):
-        if not (self.overlaps() and self.pipelined):
+        if not self.pipelines():
             return super().grad_output_for_wgrad(dyq)
         self.grad_output_carry = ColumnwiseCarry(dyq, self.group)
         return self.grad_output_carry.finish
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
-        if not (self.overlaps() and self.pipelined):
+        if not self.pipelines():
             return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
         carry, self.grad_output_carry = self.grad_output_carry, None
         return ring_gathered_gemm(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
