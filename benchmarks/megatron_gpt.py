@@ -137,12 +137,13 @@ def profile_step(step, spec_name: str, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     trace_path = os.path.join(out_dir, f"megatron_trace_{spec_name}.json")
     prof.export_chrome_trace(trace_path)
-    with open(trace_path) as handle:
-        events = [e for e in json.load(handle)["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    with open(trace_path, "rb") as source, gzip.open(trace_path + ".gz", "wb") as target:
-        target.write(source.read())
+    with open(trace_path, "rb") as handle:
+        trace = handle.read()
     os.remove(trace_path)
+    with gzip.open(trace_path + ".gz", "wb") as target:
+        target.write(trace)
+    events = [e for e in json.loads(trace)["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     lines = [f"{spec_name}: one step, rank 0"] + kind_and_kernel_lines(events) + stream_gap_lines(events)
     with open(os.path.join(out_dir, f"megatron_profile_{spec_name}.txt"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
