@@ -125,22 +125,26 @@ NVFP4_HD float fp4_code_rne_plus_magic(float v) {
 
 NVFP4_HD uint32_t fp4_code_rne(float v) { return float_bits(fp4_code_rne_plus_magic(v)) & 0xFu; }
 
-// kRoundMagic plus the index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to even): as
-// fp4_index_rne, without the saturation step, since there rint(|v| / 2) + 4 <= 7 already.
-NVFP4_HD float fp4_index_rne_below_7_plus_magic(float v) {
+// The bits of kRoundMagic plus the index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to even):
+// as fp4_index_rne, without the saturation step, since there rint(|v| / 2) + 4 <= 7 already. The
+// candidates are positive floats of one binade, whose bits order as they do: their minimum is one
+// 3-input integer min (VIMNMX3) instead of two FMNMX.
+NVFP4_HD uint32_t fp4_index_rne_below_7_plus_magic_bits(float v) {
   const float a = fabsf(v);
-  const float fine = fmaf(a, 2.0f, kRoundMagic);
-  const float middle = a + (kRoundMagic + 2.0f);
-  const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
-  return fminf(fminf(fine, middle), coarse);
+  const uint32_t fine = float_bits(fmaf(a, 2.0f, kRoundMagic));
+  const uint32_t middle = float_bits(a + (kRoundMagic + 2.0f));
+  const uint32_t coarse = float_bits(fmaf(a, 0.5f, kRoundMagic + 4.0f));
+  const uint32_t finer = fine < middle ? fine : middle;
+  return finer < coarse ? finer : coarse;
 }
 
-// Eight codes in the low 4 bits of floats kRoundMagic + code -> one word, element i in nibble i:
-// each pair's byte is the low byte of (odd << 4) + even (one LEA), three byte permutes gather them.
-NVFP4_HD uint32_t pack_eight_magic_codes(const float* codes_plus_magic) {
+// Eight codes in the low 4 bits of words (the bits of floats kRoundMagic + code) -> one word, element
+// i in nibble i: each pair's byte is the low byte of (odd << 4) + even (one LEA), three byte permutes
+// gather them.
+NVFP4_HD uint32_t pack_eight_magic_codes(const uint32_t* codes_plus_magic) {
   uint32_t pairs[4];
 #pragma unroll
-  for (int p = 0; p < 4; ++p) pairs[p] = (float_bits(codes_plus_magic[2 * p + 1]) << 4) + float_bits(codes_plus_magic[2 * p]);
+  for (int p = 0; p < 4; ++p) pairs[p] = (codes_plus_magic[2 * p + 1] << 4) + codes_plus_magic[2 * p];
 #ifdef __CUDA_ARCH__
   return __byte_perm(__byte_perm(pairs[0], pairs[1], 0x0040), __byte_perm(pairs[2], pairs[3], 0x0040), 0x5410);
 #else
@@ -186,10 +190,15 @@ NVFP4_HD float stochastic_rounding_carrier(float a) {
 NVFP4_HD uint32_t stochastic_rounding_subtrahend(uint32_t bits16) { return (251u << 24) | (bits16 << 8) | 1u; }
 
 // The stochastic FP4 magnitude index of a = min(|v|, 6) in bits 24..27 (bit 27 clear), bits 28..31 clear,
-// bits 0..23 arbitrary: one FFMA, FMNMX and IMAD.
+// bits 0..23 arbitrary: one FFMA, FMNMX and IMAD. For 6 <= a < 8 the index is 7 or 8 (bit 27 set), for
+// 4 <= a < 6 as for a itself.
 NVFP4_HD uint32_t fp4_magnitude_stochastic_word(float a, uint32_t subtrahend) {
   return float_bits(stochastic_rounding_carrier(a)) * 4u - subtrahend;
 }
+
+// Eight packed stochastic magnitude indices (nibbles 0..8) with 8, from magnitudes in [6, 8), made 7:
+// what min(|v|, 6) gives. Three instructions for eight elements instead of one FMNMX per element.
+NVFP4_HD uint32_t saturate_stochastic_codes(uint32_t packed) { return packed - ((packed & 0x88888888u) >> 3); }
 
 // The stochastic FP4 code of v: v < 0 sets the sign (a negative value that rounds to 0 gives code 8;
 // -0.0 and NaN do not), NaN rounds as 6.
@@ -433,22 +442,31 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
   }
   uint2 packed;
   if constexpr (!kSR) {
-    float indices[kBlockSize];  // kRoundMagic + index of |scaled|
+    uint32_t indices[kBlockSize];  // the bits of kRoundMagic + index of |scaled|
     if (!(block_amax * encode < 7.0f)) {
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) scaled[i] = clamp_fp4(scaled[i]);
     }
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic(scaled[i]);
+    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic_bits(scaled[i]);
     packed = make_uint2(pack_eight_magic_codes(indices), pack_eight_magic_codes(indices + 8));
   } else {
     uint32_t words[kBlockSize];  // the magnitude index in bits 24..27
     if ((sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
       const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
+      // min(|scaled|, 6) only where a value may reach 8 (or is NaN): below 8 the index comes out at
+      // most 8, which saturate_stochastic_codes turns into 7, as 6 itself gives
+      if (block_amax * encode < 8.0f) {
 #pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) {
-        words[i] = fp4_magnitude_stochastic_word(fminf(fabsf(scaled[i]), kFp4Max),
-                                                 stochastic_rounding_subtrahend_of_column(bits, i));
+        for (int i = 0; i < kBlockSize; ++i) {
+          words[i] = fp4_magnitude_stochastic_word(fabsf(scaled[i]), stochastic_rounding_subtrahend_of_column(bits, i));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) {
+          words[i] = fp4_magnitude_stochastic_word(fminf(fabsf(scaled[i]), kFp4Max),
+                                                   stochastic_rounding_subtrahend_of_column(bits, i));
+        }
       }
     } else {  // a shard offset that is not a multiple of 16: one call per element
 #pragma unroll
@@ -458,7 +476,8 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
             stochastic_rounding_subtrahend(stochastic_rounding_bits_at(sr_row, sr_column + i, stream, keys.seed)));
       }
     }
-    packed = make_uint2(pack_eight_top_byte_codes(words), pack_eight_top_byte_codes(words + 8));
+    packed = make_uint2(saturate_stochastic_codes(pack_eight_top_byte_codes(words)),
+                        saturate_stochastic_codes(pack_eight_top_byte_codes(words + 8)));
   }
   packed.x |= sign_bits_of_eight(scaled);
   packed.y |= sign_bits_of_eight(scaled + 8);
