@@ -3,9 +3,9 @@
 // Variants (template flags): 16x16 blocks for weights (SPEC 4), the RHT of the columnwise copy of
 // BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled amax (SPEC 6)
 // and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
-// tiles (but the last wave of CTAs, one each), the next tile's copy (cp.async, into a second
-// shared-memory buffer) in flight while it encodes the current one, and pays the per-CTA setup (the
-// e_b tables) once. FP32 tiles (two would take 128 KiB) run one CTA per tile.
+// tiles (but the first CTA on each multiprocessor and the last wave, one each), the next tile's copy
+// (cp.async, into a second shared-memory buffer) in flight while it encodes the current one, and pays
+// the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) run one CTA per tile.
 #include <cstdint>
 
 #include "nvfp4_device.cuh"
@@ -199,16 +199,18 @@ constexpr bool kPrefetchNextTile = sizeof(T) == 2;
 template <typename T>
 constexpr int kTileBuffers = kPrefetchNextTile<T> ? 2 : 1;
 
-// CTAs 0 .. paired_ctas - 1 encode two consecutive tiles each, 2b and 2b + 1 (paired_ctas is 0 without
-// kPrefetchNextTile), the CTAs after them one tile each, b + paired_ctas: the last CTAs to start, about
-// one wave of them, take one tile, so the wave that ends the grid is half as long. Tiles are row-major
-// in x, `column_tiles` per tile row. sr_keys: the Philox round keys of args.sr_seed, in the kernel's
-// parameters (constant memory) rather than computed per Philox call.
+// The grid, in tile order: `leading_singles` CTAs of one tile, then `paired_ctas` CTAs of two consecutive
+// tiles, then CTAs of one tile (both counts 0 without kPrefetchNextTile). The leading singles, one per
+// multiprocessor, end half-way through the first wave's pairs, so that the CTAs after them start (and
+// load) out of step with the rest, instead of every CTA loading at once and then computing at once; the
+// last CTAs to start, about one wave of them, take one tile, so the wave that ends the grid is half as
+// long. Tiles are row-major in x, `column_tiles` per tile row. sr_keys: the Philox round keys of
+// args.sr_seed, in the kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
                                               : (k2D ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor16Bit))
     quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
-                         const int column_tiles, const int paired_ctas) {
+                         const int column_tiles, const int leading_singles, const int paired_ctas) {
   constexpr bool kPrefetch = kPrefetchNextTile<T>;
   extern __shared__ __align__(16) uint8_t tiles_in_shared[];  // kTileBuffers<T> tiles
   __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
@@ -223,8 +225,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E), once per CTA instead of one division per
   //    block (a per-row S_enc, for row-scaled copies, divides per block instead).
   const int cta = static_cast<int>(blockIdx.x);
-  const int first_tile = cta < paired_ctas ? 2 * cta : cta + paired_ctas;
-  const int end_tile = cta < paired_ctas ? first_tile + 2 : first_tile + 1;
+  const int pair = cta - leading_singles;
+  const bool paired = pair >= 0 && pair < paired_ctas;
+  const int first_tile = cta < leading_singles ? cta : (paired ? leading_singles + 2 * pair : cta + paired_ctas);
+  const int end_tile = paired ? first_tile + 2 : first_tile + 1;
   TileOrigin origin(args, column_tiles, first_tile);
   copy_tile_async<T>(tiles_in_shared, args, origin, tid);
   {
@@ -376,11 +380,15 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
     if (status != cudaSuccess) return status;
   }
-  // about one wave of single-tile CTAs at the end (the CTAs per multiprocessor the registers allow)
-  const int64_t last_wave = static_cast<int64_t>(device_multiprocessors()) * kMinTilesPerMultiprocessor16Bit;
-  const int64_t paired_ctas = kPrefetchNextTile<T> && tiles > last_wave ? (tiles - last_wave) / 2 : 0;
+  // one single-tile CTA per multiprocessor first (on grids of over 4 waves), about one wave of them at
+  // the end (the CTAs per multiprocessor the registers allow), pairs between
+  const int64_t multiprocessors = device_multiprocessors();
+  const int64_t last_wave = multiprocessors * kMinTilesPerMultiprocessor16Bit;
+  const int64_t leading = kPrefetchNextTile<T> && tiles > 4 * last_wave ? multiprocessors : 0;
+  const int64_t paired_ctas = kPrefetchNextTile<T> && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
   kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
-      args, stochastic_rounding_keys(args.sr_seed), static_cast<int>(column_tiles), static_cast<int>(paired_ctas));
+      args, stochastic_rounding_keys(args.sr_seed), static_cast<int>(column_tiles), static_cast<int>(leading),
+      static_cast<int>(paired_ctas));
   return cudaGetLastError();
 }
 
