@@ -3,9 +3,12 @@
 Bytes counted are those that must move: the input read once, every output written once. Each
 kernel's GB/s is compared with torch's copy of a BF16 tensor of the same element count (bytes
 read + written). "cast" times the cast kernel alone (amax given, as after an amax all-reduce);
-"amax+cast" adds the amax pass before it.
+"amax+cast" adds the amax pass before it. With three or more element counts, each kernel's times
+are also fitted as a per-launch fixed cost plus a cost per element (least squares), which tells a
+kernel slowed at the grid's start and end (its first wave, its last CTAs) from one slow throughout.
 
-    python benchmarks/quantize.py [--sizes 4096 8192 16384] [--out benchmarks/results/quantize.json]
+    python benchmarks/quantize.py [--sizes 4096 8192 16384] [--shapes 8192x16384 ...]
+                                  [--out benchmarks/results/quantize.json]
 """
 from __future__ import annotations
 
@@ -45,12 +48,11 @@ def quantized_bytes(rows: int, cols: int, copies: int) -> int:
     return copies * (rows * cols // 2 + rows * cols // BLOCK)
 
 
-def run_size(size: int) -> list[dict]:
+def run_shape(rows: int, cols: int) -> list[dict]:
     extension = load_extension()
     stream = torch.cuda.current_stream().cuda_stream
-    rows = cols = size
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-    x32 = torch.randn(rows, cols, device="cuda", dtype=torch.float32) if size <= 8192 else None
+    x32 = torch.randn(rows, cols, device="cuda", dtype=torch.float32) if rows * cols <= 8192 * 8192 else None
     copy_target = torch.empty_like(x)
     copy_ms = time_ms(lambda: copy_target.copy_(x))
     copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
@@ -109,31 +111,60 @@ def run_size(size: int) -> list[dict]:
     ]
     if x32 is not None:
         cases.append(("1D cast rowwise+columnwise, FP32 input", cast(x32), x32.numel() * 4 + both))
-    results = [dict(kernel="copy (bf16, read+write)", size=size, ms=copy_ms, gbps=copy_gbps, fraction_of_copy=1.0)]
+    shape = dict(size=rows, rows=rows, cols=cols) if rows == cols else dict(rows=rows, cols=cols)
+    results = [dict(kernel="copy (bf16, read+write)", **shape, ms=copy_ms, gbps=copy_gbps, fraction_of_copy=1.0)]
     for name, fn, nbytes in cases:
         ms = time_ms(fn)
         gbps = nbytes / ms / 1e6
-        results.append(dict(kernel=name, size=size, ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps))
+        results.append(dict(kernel=name, **shape, ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps))
     return results
+
+
+def fixed_and_per_element_cost(results: list[dict]) -> list[dict]:
+    """Per kernel measured at 3+ element counts: time = fixed_us + us_per_million_elements * elements / 1e6."""
+    fits = []
+    for kernel in dict.fromkeys(r["kernel"] for r in results):
+        points = [(r["rows"] * r["cols"] / 1e6, r["ms"] * 1e3) for r in results if r["kernel"] == kernel]
+        if len({m for m, _ in points}) < 3:
+            continue
+        n = len(points)
+        mean_m, mean_t = sum(m for m, _ in points) / n, sum(t for _, t in points) / n
+        slope = (sum((m - mean_m) * (t - mean_t) for m, t in points) / sum((m - mean_m) ** 2 for m, _ in points))
+        fits.append(dict(kernel=kernel, fixed_us=mean_t - slope * mean_m, us_per_million_elements=slope, shapes=n))
+    return fits
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    rows, _, cols = text.partition("x")
+    if not (rows.isdigit() and cols.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is ROWSxCOLS, e.g. 8192x16384")
+    return int(rows), int(cols)
 
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384], help="square shapes")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[], help="more shapes, ROWSxCOLS")
     parser.add_argument("--out", default="benchmarks/results/quantize.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
     results = []
-    for size in args.sizes:
-        results += run_size(size)
+    for rows, cols in [(size, size) for size in args.sizes] + args.shapes:
+        print(f"timing {rows}x{cols}", flush=True)
+        results += run_shape(rows, cols)
         torch.cuda.empty_cache()
-    print(f"{'kernel':42s} {'size':>6s} {'ms':>9s} {'GB/s':>8s} {'of copy':>8s}")
+    print(f"{'kernel':42s} {'shape':>11s} {'ms':>9s} {'GB/s':>8s} {'of copy':>8s}")
     for r in results:
-        print(f"{r['kernel']:42s} {r['size']:6d} {r['ms']:9.4f} {r['gbps']:8.0f} {r['fraction_of_copy']:8.1%}")
+        print(f"{r['kernel']:42s} {r['rows']:5d}x{r['cols']:<5d} {r['ms']:9.4f} {r['gbps']:8.0f} {r['fraction_of_copy']:8.1%}")
+    fits = fixed_and_per_element_cost(results)
+    for f in fits:
+        print(f"{f['kernel']:42s} fit over {f['shapes']} shapes: {f['fixed_us']:5.1f} us per launch + "
+              f"{f['us_per_million_elements']:.4f} us per million elements")
     report = dict(benchmark="quantize", gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
-                  commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda, results=results)
+                  commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda, results=results,
+                  fixed_and_per_element_cost=fits)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
