@@ -141,7 +141,6 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384], help="square shapes")

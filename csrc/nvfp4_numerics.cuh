@@ -88,47 +88,12 @@ NVFP4_HD float clamp_fp4(float v) { return fminf(fmaxf(v, -kFp4Max), kFp4Max); }
 // x + kRoundMagic holds round-to-nearest-even(x) in its low mantissa bits, for 0 <= x < 2^22.
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23, whose ulp is 1
 
-// floor(x) + kRoundMagic for 0 <= x < 2^22 (one FADD rounding down on the GPU).
-NVFP4_HD float add_magic_round_down(float x) {
-#ifdef __CUDA_ARCH__
-  return __fadd_rd(x, kRoundMagic);
-#else
-  return floorf(x) + kRoundMagic;
-#endif
-}
-
-// Index 0..7 of the FP4 magnitude nearest to a >= 0 (ties to the even code; above 6 gives 7), SPEC 2.5.
-// The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6]; rounding a on each step gives the
-// candidates rint(2a), rint(a) + 2 and rint(a/2) + 4, and the smallest of them (and 7) is the index.
-// Each candidate is one exactly-rounded FMA/FADD into the magic constant's integer bits.
-NVFP4_HD uint32_t fp4_index_rne(float a) {
-  const float fine = fmaf(a, 2.0f, kRoundMagic);
-  const float middle = a + (kRoundMagic + 2.0f);
-  const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
-  const float best = fminf(fminf(fine, middle), fminf(coarse, kRoundMagic + 7.0f));
-  return float_bits(best) & 0xFu;
-}
-
-// 1.0f for v < 0 (down to the smallest subnormal), 0.0f for v >= 0, -0.0 and NaN: one FSET on the GPU.
-NVFP4_HD float negative_as_float(float v) { return v < 0.0f ? 1.0f : 0.0f; }
-
-// kRoundMagic plus the FP4 code (0..15) of v, the code in its low 4 bits: round to nearest even on
-// the E2M1 grid, saturating above 6 (SPEC 2.5). A negative value that rounds to 0 gives code 8; -0.0 gives 0.
-NVFP4_HD float fp4_code_rne_plus_magic(float v) {
-  const float a = fabsf(v);
-  const float fine = fmaf(a, 2.0f, kRoundMagic);
-  const float middle = a + (kRoundMagic + 2.0f);
-  const float coarse = fmaf(a, 0.5f, kRoundMagic + 4.0f);
-  const float best = fminf(fminf(fine, middle), fminf(coarse, kRoundMagic + 7.0f));  // kRoundMagic + index
-  return fmaf(negative_as_float(v), 8.0f, best);
-}
-
-NVFP4_HD uint32_t fp4_code_rne(float v) { return float_bits(fp4_code_rne_plus_magic(v)) & 0xFu; }
-
-// The bits of kRoundMagic plus the index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to even):
-// as fp4_index_rne, without the saturation step, since there rint(|v| / 2) + 4 <= 7 already. The
-// candidates are positive floats of one binade, whose bits order as they do: their minimum is one
-// 3-input integer min (VIMNMX3) instead of two FMNMX.
+// The bits of kRoundMagic plus the index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to the
+// even code), SPEC 2.5. The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6]; rounding |v| on
+// each step gives the candidates rint(2|v|), rint(|v|) + 2 and rint(|v|/2) + 4, each one exactly-rounded
+// FMA/FADD into the magic constant's integer bits, and the smallest of them is the index (below 7 the
+// coarse one is at most 7, so no saturation step). The candidates are positive floats (NaN for a NaN
+// v), whose bits order as they do: their minimum is one 3-input integer min (VIMNMX3), not two FMNMX.
 NVFP4_HD uint32_t fp4_index_rne_below_7_plus_magic_bits(float v) {
   const float a = fabsf(v);
   const uint32_t fine = float_bits(fmaf(a, 2.0f, kRoundMagic));
@@ -136,6 +101,13 @@ NVFP4_HD uint32_t fp4_index_rne_below_7_plus_magic_bits(float v) {
   const uint32_t coarse = float_bits(fmaf(a, 0.5f, kRoundMagic + 4.0f));
   const uint32_t finer = fine < middle ? fine : middle;
   return finer < coarse ? finer : coarse;
+}
+
+// The FP4 code (0..15) of v: round to nearest even on the E2M1 grid, saturating above 6 (an index capped
+// at 7; NaN gives 7), SPEC 2.5. A negative value that rounds to 0 gives code 8; -0.0 gives 0.
+NVFP4_HD uint32_t fp4_code_rne(float v) {
+  const uint32_t below_7 = fp4_index_rne_below_7_plus_magic_bits(v), seven = float_bits(kRoundMagic + 7.0f);
+  return ((below_7 < seven ? below_7 : seven) & 0xFu) | (v < 0.0f ? 8u : 0u);
 }
 
 // Eight codes in the low 4 bits of words (the bits of floats kRoundMagic + code) -> one word, element
