@@ -402,23 +402,23 @@ constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  /
 // only where value * encode < 0: v * encode + 0 turns a -0.0 input into +0.0, and a product that
 // underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
 // numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out.
+// Both rare fixes share one branch: the + 0 changes no other value, and the clamp no code below 7.
+// sr_row and sr_column are non-negative: unsigned, the Philox group is one shift.
 template <bool kSR, bool kSixteenBitValues = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
-                            const StochasticRoundingKeys& keys, uint32_t stream, int64_t sr_row, int64_t sr_column) {
+                            const StochasticRoundingKeys& keys, uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
   float scaled[kBlockSize];
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) scaled[i] = fmaf(values[i], encode, 0.0f);
-  if (!kSixteenBitValues || !(encode >= kEncodeKeepingSixteenBitProductsNonzero)) {
+  const bool may_underflow = !kSixteenBitValues || !(encode >= kEncodeKeepingSixteenBitProductsNonzero);
+  const bool may_saturate = !(block_amax * encode < (kSR ? 8.0f : 7.0f));
+  if (may_underflow || (!kSR && may_saturate)) {
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) scaled[i] = scaled[i] + 0.0f;
+    for (int i = 0; i < kBlockSize; ++i) scaled[i] = kSR ? scaled[i] + 0.0f : clamp_fp4(scaled[i] + 0.0f);
   }
   uint2 packed;
   if constexpr (!kSR) {
     uint32_t indices[kBlockSize];  // the bits of kRoundMagic + index of |scaled|
-    if (!(block_amax * encode < 7.0f)) {
-#pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) scaled[i] = clamp_fp4(scaled[i]);
-    }
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic_bits(scaled[i]);
     packed = make_uint2(pack_eight_magic_codes(indices), pack_eight_magic_codes(indices + 8));
@@ -428,7 +428,7 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
       const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
       // min(|scaled|, 6) only where a value may reach 8 (or is NaN): below 8 the index comes out at
       // most 8, which saturate_stochastic_codes turns into 7, as 6 itself gives
-      if (block_amax * encode < 8.0f) {
+      if (!may_saturate) {
 #pragma unroll
         for (int i = 0; i < kBlockSize; ++i) {
           words[i] = fp4_magnitude_stochastic_word(fabsf(scaled[i]), stochastic_rounding_subtrahend_of_column(bits, i));
@@ -459,7 +459,7 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
 // encode_block with the stochastic rounding seed (the keys computed here).
 template <bool kSR>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
-                            uint32_t stream, int64_t sr_row, int64_t sr_column) {
+                            uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
   return encode_block<kSR>(values, encode, block_amax, stochastic_rounding_keys(seed), stream, sr_row, sr_column);
 }
 

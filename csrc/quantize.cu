@@ -158,14 +158,26 @@ struct TileOrigin {
   int rows_in_tile, cols_in_tile;
 
   __device__ TileOrigin(const QuantizeArgs& args, int column_tiles, int tile)
-      : m0(static_cast<int64_t>(tile / column_tiles) * kTileRows),
-        k0(static_cast<int64_t>(tile % column_tiles) * kTileCols),
+      : TileOrigin(args, static_cast<int64_t>(tile / column_tiles) * kTileRows,
+                   static_cast<int64_t>(tile % column_tiles) * kTileCols) {}
+
+  __device__ TileOrigin(const QuantizeArgs& args, int64_t first_row, int64_t first_col)
+      : m0(first_row),
+        k0(first_col),
         rows_in_tile(args.rows - m0 < kTileRows ? static_cast<int>(args.rows - m0) : kTileRows),
         cols_in_tile(args.cols - k0 < kTileCols ? static_cast<int>(args.cols - k0) : kTileCols) {}
+
+  // The next tile in row-major tile order, without the division.
+  __device__ TileOrigin next(const QuantizeArgs& args) const {
+    return k0 + kTileCols < args.cols ? TileOrigin(args, m0, k0 + kTileCols) : TileOrigin(args, m0 + kTileRows, int64_t{0});
+  }
+
+  __device__ bool whole() const { return rows_in_tile == kTileRows && cols_in_tile == kTileCols; }
 };
 
 // One thread's share of a tile's copy from global to shared memory (cp.async, 16 bytes each, zeros
-// outside x): copy u is chunk tid % kChunksPerRow of tile row tid / kChunksPerRow + u * kRowStep.
+// outside x; a whole tile, the common case, without the zero-fill predicates): copy u is chunk
+// tid % kChunksPerRow of tile row tid / kChunksPerRow + u * kRowStep.
 // Copy u's shared-memory offset differs from copy 0's by u * kRowStep rows, which moves the swizzle key
 // by (u * kRowStep) >> 4 (an XOR, the first row < kRowStep <= 16) and leaves row mod P alone.
 template <typename T>
@@ -181,12 +193,21 @@ __device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArg
   const bool columns_in = chunk * Layout::kChunkElements < origin.cols_in_tile;
   const uint32_t tile_address = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
   const int offset = Layout::chunk_offset(row, chunk);
+  const auto shared_address = [&](int u) {
+    return tile_address + ((offset ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * Layout::kRowBytes);
+  };
+  if (origin.whole()) {
 #pragma unroll
-  for (int u = 0; u < kCount; ++u) {
-    const bool inside = columns_in && row + u * kRowStep < origin.rows_in_tile;
-    const uint32_t to = tile_address + ((offset ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * Layout::kRowBytes);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(inside ? x + u * stride : x),
-                 "r"(inside ? 16 : 0) : "memory");
+    for (int u = 0; u < kCount; ++u) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(u)), "l"(x + u * stride) : "memory");
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+      const bool inside = columns_in && row + u * kRowStep < origin.rows_in_tile;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(u)), "l"(inside ? x + u * stride : x),
+                   "r"(inside ? 16 : 0) : "memory");
+    }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -248,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     const uint8_t* const tile = tiles_in_shared + buffer * Layout::kBytes;
     const int next_tile = tile_index + 1;
     if (kPrefetch && next_tile < end_tile) {  // the next tile's copy in flight while this one is encoded
-      origin = TileOrigin(args, column_tiles, next_tile);
+      origin = origin.next(args);
       copy_tile_async<T>(tiles_in_shared + (buffer ^ 1) * Layout::kBytes, args, origin, tid);
       asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
