@@ -346,32 +346,35 @@ NVFP4_HD constexpr bool parity4(int v) { return ((v ^ (v >> 1) ^ (v >> 2) ^ (v >
 // Rows 0..i of H16 tell apart the columns j modulo this many (the smallest power of 2 above i).
 NVFP4_HD constexpr int hadamard_prefix_classes(int i) { return i < 1 ? 1 : (i < 2 ? 2 : (i < 4 ? 4 : (i < 8 ? 8 : 16))); }
 
-// out[j] = sum over i = 0..15, in that order, of (-1)^popcount(i & j) * terms[i], each sum started
-// from 0.0f: the order of torch's CPU matmul of [., 16] x [16, 16]. Outputs whose sign patterns agree
-// on rows 0..i (j equal modulo hadamard_prefix_classes(i)) share those partial sums, which are the
-// same FP32 operations: 170 additions instead of 256, bit-identical results.
-NVFP4_HD void hadamard_sums_in_order(const float (&terms)[kBlockSize], float (&out)[kBlockSize]) {
+// out[j] = sum over i = 0..15, in that order, of (-1)^popcount(i & j) * t_i, each sum started from
+// 0.0f: the order of torch's CPU matmul of [., 16] x [16, 16]. The term t_i = v[i] * factor, negated
+// where bit i of kNegated is set, must be exact (factor 1, or a power of 2 by which v[i] loses no
+// bits, as BF16 values by 1/4 do): it enters each sum through one FMA, which rounds as adding the exact term does, so
+// no separate product is formed. Outputs whose sign patterns agree on rows 0..i (j equal modulo
+// hadamard_prefix_classes(i)) share those partial sums, which are the same FP32 operations: 170
+// additions instead of 256, bit-identical results.
+template <uint32_t kNegated>
+NVFP4_HD void hadamard_sums_in_order(const float (&v)[kBlockSize], float factor, float (&out)[kBlockSize]) {
   float partial[kBlockSize];
-  partial[0] = 0.0f + terms[0];
+  partial[0] = fmaf(v[0], (kNegated & 1u) ? -factor : factor, 0.0f);
 #pragma unroll
   for (int i = 1; i < kBlockSize; ++i) {
     const int previous = hadamard_prefix_classes(i - 1), classes = hadamard_prefix_classes(i);
+    const float term_factor = ((kNegated >> i) & 1u) ? -factor : factor;
 #pragma unroll
     for (int c = classes - 1; c >= 0; --c) {
-      partial[c] = parity4(i & c) ? partial[c % previous] - terms[i] : partial[c % previous] + terms[i];
+      partial[c] = fmaf(v[i], parity4(i & c) ? -term_factor : term_factor, partial[c % previous]);
     }
   }
 #pragma unroll
   for (int j = 0; j < kBlockSize; ++j) out[j] = partial[j];
 }
 
-// y = c . H for one 16-chunk, H = diag(s) . H16 / 4: the sign s_i and the 1/4 enter the terms exactly.
+// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4: the sign s_i and the 1/4 enter the
+// terms exactly (c_i / 4 is an FP32 number).
 template <bool kRandomSign>
 NVFP4_HD void rht_chunk(const float (&c)[kBlockSize], float (&y)[kBlockSize]) {
-  float terms[kBlockSize];
-#pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) terms[i] = c[i] * ((kRandomSign && ((kRhtSignMask >> i) & 1u)) ? -0.25f : 0.25f);
-  hadamard_sums_in_order(terms, y);
+  hadamard_sums_in_order<kRandomSign ? kRhtSignMask : 0u>(c, 0.25f, y);
 }
 
 // x = y . H^T for one 16-chunk (the inverse transform): x_i = s_i * sum_j y_j H16[i][j] / 4, the sign
@@ -380,8 +383,8 @@ template <bool kRandomSign>
 NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockSize]) {
   float terms[kBlockSize], sums[kBlockSize];
 #pragma unroll
-  for (int j = 0; j < kBlockSize; ++j) terms[j] = y[j] * 0.25f;
-  hadamard_sums_in_order(terms, sums);
+  for (int j = 0; j < kBlockSize; ++j) terms[j] = y[j] * 0.25f;  // rounded: y need not be BF16
+  hadamard_sums_in_order<0u>(terms, 1.0f, sums);
 #pragma unroll
   // 0 - sum, not -sum: an exactly-zero sum stays +0 as in the unshared sum, which never makes -0.
   for (int i = 0; i < kBlockSize; ++i) x[i] = (kRandomSign && ((kRhtSignMask >> i) & 1u)) ? 0.0f - sums[i] : sums[i];

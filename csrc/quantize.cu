@@ -152,14 +152,31 @@ __device__ __forceinline__ void read_column_pair(const uint8_t* const (&base)[Ti
   }
 }
 
+// n / d for 0 <= n < 2^31 and a fixed d >= 1, without a division: (2n * multiplier) >> (32 + shift)
+// with shift = ceil(log2 d) and multiplier = ceil(2^(31 + shift) / d) < 2^32. The product exceeds n / d
+// by less than n / (d 2^(31 + shift)) * d <= 2^-shift <= 1 / d, too little to reach the next integer.
+struct TileRowDivisor {
+  int divisor;
+  uint32_t multiplier, shift;
+
+  __host__ explicit TileRowDivisor(int d) : divisor(d), shift(0) {
+    while ((int64_t{1} << shift) < d) ++shift;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << (31 + shift)) + d - 1) / d);
+  }
+  __device__ int quotient(int n) const { return static_cast<int>(__umulhi(2u * static_cast<uint32_t>(n), multiplier) >> shift); }
+};
+
 // Where a tile lies in x, and how much of it is inside x.
 struct TileOrigin {
   int64_t m0, k0;
   int rows_in_tile, cols_in_tile;
 
-  __device__ TileOrigin(const QuantizeArgs& args, int column_tiles, int tile)
-      : TileOrigin(args, static_cast<int64_t>(tile / column_tiles) * kTileRows,
-                   static_cast<int64_t>(tile % column_tiles) * kTileCols) {}
+  __device__ TileOrigin(const QuantizeArgs& args, const TileRowDivisor& column_tiles, int tile)
+      : TileOrigin(args, tile, column_tiles.quotient(tile), column_tiles.divisor) {}
+
+  __device__ TileOrigin(const QuantizeArgs& args, int tile, int tile_row, int column_tiles)
+      : TileOrigin(args, static_cast<int64_t>(tile_row) * kTileRows,
+                   static_cast<int64_t>(tile - tile_row * column_tiles) * kTileCols) {}
 
   __device__ TileOrigin(const QuantizeArgs& args, int64_t first_row, int64_t first_col)
       : m0(first_row),
@@ -225,13 +242,13 @@ constexpr int kTileBuffers = kPrefetchNextTile<T> ? 2 : 1;
 // multiprocessor, end half-way through the first wave's pairs, so that the CTAs after them start (and
 // load) out of step with the rest, instead of every CTA loading at once and then computing at once; the
 // last CTAs to start, about one wave of them, take one tile, so the wave that ends the grid is half as
-// long. Tiles are row-major in x, `column_tiles` per tile row. sr_keys: the Philox round keys of
+// long. Tiles are row-major in x, `column_tiles.divisor` per tile row. sr_keys: the Philox round keys of
 // args.sr_seed, in the kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
                                               : (k2D ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor16Bit))
     quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
-                         const int column_tiles, const int leading_singles, const int paired_ctas) {
+                         const TileRowDivisor column_tiles, const int leading_singles, const int paired_ctas) {
   constexpr bool kPrefetch = kPrefetchNextTile<T>;
   extern __shared__ __align__(16) uint8_t tiles_in_shared[];  // kTileBuffers<T> tiles
   __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
@@ -408,7 +425,7 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t leading = kPrefetchNextTile<T> && tiles > 4 * last_wave ? multiprocessors : 0;
   const int64_t paired_ctas = kPrefetchNextTile<T> && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
   kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
-      args, stochastic_rounding_keys(args.sr_seed), static_cast<int>(column_tiles), static_cast<int>(leading),
+      args, stochastic_rounding_keys(args.sr_seed), TileRowDivisor(static_cast<int>(column_tiles)), static_cast<int>(leading),
       static_cast<int>(paired_ctas));
   return cudaGetLastError();
 }
