@@ -13,7 +13,9 @@ from nvfp4_dist.formats import FP4_MAGNITUDES, fp4_to_float
 from nvfp4_dist.reference.copies import COLUMNWISE_STREAM, ROWWISE_STREAM
 from nvfp4_dist.reference.quantize import compute_amax, decode_scale, quantize_blocks
 
-SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 4096), (4096, 4096), (8192, 8192)]
+# (2192, 11280): wide enough for the banded tile order (csrc/quantize.cu TileOrder), with a partial last
+# band, tile row and tile column
+SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 4096), (4096, 4096), (8192, 8192), (2192, 11280)]
 RHT_SHAPES = SHAPES + [(8192, 11328), (16384, 4096)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CONFIGS = {
