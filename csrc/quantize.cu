@@ -10,6 +10,7 @@
 
 #include "nvfp4_device.cuh"
 #include "nvfp4_numerics.cuh"
+#include "tile_order.cuh"
 
 namespace nvfp4 {
 namespace {
@@ -151,52 +152,6 @@ __device__ __forceinline__ void read_column_pair(const uint8_t* const (&base)[Ti
     amax[1] = halves.y;
   }
 }
-
-// n / d for 0 <= n < 2^31 and a fixed 1 <= d < 2^31, without a division: (2n * multiplier) >> (32 + shift)
-// with shift = ceil(log2 d) and multiplier = ceil(2^(31 + shift) / d) < 2^32. The product exceeds n / d
-// by less than n / (d 2^(31 + shift)) * d <= 2^-shift <= 1 / d, too little to reach the next integer.
-struct FastDivisor {
-  int divisor;
-  uint32_t multiplier, shift;
-
-  __host__ explicit FastDivisor(int d) : divisor(d), shift(0) {
-    while ((int64_t{1} << shift) < d) ++shift;
-    multiplier = static_cast<uint32_t>(((uint64_t{1} << (31 + shift)) + d - 1) / d);
-  }
-  __device__ int quotient(int n) const { return static_cast<int>(__umulhi(2u * static_cast<uint32_t>(n), multiplier) >> shift); }
-};
-
-// The order of the tiles: bands of 2^band_shift tile rows, column-major within a band (row-major for
-// band_shift 0). launch_tiles picks bands of 16 tile rows where row-major tiles in flight at once (about
-// 5 per multiprocessor) would span fewer than 10 tile rows: then the columnwise (transposed) copies of
-// vertically adjacent tiles fill 16 x 64 contiguous bytes of each output row, where row-major tiles of
-// a wide x wrote 64-byte pieces (H100, 16384^2: 0.95x for the 1D and 2D casts; row-major stays for the
-// RHT cast, which bands made 0.5-1% slower).
-struct TileOrder {
-  FastDivisor band_tiles;       // tiles in a band
-  FastDivisor last_band_rows;   // tile rows of the last band (fewer where the tile rows are no multiple)
-  int full_bands, band_shift;
-
-  __host__ TileOrder(int64_t tile_rows, int64_t column_tiles, int shift)
-      : band_tiles(static_cast<int>((column_tiles << shift) > INT32_MAX ? INT32_MAX : (column_tiles << shift))),
-        last_band_rows(static_cast<int>(tile_rows - ((tile_rows - 1) >> shift << shift))),
-        full_bands(static_cast<int>((tile_rows - 1) >> shift)),
-        band_shift(shift) {}
-
-  // (tile row, tile column) of the tile-th tile in row-major order (band_shift 0)
-  __device__ int2 row_major(int tile) const {
-    const int row = band_tiles.quotient(tile);
-    return make_int2(row, tile - row * band_tiles.divisor);
-  }
-
-  // (tile row, tile column) of the tile-th tile
-  __device__ int2 row_and_column(int tile) const {
-    const int band = band_tiles.quotient(tile), within = tile - band * band_tiles.divisor;
-    if (band < full_bands) return make_int2((band << band_shift) + (within & ((1 << band_shift) - 1)), within >> band_shift);
-    const int column = last_band_rows.quotient(within);
-    return make_int2((band << band_shift) + within - column * last_band_rows.divisor, column);
-  }
-};
 
 // Where a tile lies in x, and how much of it is inside x.
 struct TileOrigin {

@@ -4,6 +4,7 @@
 - the extension loader fails with a RuntimeError that says how to build;
 - the kernels' element numerics (csrc/nvfp4_numerics.cuh, host-compiled with nvcc) equal the
   reference byte for byte: block scales, RNE and stochastic codes, Philox bits, the RHT sums;
+- the quantize kernels' tile order and its division-free quotient (csrc/tile_order.cuh);
 - csrc/compile_check.sh compiles every kernel for sm_90a and sm_100a.
 """
 import ctypes
@@ -25,8 +26,20 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 # Host entry points over csrc/nvfp4_numerics.cuh, composed exactly as csrc/quantize.cu composes them.
 HARNESS = r"""
 #include "nvfp4_numerics.cuh"
+#include "tile_order.cuh"
 using namespace nvfp4;
 extern "C" {
+void tile_positions(long tile_rows, long column_tiles, int shift, int row_major, int* rows, int* cols) {
+  const TileOrder order(tile_rows, column_tiles, shift);
+  for (long t = 0; t < tile_rows * column_tiles; ++t) {
+    const int2 position = row_major ? order.row_major(static_cast<int>(t)) : order.row_and_column(static_cast<int>(t));
+    rows[t] = position.x;
+    cols[t] = position.y;
+  }
+}
+void fast_quotients(const int* n, const int* d, long count, int* out) {
+  for (long i = 0; i < count; ++i) out[i] = FastDivisor(d[i]).quotient(n[i]);
+}
 // Rows of 16-element blocks along the last dim; amax per tensor (amax_count 1) or per row.
 void quantize_rows(const float* x, long rows, long cols, const float* amax, long amax_count, int stochastic,
                    unsigned long long seed, long row_offset, long col_offset, unsigned stream,
@@ -320,6 +333,42 @@ def test_dequantize_numerics_match_reference(numerics):
                               pointer(out))
     want = reference.dequantize_blocks(data, scale, amax)
     assert torch.equal(torch.from_numpy(out).view(torch.int32), want.view(torch.int32))
+
+
+def expected_tile_order(tile_rows, column_tiles, shift):
+    """Bands of 2^shift tile rows (the last one shorter), column-major within a band."""
+    band = 1 << shift
+    return [(first + r, c) for first in range(0, tile_rows, band)
+            for c in range(column_tiles) for r in range(min(band, tile_rows - first))]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shift", [0, 4])
+def test_tile_order_visits_bands_column_major(numerics, shift):
+    for tile_rows in (1, 2, 15, 16, 17, 18, 31, 32, 33, 64, 66):
+        for column_tiles in (1, 3, 64, 89, 128):
+            count = tile_rows * column_tiles
+            rows, cols = np.zeros(count, dtype=np.int32), np.zeros(count, dtype=np.int32)
+            for row_major in ((0, 1) if shift == 0 else (0,)):
+                numerics.tile_positions(ctypes.c_long(tile_rows), ctypes.c_long(column_tiles), ctypes.c_int(shift),
+                                        ctypes.c_int(row_major), pointer(rows), pointer(cols))
+                got = list(zip(rows.tolist(), cols.tolist()))
+                assert got == expected_tile_order(tile_rows, column_tiles, shift), (tile_rows, column_tiles, row_major)
+
+
+@needs_nvcc
+def test_fast_divisor_quotients_are_exact(numerics):
+    generator = np.random.default_rng(8)
+    divisors = np.concatenate([np.arange(1, 2049), generator.integers(1, 2**31 - 1, 2000),
+                               [2**k for k in range(31)], [2**k - 1 for k in range(1, 32)], [2**k + 1 for k in range(30)]])
+    d = np.repeat(divisors, 6).astype(np.int32)
+    n = np.concatenate([[0, 1, x - 1, x, x + 1, 2**31 - 1] for x in divisors]).clip(0, 2**31 - 1)
+    n = np.concatenate([n, generator.integers(0, 2**31 - 1, d.size)]).astype(np.int32)
+    d = np.concatenate([d, d]).astype(np.int32)
+    out = np.zeros(d.size, dtype=np.int32)
+    numerics.fast_quotients(pointer(n), pointer(d), ctypes.c_long(d.size), pointer(out))
+    want = n.astype(np.int64) // d.astype(np.int64)
+    assert np.array_equal(out, want), np.nonzero(out != want)[0][:5]
 
 
 @needs_nvcc
