@@ -3,9 +3,10 @@
 // Variants (template flags): 16x16 blocks for weights (SPEC 4), the RHT of the columnwise copy of
 // BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled amax (SPEC 6)
 // and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
-// tiles (but the first CTA on each multiprocessor and the last wave, one each), the next tile's copy
+// tiles (but the first CTAs on each multiprocessor and the last wave, one each), the next tile's copy
 // (cp.async, into a second shared-memory buffer) in flight while it encodes the current one, and pays
 // the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) run one CTA per tile.
+// Consecutive tiles follow TileOrder (tile_order.cuh): row-major, or bands of 16 tile rows for wide x.
 #include <cstdint>
 
 #include "nvfp4_device.cuh"
