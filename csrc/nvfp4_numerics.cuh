@@ -349,10 +349,10 @@ NVFP4_HD constexpr int hadamard_prefix_classes(int i) { return i < 1 ? 1 : (i < 
 // out[j] = sum over i = 0..15, in that order, of (-1)^popcount(i & j) * t_i, each sum started from
 // 0.0f: the order of torch's CPU matmul of [., 16] x [16, 16]. The term t_i = v[i] * factor, negated
 // where bit i of kNegated is set, must be exact (factor 1, or a power of 2 by which v[i] loses no
-// bits, as BF16 values by 1/4 do): it enters each sum through one FMA, which rounds as adding the exact term does, so
-// no separate product is formed. Outputs whose sign patterns agree on rows 0..i (j equal modulo
-// hadamard_prefix_classes(i)) share those partial sums, which are the same FP32 operations: 170
-// additions instead of 256, bit-identical results.
+// bits, as BF16 values by 1/4 do): it enters each sum through one FMA, which rounds as adding the
+// exact term does, so no separate product is formed. Outputs whose sign patterns agree on rows 0..i
+// (j equal modulo hadamard_prefix_classes(i)) share those partial sums, which are the same FP32
+// operations: 170 additions instead of 256, bit-identical results.
 template <uint32_t kNegated>
 NVFP4_HD void hadamard_sums_in_order(const float (&v)[kBlockSize], float factor, float (&out)[kBlockSize]) {
   float partial[kBlockSize];
@@ -370,8 +370,8 @@ NVFP4_HD void hadamard_sums_in_order(const float (&v)[kBlockSize], float factor,
   for (int j = 0; j < kBlockSize; ++j) out[j] = partial[j];
 }
 
-// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4: the sign s_i and the 1/4 enter the
-// terms exactly (c_i / 4 is an FP32 number).
+// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4: the sign s_i and the 1/4 enter
+// the terms exactly (c_i / 4 is an FP32 number).
 template <bool kRandomSign>
 NVFP4_HD void rht_chunk(const float (&c)[kBlockSize], float (&y)[kBlockSize]) {
   hadamard_sums_in_order<kRandomSign ? kRhtSignMask : 0u>(c, 0.25f, y);

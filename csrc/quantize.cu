@@ -160,7 +160,8 @@ struct TileOrigin {
   int rows_in_tile, cols_in_tile;
 
   __device__ TileOrigin(const QuantizeArgs& args, int2 row_and_column)
-      : TileOrigin(args, static_cast<int64_t>(row_and_column.x) * kTileRows, static_cast<int64_t>(row_and_column.y) * kTileCols) {}
+      : TileOrigin(args, static_cast<int64_t>(row_and_column.x) * kTileRows,
+                   static_cast<int64_t>(row_and_column.y) * kTileCols) {}
 
   __device__ TileOrigin(const QuantizeArgs& args, int64_t first_row, int64_t first_col)
       : m0(first_row),
@@ -170,7 +171,8 @@ struct TileOrigin {
 
   // The next tile in row-major order, without the division.
   __device__ TileOrigin next_row_major(const QuantizeArgs& args) const {
-    return k0 + kTileCols < args.cols ? TileOrigin(args, m0, k0 + kTileCols) : TileOrigin(args, m0 + kTileRows, int64_t{0});
+    return k0 + kTileCols < args.cols ? TileOrigin(args, m0, k0 + kTileCols)
+                                      : TileOrigin(args, m0 + kTileRows, int64_t{0});
   }
 
   __device__ bool whole() const { return rows_in_tile == kTileRows && cols_in_tile == kTileCols; }
@@ -200,14 +202,15 @@ __device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArg
   if (origin.whole()) {
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(u)), "l"(x + u * stride) : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(u)), "l"(x + u * stride)
+                   : "memory");
     }
   } else {
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
       const bool inside = columns_in && row + u * kRowStep < origin.rows_in_tile;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(u)), "l"(inside ? x + u * stride : x),
-                   "r"(inside ? 16 : 0) : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(u)),
+                   "l"(inside ? x + u * stride : x), "r"(inside ? 16 : 0) : "memory");
     }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
@@ -228,13 +231,13 @@ constexpr int kTileBuffers = kPrefetchNextTile<T> ? 2 : 1;
 template <bool kRHT>
 constexpr bool kNextCopyAfterRowwise = kRHT;
 
-// The grid, in tile order: `leading_singles` CTAs of one tile, then `paired_ctas` CTAs of two consecutive
-// tiles, then CTAs of one tile (both counts 0 without kPrefetchNextTile). The leading singles, one per
-// multiprocessor (two for the RHT cast), end half-way through the first wave's pairs, so that the CTAs after them start (and
-// load) out of step with the rest, instead of every CTA loading at once and then computing at once; the
-// last CTAs to start, about one wave of them, take one tile, so the wave that ends the grid is half as
-// long. Tiles are in TileOrder. sr_keys: the Philox round keys of
-// args.sr_seed, in the kernel's parameters (constant memory) rather than computed per Philox call.
+// The grid, in tile order (TileOrder): `leading_singles` CTAs of one tile, then `paired_ctas` CTAs of two
+// consecutive tiles, then CTAs of one tile (both counts 0 without kPrefetchNextTile). The leading
+// singles, one per multiprocessor (two for the RHT cast), end half-way through the first wave's pairs,
+// so that the CTAs after them start (and load) out of step with the rest, instead of every CTA loading
+// at once and then computing at once; the last CTAs to start, about one wave of them, take one tile, so
+// the wave that ends the grid is half as long. sr_keys: the Philox round keys of args.sr_seed, in the
+// kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
                                               : (k2D ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor16Bit))
@@ -406,7 +409,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
 
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
-  const int64_t column_tiles = (args.cols + kTileCols - 1) / kTileCols, tile_rows = (args.rows + kTileRows - 1) / kTileRows;
+  const int64_t column_tiles = (args.cols + kTileCols - 1) / kTileCols;
+  const int64_t tile_rows = (args.rows + kTileRows - 1) / kTileRows;
   const int64_t tiles = tile_rows * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
@@ -425,8 +429,8 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t leading = kPrefetchNextTile<T> && tiles > 4 * last_wave ? (kRHT ? 2 : 1) * multiprocessors : 0;
   const int64_t paired_ctas = kPrefetchNextTile<T> && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
   kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
-      args, stochastic_rounding_keys(args.sr_seed), TileOrder(tile_rows, column_tiles, band_shift), static_cast<int>(leading),
-      static_cast<int>(paired_ctas));
+      args, stochastic_rounding_keys(args.sr_seed), TileOrder(tile_rows, column_tiles, band_shift),
+      static_cast<int>(leading), static_cast<int>(paired_ctas));
   return cudaGetLastError();
 }
 
