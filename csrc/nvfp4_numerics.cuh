@@ -406,8 +406,10 @@ constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  /
 // underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
 // numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out.
 // Both rare fixes share one branch: the + 0 changes no other value, and the clamp no code below 7.
-// sr_row and sr_column are non-negative: unsigned, the Philox group is one shift.
-template <bool kSR, bool kSixteenBitValues = false>
+// sr_row and sr_column are non-negative: unsigned, the Philox group is one shift. kOneGroup: the caller
+// guarantees sr_column % 16 == 0 (the rowwise copy's blocks start at multiples of 16), which leaves the
+// one-call-per-element fallback out of the code.
+template <bool kSR, bool kSixteenBitValues = false, bool kOneGroup = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
                             const StochasticRoundingKeys& keys, uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
   float scaled[kBlockSize];
@@ -427,7 +429,7 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     packed = make_uint2(pack_eight_magic_codes(indices), pack_eight_magic_codes(indices + 8));
   } else {
     uint32_t words[kBlockSize];  // the magnitude index in bits 24..27
-    if ((sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
+    if (kOneGroup || (sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
       const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
       // min(|scaled|, 6) only where a value may reach 8 (or is NaN): below 8 the index comes out at
       // most 8, which saturate_stochastic_codes turns into 7, as 6 itself gives

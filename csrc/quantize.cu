@@ -337,8 +337,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
           encode = encode_of_scale[0][scale];
         }
-        const uint2 packed = encode_block<kSR, sizeof(T) == 2>(values, encode, amax_of_block, sr_keys, kRowwiseStream,
-                                               m0 + row + args.sr_row_offset, k0 + block * kBlockSize);
+        const uint2 packed = encode_block<kSR, sizeof(T) == 2, true>(values, encode, amax_of_block, sr_keys,
+                                                                     kRowwiseStream, m0 + row + args.sr_row_offset,
+                                                                     k0 + block * kBlockSize);
         *reinterpret_cast<uint2*>(data) = packed;
         *scales = scale;
       }
