@@ -23,7 +23,8 @@ from nvfp4_dist.reference.philox import CURAND_ROUNDS, SR_ROUNDS, philox4x32
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
 
-# Host entry points over csrc/nvfp4_numerics.cuh, composed exactly as csrc/quantize.cu composes them.
+# Host entry points over csrc/nvfp4_numerics.cuh and csrc/tile_order.cuh, composed exactly as csrc/quantize.cu
+# composes them.
 HARNESS = r"""
 #include "nvfp4_numerics.cuh"
 #include "tile_order.cuh"
