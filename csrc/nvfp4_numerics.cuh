@@ -143,29 +143,32 @@ NVFP4_HD float fp4_value(uint32_t code) {
 
 // Stochastic rounding (SPEC 7) of a = min(|v|, 6) on the FP32 bits, the reference's rule
 // (reference/quantize.py): up in magnitude iff bits16 < p * 65536, p = (a - lo) / (hi - lo).
-// The carrier x = max(a, RU(a / 2 + 1 / 2)) is a itself for a >= 1, and 1/2 + RU(a / 2) on the 2^-24
-// grid for a < 1 (rounding up commutes with comparing against the thresholds below). Its bits then
-// hold 2^22 * (252 + lo's index) + 2^22 * p exactly: the E2M1 grid on [1/2, 6] is "FP32 with one
-// mantissa bit", and the low 22 bits are the fraction p of the step.
-NVFP4_HD float stochastic_rounding_carrier(float a) {
+// The carrier c = RU(a * 2^-126) puts a in the E2M1 grid's shape: [0, 1) lands in FP32's subnormals,
+// whose step 2^-149 matches that of the first normal binade [2^-126, 2^-125), so the grid's uniform
+// steps of 1/2 below 2 and its one-mantissa-bit steps above are alike "2 steps per binade". c's bits
+// hold 2^22 * (lo's index) + 2^22 * p: exactly for a >= 1 (a power-of-2 scaling), and rounded up on
+// the 2^-23 grid of a for a < 1 (rounding up commutes with comparing against the thresholds below).
+// One FMUL.RP on the GPU (denormals kept: no -ftz).
+NVFP4_HD uint32_t stochastic_rounding_carrier_bits(float a) {
 #ifdef __CUDA_ARCH__
-  return fmaxf(a, __fmaf_ru(a, 0.5f, 0.5f));
+  return __float_as_uint(__fmul_ru(a, 1.17549435082228750797e-38f));  // 2^-126
 #else
-  if (a >= 1.0f) return a;
-  return 0.5f + static_cast<float>(std::ceil(static_cast<double>(a) * 8388608.0) * 5.9604644775390625e-8);
+  if (a >= 1.0f) return float_bits(a) - (126u << 23);
+  return static_cast<uint32_t>(std::ceil(static_cast<double>(a) * 8388608.0));  // 2^23 is 2^-126's bits
 #endif
 }
 
-// The subtrahend that turns 4 * bits(carrier) into the index in bits 24..27: bits 0..23 hold
+// The subtrahend that turns 4 * carrier bits into the index in bits 24..27: bits 0..23 hold
 // bits16 * 256 + 1, so subtracting them from the fraction 4 * p * 2^22 borrows from bit 24 unless
-// p * 65536 > bits16; bits 24..31 hold 251: those of 4 * bits(carrier) are 252 + lo's index (mod 256).
-NVFP4_HD uint32_t stochastic_rounding_subtrahend(uint32_t bits16) { return (251u << 24) | (bits16 << 8) | 1u; }
+// p * 65536 > bits16; bits 24..31 hold 255, -1 mod 256, which that borrow, or its absence, makes
+// lo's index or lo's index + 1.
+NVFP4_HD uint32_t stochastic_rounding_subtrahend(uint32_t bits16) { return (255u << 24) | (bits16 << 8) | 1u; }
 
 // The stochastic FP4 magnitude index of a = min(|v|, 6) in bits 24..27 (bit 27 clear), bits 28..31 clear,
-// bits 0..23 arbitrary: one FFMA, FMNMX and IMAD. For 6 <= a < 8 the index is 7 or 8 (bit 27 set), for
+// bits 0..23 arbitrary: one FMUL and IMAD. For 6 <= a < 8 the index is 7 or 8 (bit 27 set), for
 // 4 <= a < 6 as for a itself.
 NVFP4_HD uint32_t fp4_magnitude_stochastic_word(float a, uint32_t subtrahend) {
-  return float_bits(stochastic_rounding_carrier(a)) * 4u - subtrahend;
+  return stochastic_rounding_carrier_bits(a) * 4u - subtrahend;
 }
 
 // Eight packed stochastic magnitude indices (nibbles 0..8) with 8, from magnitudes in [6, 8), made 7:
@@ -308,7 +311,7 @@ NVFP4_HD uint32_t bits_of_column(const PhiloxWords& words, uint32_t column_in_gr
   return ((word >> (8 * (column_in_group & 3))) & 0xFFu) << 8;
 }
 
-static __constant__ uint32_t kStochasticSubtrahendBytes = 0xFB000001u;  // stochastic_rounding_subtrahend's constant bytes
+static __constant__ uint32_t kStochasticSubtrahendBytes = 0xFF000001u;  // stochastic_rounding_subtrahend's constant bytes
 
 // stochastic_rounding_subtrahend(bits_of_column(words, column_in_group)); on the GPU one PRMT of the
 // word and the constant bytes.
@@ -316,7 +319,7 @@ NVFP4_HD uint32_t stochastic_rounding_subtrahend_of_column(const PhiloxWords& wo
 #ifdef __CUDA_ARCH__
   const uint32_t word_index = column_in_group >> 2;
   const uint32_t word = word_index == 0 ? words.w[0] : (word_index == 1 ? words.w[1] : (word_index == 2 ? words.w[2] : words.w[3]));
-  // bytes: 0x01, 0x00, byte, 0xFB; the constant bytes come from constant memory, so that the
+  // bytes: 0x01, 0x00, byte, 0xFF; the constant bytes come from constant memory, so that the
   // selector can stay an immediate (with both immediate, ptxas moves the selector into a register)
   uint32_t subtrahend;
   switch (column_in_group & 3u) {
