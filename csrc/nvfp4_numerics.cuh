@@ -409,6 +409,9 @@ constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  /
 // underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
 // numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out.
 // Both rare fixes share one branch: the + 0 changes no other value, and the clamp no code below 7.
+// Stochastic rounding skips the clamp when block_amax * encode < 8 (magnitudes in [6, 8) give index 7
+// or 8, and saturate_stochastic_codes makes 8 a 7), and otherwise clamps |scaled| to 6 in place, in
+// its own rare branch, so that one copy of the encoding serves both cases.
 // sr_row and sr_column are non-negative: unsigned, the Philox group is one shift. kOneGroup: the caller
 // guarantees sr_column % 16 == 0 (the rowwise copy's blocks start at multiples of 16), which leaves the
 // one-call-per-element fallback out of the code.
@@ -424,6 +427,10 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) scaled[i] = kSR ? scaled[i] + 0.0f : clamp_fp4(scaled[i] + 0.0f);
   }
+  if (kSR && may_saturate) {  // |scaled| <= 6 keeping the sign (a NaN becomes 6 with its sign bit)
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) scaled[i] = copysignf(fminf(fabsf(scaled[i]), kFp4Max), scaled[i]);
+  }
   uint2 packed;
   if constexpr (!kSR) {
     uint32_t indices[kBlockSize];  // the bits of kRoundMagic + index of |scaled|
@@ -434,19 +441,10 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     uint32_t words[kBlockSize];  // the magnitude index in bits 24..27
     if (kOneGroup || (sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
       const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
-      // min(|scaled|, 6) only where a value may reach 8 (or is NaN): below 8 the index comes out at
-      // most 8, which saturate_stochastic_codes turns into 7, as 6 itself gives
-      if (!may_saturate) {
+      // below 8 the index comes out at most 8, which saturate_stochastic_codes turns into 7, as 6 gives
 #pragma unroll
-        for (int i = 0; i < kBlockSize; ++i) {
-          words[i] = fp4_magnitude_stochastic_word(fabsf(scaled[i]), stochastic_rounding_subtrahend_of_column(bits, i));
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kBlockSize; ++i) {
-          words[i] = fp4_magnitude_stochastic_word(fminf(fabsf(scaled[i]), kFp4Max),
-                                                   stochastic_rounding_subtrahend_of_column(bits, i));
-        }
+      for (int i = 0; i < kBlockSize; ++i) {
+        words[i] = fp4_magnitude_stochastic_word(fabsf(scaled[i]), stochastic_rounding_subtrahend_of_column(bits, i));
       }
     } else {  // a shard offset that is not a multiple of 16: one call per element
 #pragma unroll
