@@ -111,6 +111,7 @@ def run_shape(rows: int, cols: int) -> list[dict]:
     ]
     if x32 is not None:
         cases.append(("1D cast rowwise+columnwise, FP32 input", cast(x32), x32.numel() * 4 + both))
+        cases.append(("1D SR cast rowwise+columnwise, FP32 input", cast(x32, sr=True), x32.numel() * 4 + both))
     shape = dict(size=rows, rows=rows, cols=cols) if rows == cols else dict(rows=rows, cols=cols)
     results = [dict(kernel="copy (bf16, read+write)", **shape, ms=copy_ms, gbps=copy_gbps, fraction_of_copy=1.0)]
     for name, fn, nbytes in cases:
@@ -132,6 +133,24 @@ def fixed_and_per_element_cost(results: list[dict]) -> list[dict]:
         slope = (sum((m - mean_m) * (t - mean_t) for m, t in points) / sum((m - mean_m) ** 2 for m, _ in points))
         fits.append(dict(kernel=kernel, fixed_us=mean_t - slope * mean_m, us_per_million_elements=slope, shapes=n))
     return fits
+
+
+# (stochastic-rounding kernel, its round-to-nearest twin): the issue's "SR within 10%" compares their times
+SR_PAIRS = (("1D SR cast rowwise+columnwise", "1D cast rowwise+columnwise"),
+            ("RHT SR cast", "RHT cast (rowwise + RHT columnwise)"),
+            ("1D SR cast rowwise+columnwise, FP32 input", "1D cast rowwise+columnwise, FP32 input"))
+
+
+def stochastic_rounding_ratios(results: list[dict]) -> list[dict]:
+    """SR time / plain time for each SR kernel and shape measured (same run)."""
+    ms = {(r["kernel"], r["rows"], r["cols"]): r["ms"] for r in results}
+    ratios = []
+    for sr, plain in SR_PAIRS:
+        for (kernel, rows, cols), sr_ms in ms.items():
+            if kernel == sr and (plain, rows, cols) in ms:
+                ratios.append(dict(kernel=sr, baseline=plain, rows=rows, cols=cols,
+                                   time_ratio=sr_ms / ms[(plain, rows, cols)]))
+    return ratios
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -161,9 +180,12 @@ def main() -> None:
     for f in fits:
         print(f"{f['kernel']:42s} fit over {f['shapes']} shapes: {f['fixed_us']:5.1f} us per launch + "
               f"{f['us_per_million_elements']:.4f} us per million elements")
+    ratios = stochastic_rounding_ratios(results)
+    for r in ratios:
+        print(f"{r['kernel']:42s} {r['rows']:5d}x{r['cols']:<5d} time / {r['baseline']}: {r['time_ratio']:.3f}x")
     report = dict(benchmark="quantize", gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
                   commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda, results=results,
-                  fixed_and_per_element_cost=fits)
+                  fixed_and_per_element_cost=fits, stochastic_rounding_time_ratios=ratios)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

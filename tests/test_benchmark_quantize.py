@@ -1,0 +1,43 @@
+"""The quantize benchmark's arithmetic on made-up timings (the timings themselves need a GPU)."""
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "quantize.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(_PATH.parent))  # the benchmark imports benchmarks/provenance.py, as when run
+    try:
+        spec = importlib.util.spec_from_file_location("quantize_benchmark", _PATH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(_PATH.parent))
+    return module
+
+
+def test_stochastic_rounding_ratios_pair_each_sr_kernel_with_its_twin_per_shape(bench):
+    results = [
+        dict(kernel="1D cast rowwise+columnwise", rows=8, cols=8, ms=2.0),
+        dict(kernel="1D SR cast rowwise+columnwise", rows=8, cols=8, ms=2.5),
+        dict(kernel="1D cast rowwise+columnwise", rows=16, cols=8, ms=4.0),
+        dict(kernel="1D SR cast rowwise+columnwise", rows=16, cols=8, ms=4.2),
+        dict(kernel="RHT SR cast", rows=8, cols=8, ms=3.0),  # no RHT twin measured: no ratio
+    ]
+    ratios = bench.stochastic_rounding_ratios(results)
+    assert [(r["rows"], r["cols"], r["time_ratio"]) for r in ratios] == [(8, 8, 1.25), (16, 8, pytest.approx(1.05))]
+    assert {r["baseline"] for r in ratios} == {"1D cast rowwise+columnwise"}
+
+
+def test_fixed_and_per_element_cost_recovers_a_line(bench):
+    # 5 us per launch + 2 us per million elements, at 3 element counts
+    results = [dict(kernel="k", rows=rows, cols=1000, ms=(5.0 + 2.0 * rows * 1000 / 1e6) / 1e3)
+               for rows in (1000, 4000, 9000)]
+    (fit,) = bench.fixed_and_per_element_cost(results)
+    assert fit["fixed_us"] == pytest.approx(5.0)
+    assert fit["us_per_million_elements"] == pytest.approx(2.0)
+    assert bench.fixed_and_per_element_cost(results[:2]) == []  # two points fit any line: none reported
