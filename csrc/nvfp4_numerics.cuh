@@ -438,10 +438,11 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic_bits(scaled[i]);
     packed = make_uint2(pack_eight_magic_codes(indices), pack_eight_magic_codes(indices + 8));
   } else {
-    uint32_t words[kBlockSize];  // the magnitude index in bits 24..27
+    // the magnitude index in bits 24..27: below 8 it comes out at most 8, which saturate_stochastic_codes
+    // turns into 7, as 6 gives
+    uint32_t words[kBlockSize];
     if (kOneGroup || (sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
       const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
-      // below 8 the index comes out at most 8, which saturate_stochastic_codes turns into 7, as 6 gives
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
         words[i] = fp4_magnitude_stochastic_word(fabsf(scaled[i]), stochastic_rounding_subtrahend_of_column(bits, i));
@@ -450,7 +451,7 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
         words[i] = fp4_magnitude_stochastic_word(
-            fminf(fabsf(scaled[i]), kFp4Max),
+            fabsf(scaled[i]),
             stochastic_rounding_subtrahend(stochastic_rounding_bits_at(sr_row, sr_column + i, stream, keys.seed)));
       }
     }
