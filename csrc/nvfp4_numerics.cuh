@@ -241,15 +241,18 @@ NVFP4_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
-// Philox4x32 with the round keys given: round r XORs k0[r] and k1[r].
-template <int kRounds>
-NVFP4_HD PhiloxWords philox4x32_with_round_keys(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                                const uint32_t (&k0)[kRounds], const uint32_t (&k1)[kRounds]) {
+constexpr uint32_t kPhiloxMultiplier0 = 0xD2511F53u, kPhiloxMultiplier1 = 0xCD9E8D57u;
+
+// Rounds kFirst .. kRounds - 1 of Philox4x32 on the state (c0, c1, c2, c3), with the round keys given:
+// round r XORs k0[r] and k1[r].
+template <int kRounds, int kFirst = 0>
+NVFP4_HD PhiloxWords philox4x32_rounds(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, const uint32_t (&k0)[kRounds],
+                                       const uint32_t (&k1)[kRounds]) {
 #pragma unroll
-  for (int round = 0; round < kRounds; ++round) {
+  for (int round = kFirst; round < kRounds; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
-    mulhilo32(0xD2511F53u, c0, hi0, lo0);
-    mulhilo32(0xCD9E8D57u, c2, hi1, lo1);
+    mulhilo32(kPhiloxMultiplier0, c0, hi0, lo0);
+    mulhilo32(kPhiloxMultiplier1, c2, hi1, lo1);
     const uint32_t n0 = hi1 ^ c1 ^ k0[round], n2 = hi0 ^ c3 ^ k1[round];
     c0 = n0;
     c1 = lo1;
@@ -273,7 +276,7 @@ template <int kRounds>
 NVFP4_HD PhiloxWords philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   uint32_t round_k0[kRounds], round_k1[kRounds];
   philox_round_keys<kRounds>(k0, k1, round_k0, round_k1);
-  return philox4x32_with_round_keys<kRounds>(c0, c1, c2, c3, round_k0, round_k1);
+  return philox4x32_rounds<kRounds>(c0, c1, c2, c3, round_k0, round_k1);
 }
 
 // One Philox4x32-7 call serves 16 consecutive columns of a row, 8 random bits each (reference/philox.py).
@@ -295,12 +298,50 @@ NVFP4_HD StochasticRoundingKeys stochastic_rounding_keys(uint64_t seed) {
   return keys;
 }
 
-// The 4 Philox words serving the 16 columns [16*group, 16*group+16) of global row `row` in `stream`.
+// The stochastic rounding counter of the 16 columns [16*group, 16*group+16) of global row `row` in
+// `stream` is (group, row, stream, 0) (reference/philox.py). A thread's blocks share their group and
+// stream and differ in the row, the counter word that enters round 0 through an XOR, not a multiply:
+// rounds 0-2 are then mostly the group's, computed once per thread (PhiloxGroupPrefix, the keys that
+// meet them folded in), and each call starts with one product per round instead of two (H100: the
+// RHT SR cast issues 0.8% fewer instructions). Rounds count from 0, as in philox4x32_rounds; "state r"
+// is the state after round r.
+struct PhiloxGroupPrefix {
+  uint32_t row_mask;     // state 0's c0 = row ^ row_mask
+  uint32_t state1_mask;  // state 1's c2 = hi(M0 * state 0's c0) ^ state1_mask
+  uint32_t state2_mask;  // state 2's c0 = hi(M1 * state 1's c2) ^ state2_mask
+  uint32_t state2_c2;    // state 2's c2 = state2_c2 ^ state 1's c3
+  uint32_t state2_c3;    // state 2's c3
+};
+
+NVFP4_HD PhiloxGroupPrefix stochastic_rounding_group_prefix(uint64_t group, uint32_t stream,
+                                                            const StochasticRoundingKeys& keys) {
+  // state 0 = (hi(M1 stream) ^ row ^ k0[0], lo(M1 stream), hi(M0 group) ^ k1[0], lo(M0 group))
+  uint32_t group_hi, group_lo, stream_hi, stream_lo;
+  mulhilo32(kPhiloxMultiplier0, static_cast<uint32_t>(group), group_hi, group_lo);
+  mulhilo32(kPhiloxMultiplier1, stream, stream_hi, stream_lo);
+  // state 1's c0 = hi(M1 * state 0's c2) ^ state 0's c1 ^ k0[1] and c1 = lo(M1 * state 0's c2): the group's
+  uint32_t hi, lo;
+  mulhilo32(kPhiloxMultiplier1, group_hi ^ keys.k1[0], hi, lo);
+  const uint32_t state1_c0 = hi ^ stream_lo ^ keys.k0[1], state1_c1 = lo;
+  // state 2's c2 = hi(M0 * state 1's c0) ^ state 1's c3 ^ k1[2], c3 = lo(M0 * state 1's c0)
+  mulhilo32(kPhiloxMultiplier0, state1_c0, hi, lo);
+  return PhiloxGroupPrefix{stream_hi ^ keys.k0[0], group_lo ^ keys.k1[1], state1_c1 ^ keys.k0[2], hi ^ keys.k1[2], lo};
+}
+
+// The 4 Philox words serving the 16 columns of the prefix's group in global row `row`.
+NVFP4_HD PhiloxWords stochastic_rounding_words(const PhiloxGroupPrefix& prefix, uint64_t row,
+                                               const StochasticRoundingKeys& keys) {
+  uint32_t hi, lo;
+  mulhilo32(kPhiloxMultiplier0, static_cast<uint32_t>(row) ^ prefix.row_mask, hi, lo);
+  const uint32_t state1_c2 = hi ^ prefix.state1_mask, state1_c3 = lo;
+  mulhilo32(kPhiloxMultiplier1, state1_c2, hi, lo);
+  return philox4x32_rounds<kStochasticRoundingPhiloxRounds, 3>(hi ^ prefix.state2_mask, lo, prefix.state2_c2 ^ state1_c3,
+                                                                prefix.state2_c3, keys.k0, keys.k1);
+}
+
 NVFP4_HD PhiloxWords stochastic_rounding_words(uint64_t row, uint64_t group, uint32_t stream,
                                                const StochasticRoundingKeys& keys) {
-  return philox4x32_with_round_keys<kStochasticRoundingPhiloxRounds>(static_cast<uint32_t>(row),
-                                                                    static_cast<uint32_t>(group), stream, 0u, keys.k0,
-                                                                    keys.k1);
+  return stochastic_rounding_words(stochastic_rounding_group_prefix(group, stream, keys), row, keys);
 }
 
 // The comparison value (byte << 8) of the column at position 0..15 in its group: byte (position % 4)
@@ -412,12 +453,14 @@ constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  /
 // Stochastic rounding skips the clamp when block_amax * encode < 8 (magnitudes in [6, 8) give index 7
 // or 8, and saturate_stochastic_codes makes 8 a 7), and otherwise clamps |scaled| to 6 in place, in
 // its own rare branch, so that one copy of the encoding serves both cases.
-// sr_row and sr_column are non-negative: unsigned, the Philox group is one shift. kOneGroup: the caller
-// guarantees sr_column % 16 == 0 (the rowwise copy's blocks start at multiples of 16), which leaves the
-// one-call-per-element fallback out of the code.
-template <bool kSR, bool kSixteenBitValues = false, bool kOneGroup = false>
+// sr_row and sr_column are non-negative. sr_one_group: whether sr_column % 16 == 0, the block being
+// one Philox group, whose PhiloxGroupPrefix in `stream` is sr_group; otherwise each element takes its
+// own Philox call (a shard offset that is not a multiple of 16). A kernel passes a condition that is
+// the same in all its threads (a constant, or one of its arguments), so that the branch is uniform.
+template <bool kSR, bool kSixteenBitValues = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
-                            const StochasticRoundingKeys& keys, uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
+                            const StochasticRoundingKeys& keys, bool sr_one_group, const PhiloxGroupPrefix& sr_group,
+                            uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
   float scaled[kBlockSize];
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) scaled[i] = fmaf(values[i], encode, 0.0f);
@@ -441,13 +484,13 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     // the magnitude index in bits 24..27: below 8 it comes out at most 8, which saturate_stochastic_codes
     // turns into 7, as 6 gives
     uint32_t words[kBlockSize];
-    if (kOneGroup || (sr_column % kColumnsPerPhiloxCall) == 0) {  // the block is one Philox group
-      const PhiloxWords bits = stochastic_rounding_words(sr_row, sr_column / kColumnsPerPhiloxCall, stream, keys);
+    if (sr_one_group) {
+      const PhiloxWords bits = stochastic_rounding_words(sr_group, sr_row, keys);
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
         words[i] = fp4_magnitude_stochastic_word(fabsf(scaled[i]), stochastic_rounding_subtrahend_of_column(bits, i));
       }
-    } else {  // a shard offset that is not a multiple of 16: one call per element
+    } else {
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
         words[i] = fp4_magnitude_stochastic_word(
@@ -467,7 +510,10 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
 template <bool kSR>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
                             uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
-  return encode_block<kSR>(values, encode, block_amax, stochastic_rounding_keys(seed), stream, sr_row, sr_column);
+  const StochasticRoundingKeys keys = stochastic_rounding_keys(seed);
+  return encode_block<kSR>(values, encode, block_amax, keys, sr_column % kColumnsPerPhiloxCall == 0,
+                           stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, stream, keys), stream,
+                           sr_row, sr_column);
 }
 
 }  // namespace nvfp4

@@ -320,6 +320,11 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       uint8_t* data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
       uint8_t* scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
       const int64_t data_step = rowwise.kRowStep * data_stride, scale_step = rowwise.kRowStep * scale_stride;
+      // the thread's blocks share their Philox group (one column block), and differ in the row
+      [[maybe_unused]] const PhiloxGroupPrefix sr_group =
+          kSR ? stochastic_rounding_group_prefix((k0 + rowwise.block * kBlockSize) / kColumnsPerPhiloxCall, kRowwiseStream,
+                                                 sr_keys)
+              : PhiloxGroupPrefix{};
 #pragma unroll
       for (int u = 0; u < kRowwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
         const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
@@ -337,9 +342,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
           encode = encode_of_scale[0][scale];
         }
-        const uint2 packed = encode_block<kSR, sizeof(T) == 2, true>(values, encode, amax_of_block, sr_keys,
-                                                                     kRowwiseStream, m0 + row + args.sr_row_offset,
-                                                                     k0 + block * kBlockSize);
+        // the rowwise copy's blocks start at multiples of 16: each is one Philox group
+        const uint2 packed = encode_block<kSR, sizeof(T) == 2>(values, encode, amax_of_block, sr_keys, true, sr_group,
+                                                               kRowwiseStream, m0 + row + args.sr_row_offset,
+                                                               k0 + block * kBlockSize);
         *reinterpret_cast<uint2*>(data) = packed;
         *scales = scale;
       }
@@ -358,6 +364,12 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       uint8_t* data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
       uint8_t* scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
       const int64_t data_step = kColumnStep * data_stride, scale_step = kColumnStep * scale_stride;
+      // the thread's blocks share their Philox group (one row block of x) and differ in the column
+      const uint64_t sr_column = m0 + row_block * kBlockSize + args.sr_row_offset;
+      const bool sr_one_group = args.sr_row_offset % kColumnsPerPhiloxCall == 0;
+      [[maybe_unused]] const PhiloxGroupPrefix sr_group =
+          kSR ? stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, kColumnwiseStream, sr_keys)
+              : PhiloxGroupPrefix{};
       const uint8_t* base[Layout::kChunksPerBlock];
 #pragma unroll
       for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
@@ -394,8 +406,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
           const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
           const uint2 packed = encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys,
-                                                 kColumnwiseStream, k0 + column + j,
-                                                 m0 + row_block * kBlockSize + args.sr_row_offset);
+                                                                 sr_one_group, sr_group, kColumnwiseStream,
+                                                                 k0 + column + j, sr_column);
           *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
           scales[j * scale_stride] = scale;
         }

@@ -62,11 +62,11 @@ def stochastic_rounding_bits(rows: torch.Tensor, cols: torch.Tensor, stream: int
     (row, col) of a copy: 8 random bits each, times 256, so the rule `bits < p * 65536` of
     reference/quantize.py rounds up in magnitude iff byte < p * 256.
 
-    One Philox4x32-7 call serves 16 consecutive columns: counter = (row, col // 16, stream, 0),
+    One Philox4x32-7 call serves 16 consecutive columns: counter = (col // 16, row, stream, 0),
     key = (seed low word, seed high word); column col uses byte (col % 16) % 4 (bits 8 * that and up)
     of word (col % 16) // 4.
     """
-    words = philox4x32((rows, cols // COLUMNS_PER_CALL, torch.full_like(rows, stream), torch.zeros_like(rows)),
+    words = philox4x32((cols // COLUMNS_PER_CALL, rows, torch.full_like(rows, stream), torch.zeros_like(rows)),
                        _key(seed), SR_ROUNDS)
     return _select_bits(words, cols)
 
@@ -81,6 +81,6 @@ def stochastic_rounding_bits_grid(num_rows: int, num_cols: int, row_offset: int,
     groups = torch.arange(first_group, (col_offset + num_cols - 1) // COLUMNS_PER_CALL + 1, dtype=torch.int64,
                           device=device)
     rows, groups = torch.broadcast_tensors(rows, groups[None, :])
-    words = philox4x32((rows, groups, torch.full_like(rows, stream), torch.zeros_like(rows)), _key(seed), SR_ROUNDS)
+    words = philox4x32((groups, rows, torch.full_like(rows, stream), torch.zeros_like(rows)), _key(seed), SR_ROUNDS)
     group_of_col = cols // COLUMNS_PER_CALL - first_group
     return _select_bits([w[:, group_of_col] for w in words], cols[None, :])

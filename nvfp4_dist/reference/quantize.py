@@ -47,7 +47,7 @@ def _stochastic_codes(v: torch.Tensor, sr_seed: int, sr_offset, sr_stream: int) 
     """Codes of v (in [-6, 6]) rounded up in magnitude with probability (|v| - lo) / (hi - lo).
 
     Up iff bits < p * 65536 with bits from reference/philox.py (byte * 256). The kernels evaluate the
-    same rule on the FP32 bits of max(|v|, RU(|v| / 2 + 1 / 2)) (csrc/nvfp4_numerics.cuh).
+    same rule on the FP32 bits of RU(|v| * 2^-126) (csrc/nvfp4_numerics.cuh).
     """
     bits = stochastic_rounding_bits_grid(v.shape[0], v.shape[1], sr_offset[0], sr_offset[1], sr_stream, sr_seed,
                                          v.device).to(torch.float32)
