@@ -302,9 +302,9 @@ NVFP4_HD StochasticRoundingKeys stochastic_rounding_keys(uint64_t seed) {
 // `stream` is (group, row, stream, 0) (reference/philox.py). A thread's blocks share their group and
 // stream and differ in the row, the counter word that enters round 0 through an XOR, not a multiply:
 // rounds 0-2 are then mostly the group's, computed once per thread (PhiloxGroupPrefix, the keys that
-// meet them folded in), and each call starts with one product per round instead of two (H100: the
-// RHT SR cast issues 0.8% fewer instructions). Rounds count from 0, as in philox4x32_rounds; "state r"
-// is the state after round r.
+// meet them folded in): a call skips round 0's two products and one of each of rounds 1 and 2 (H100:
+// the RHT SR cast issues 0.8% fewer instructions). Rounds count from 0, as in philox4x32_rounds;
+// "state r" is the state after round r.
 struct PhiloxGroupPrefix {
   uint32_t row_mask;     // state 0's c0 = row ^ row_mask
   uint32_t state1_mask;  // state 1's c2 = hi(M0 * state 0's c0) ^ state1_mask
