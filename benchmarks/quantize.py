@@ -2,7 +2,8 @@
 
 Bytes counted are those that must move: the input read once, every output written once. Each
 kernel's GB/s is compared with torch's copy of a BF16 tensor of the same element count (bytes
-read + written). "cast" times the cast kernel alone (amax given, as after an amax all-reduce);
+read + written), timed in the same rounds: each round times the copy and every kernel once, in turn,
+and each gets the median over the rounds. "cast" times the cast kernel alone (amax given, as after an amax all-reduce);
 "amax+cast" adds the amax pass before it. With three or more element counts, each kernel's times
 are also fitted as a per-launch fixed cost plus a cost per element (least squares), which tells a
 kernel slowed at the grid's start and end (its first wave, its last CTAs) from one slow throughout.
@@ -26,21 +27,25 @@ from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when
 BLOCK = 16
 
 
-def time_ms(fn, repeats: int = 20, batches: int = 5) -> float:
-    """Median over batches of the mean time of `repeats` back-to-back calls, by CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
+def time_interleaved(fns, repeats: int = 20, rounds: int = 5) -> list[float]:
+    """For each fn, the median over rounds of the mean time of `repeats` back-to-back calls, by CUDA events.
+    Each round times every fn once, in turn, so that slow drifts of the clocks (power capping, heat) reach
+    all of them alike rather than the ones timed last."""
+    for fn in fns:
+        for _ in range(3):
             fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / repeats)
-    return sorted(samples)[len(samples) // 2]
+    torch.cuda.synchronize()
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, times in zip(fns, samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / repeats)
+    return [sorted(times)[len(times) // 2] for times in samples]
 
 
 def quantized_bytes(rows: int, cols: int, copies: int) -> int:
@@ -54,8 +59,6 @@ def run_shape(rows: int, cols: int) -> list[dict]:
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     x32 = torch.randn(rows, cols, device="cuda", dtype=torch.float32) if rows * cols <= 8192 * 8192 else None
     copy_target = torch.empty_like(x)
-    copy_ms = time_ms(lambda: copy_target.copy_(x))
-    copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
 
     amax = kernels.compute_amaxes(x)[0]
     _, amax_rht = kernels.compute_amaxes(x, rht=True)
@@ -113,9 +116,10 @@ def run_shape(rows: int, cols: int) -> list[dict]:
         cases.append(("1D cast rowwise+columnwise, FP32 input", cast(x32), x32.numel() * 4 + both))
         cases.append(("1D SR cast rowwise+columnwise, FP32 input", cast(x32, sr=True), x32.numel() * 4 + both))
     shape = dict(size=rows, rows=rows, cols=cols) if rows == cols else dict(rows=rows, cols=cols)
+    copy_ms, *case_ms = time_interleaved([lambda: copy_target.copy_(x)] + [fn for _, fn, _ in cases])
+    copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
     results = [dict(kernel="copy (bf16, read+write)", **shape, ms=copy_ms, gbps=copy_gbps, fraction_of_copy=1.0)]
-    for name, fn, nbytes in cases:
-        ms = time_ms(fn)
+    for (name, _, nbytes), ms in zip(cases, case_ms):
         gbps = nbytes / ms / 1e6
         results.append(dict(kernel=name, **shape, ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps))
     return results
