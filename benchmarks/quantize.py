@@ -3,8 +3,8 @@
 Bytes counted are those that must move: the input read once, every output written once. Each
 kernel's GB/s is compared with torch's copy of a BF16 tensor of the same element count (bytes
 read + written), timed first on its own. The kernels are timed in rounds: each round times every
-kernel once, in turn, and each gets the median over the rounds. "cast" times the cast kernel alone (amax given, as after an amax all-reduce);
-"amax+cast" adds the amax pass before it. With three or more element counts, each kernel's times
+kernel once, in turn, and each gets the median over the rounds. "cast" times the cast kernel alone
+(amax given, as after an amax all-reduce); "amax+cast" adds the amax pass before it. With three or more element counts, each kernel's times
 are also fitted as a per-launch fixed cost plus a cost per element (least squares), which tells a
 kernel slowed at the grid's start and end (its first wave, its last CTAs) from one slow throughout.
 
