@@ -385,53 +385,47 @@ static __host__ __device__ __noinline__ uint32_t stochastic_rounding_bits_at(uin
 
 // The RHT sign vector s of H = diag(s) . H16 / 4 (SPEC 5): bit i set where s_i = -1.
 constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i set where s_i = -1: s = 1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1
-NVFP4_HD constexpr bool parity4(int v) { return ((v ^ (v >> 1) ^ (v >> 2) ^ (v >> 3)) & 1) != 0; }
 
-// Rows 0..i of H16 tell apart the columns j modulo this many (the smallest power of 2 above i).
-NVFP4_HD constexpr int hadamard_prefix_classes(int i) { return i < 1 ? 1 : (i < 2 ? 2 : (i < 4 ? 4 : (i < 8 ? 8 : 16))); }
-
-// out[j] = sum over i = 0..15, in that order, of (-1)^popcount(i & j) * t_i, each sum started from
-// 0.0f: the order of torch's CPU matmul of [., 16] x [16, 16]. The term t_i = v[i] * factor, negated
-// where bit i of kNegated is set, must be exact (factor 1, or a power of 2 by which v[i] loses no
-// bits, as BF16 values by 1/4 do): it enters each sum through one FMA, which rounds as adding the
-// exact term does, so no separate product is formed. Outputs whose sign patterns agree on rows 0..i
-// (j equal modulo hadamard_prefix_classes(i)) share those partial sums, which are the same FP32
-// operations: 170 additions instead of 256, bit-identical results.
-template <uint32_t kNegated>
-NVFP4_HD void hadamard_sums_in_order(const float (&v)[kBlockSize], float factor, float (&out)[kBlockSize]) {
-  float partial[kBlockSize];
-  partial[0] = fmaf(v[0], (kNegated & 1u) ? -factor : factor, 0.0f);
+// out = t . H16 by the fast Walsh-Hadamard transform: butterflies (a, b) -> (a + b, a - b) on the pairs
+// (i, i + h), i & h == 0, for h = 1, 2, 4, 8 in turn; 64 FP32 additions. This order of the additions
+// is the reference's (reference/rht.py hadamard_butterflies), so the rounded sums match it bit for
+// bit. No sum is -0.0 when no term is (a - a and -a + a are +0 under round to nearest).
+NVFP4_HD void hadamard_butterflies(float (&t)[kBlockSize]) {
 #pragma unroll
-  for (int i = 1; i < kBlockSize; ++i) {
-    const int previous = hadamard_prefix_classes(i - 1), classes = hadamard_prefix_classes(i);
-    const float term_factor = ((kNegated >> i) & 1u) ? -factor : factor;
+  for (int h = 1; h < kBlockSize; h *= 2) {
 #pragma unroll
-    for (int c = classes - 1; c >= 0; --c) {
-      partial[c] = fmaf(v[i], parity4(i & c) ? -term_factor : term_factor, partial[c % previous]);
+    for (int i = 0; i < kBlockSize; ++i) {
+      if (i & h) continue;
+      const float a = t[i], b = t[i + h];
+      t[i] = a + b;
+      t[i + h] = a - b;
     }
   }
-#pragma unroll
-  for (int j = 0; j < kBlockSize; ++j) out[j] = partial[j];
 }
 
-// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4: the sign s_i and the 1/4 enter
-// the terms exactly (c_i / 4 is an FP32 number).
+// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4 (reference: rht_chunks): terms
+// c_i * (s_i / 4) + 0 (exact for BF16 c_i; the + 0 makes a -0.0 term +0.0), then the butterflies.
 template <bool kRandomSign>
 NVFP4_HD void rht_chunk(const float (&c)[kBlockSize], float (&y)[kBlockSize]) {
-  hadamard_sums_in_order<kRandomSign ? kRhtSignMask : 0u>(c, 0.25f, y);
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) {
+    y[i] = fmaf(c[i], (kRandomSign && ((kRhtSignMask >> i) & 1u)) ? -0.25f : 0.25f, 0.0f);
+  }
+  hadamard_butterflies(y);
 }
 
-// x = y . H^T for one 16-chunk (the inverse transform): x_i = s_i * sum_j y_j H16[i][j] / 4, the sign
-// of output i negating its whole sum exactly.
+// x = y . H^T for one 16-chunk, the inverse transform (reference: inverse_rht_chunks): terms
+// y_j * (1/4) rounded, + 0, the butterflies, then the sign s_i of output i as 0 - sum (exact, and an
+// exactly-zero sum stays +0).
 template <bool kRandomSign>
 NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockSize]) {
-  float terms[kBlockSize], sums[kBlockSize];
 #pragma unroll
-  for (int j = 0; j < kBlockSize; ++j) terms[j] = y[j] * 0.25f;  // rounded: y need not be BF16
-  hadamard_sums_in_order<0u>(terms, 1.0f, sums);
+  for (int j = 0; j < kBlockSize; ++j) x[j] = y[j] * 0.25f + 0.0f;  // two roundings (-fmad=false): y need not be BF16
+  hadamard_butterflies(x);
 #pragma unroll
-  // 0 - sum, not -sum: an exactly-zero sum stays +0 as in the unshared sum, which never makes -0.
-  for (int i = 0; i < kBlockSize; ++i) x[i] = (kRandomSign && ((kRhtSignMask >> i) & 1u)) ? 0.0f - sums[i] : sums[i];
+  for (int i = 0; i < kBlockSize; ++i) {
+    if (kRandomSign && ((kRhtSignMask >> i) & 1u)) x[i] = 0.0f - x[i];
+  }
 }
 
 

@@ -3,8 +3,8 @@ import torch
 
 import nvfp4_dist as nv
 from nvfp4_dist.formats import FP4_MAGNITUDES, fp4_to_float
-from nvfp4_dist.reference import (dequantize_blocks, hadamard_16, inverse_rht_transpose, philox4x32,
-                                  quantize_blocks, quantize_tensor, rht_matrix, rht_transpose)
+from nvfp4_dist.reference import (dequantize_blocks, hadamard_16, inverse_rht_chunks, inverse_rht_transpose,
+                                  philox4x32, quantize_blocks, quantize_tensor, rht_chunks, rht_matrix, rht_transpose)
 from nvfp4_dist.reference.quantize import decode_scale
 
 
@@ -15,6 +15,25 @@ def test_hadamard_and_rht_are_orthogonal():
         h = rht_matrix(random_sign)
         assert torch.equal(h @ h.t(), torch.eye(16))
     assert rht_matrix(True)[:, 0].tolist() == [v / 4 for v in (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)]
+
+
+def test_rht_butterflies_are_the_matrix_product():
+    """Exact where no sum rounds (small integers); where sums round, the butterfly order decides, and it
+    differs from a matmul's (so the order is a real part of the definition)."""
+    generator = torch.Generator().manual_seed(2)
+    small = torch.randint(-64, 64, (1000, 16), generator=generator).float()
+    for random_sign in (True, False):
+        h = rht_matrix(random_sign)
+        assert torch.equal(rht_chunks(small, random_sign), small @ h)
+        assert torch.equal(inverse_rht_chunks(small, random_sign), small @ h.t())
+    wide = (torch.randn(20000, 16, generator=generator)
+            * torch.exp2(torch.randint(-30, 30, (20000, 16), generator=generator).float())).to(torch.bfloat16).float()
+    exact = wide.double() @ rht_matrix().double()
+    error_bound = 4 * 2.0 ** -24 * (wide.double().abs() @ rht_matrix().double().abs())  # 4 rounded levels
+    assert ((rht_chunks(wide).double() - exact).abs() <= error_bound).all()
+    assert not torch.equal(rht_chunks(wide), wide @ rht_matrix())
+    signs = torch.tensor([-0.0, 0.0] * 8)
+    assert not torch.signbit(rht_chunks(signs)).any() and not torch.signbit(inverse_rht_chunks(signs)).any()
 
 
 def test_rht_preserves_wgrad_product():

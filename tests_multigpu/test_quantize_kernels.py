@@ -105,7 +105,8 @@ def test_rht_cast_matches_reference(shape, sr_row_offset):
 
 @pytest.mark.parametrize("random_sign", [True, False])
 def test_rht_wide_dynamic_range_matches_cpu_reference(random_sign):
-    """Chunks whose exact sums do not fit FP32: the summation order decides, and must be the CPU matmul's."""
+    """Chunks whose exact sums do not fit FP32: the summation order decides, and must be the reference's
+    butterflies (reference/rht.py)."""
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(4096, 4096, generator=generator) * torch.exp2(torch.randint(-24, 24, (4096, 4096), generator=generator).float())
     x = x.to(torch.bfloat16)
@@ -117,7 +118,8 @@ def test_rht_wide_dynamic_range_matches_cpu_reference(random_sign):
 def test_gpu_reference_equals_cpu_reference():
     """The premise of running the reference on the GPU above."""
     x = random_input((1024, 4096), torch.bfloat16, seed=3)
-    for options in (dict(), dict(block_2d=True), dict(sr_seed=11, sr_row_offset=5)):
+    for options in (dict(), dict(block_2d=True), dict(sr_seed=11, sr_row_offset=5), dict(rht=True),
+                    dict(rht=True, sr_seed=11)):
         assert_same(reference.quantize_tensor(x, **options), reference.quantize_tensor(x.cpu(), **options))
 
 
