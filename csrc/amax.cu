@@ -55,34 +55,42 @@ __global__ void __launch_bounds__(kAmaxThreads) amax_rows_kernel(const uint4* __
 }
 
 // One item: two adjacent columns (a BF16 pair) of one 16-row block. Its columnwise source is the
-// RHT of each column's 16-chunk, rounded to BF16 (reference/rht.py), whose amax is wanted.
+// RHT of each column's 16-chunk, rounded to BF16 (reference/rht.py), whose amax is wanted; the
+// plain amax comes with it. Running maxima as bits of non-negative floats.
+template <bool kRandomSign>
+__device__ __forceinline__ void accumulate_rht_pair_amax(const uint32_t* source, int64_t pairs_per_row,
+                                                         uint32_t& running_plain, uint32_t& running_rht) {
+  uint32_t words[kBlockSize];
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) words[i] = __ldcs(source + i * pairs_per_row);
+  float column0[kBlockSize], column1[kBlockSize];
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) {
+    column0[i] = __uint_as_float(words[i] << 16);
+    column1[i] = __uint_as_float(words[i] & 0xFFFF0000u);
+    running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
+  }
+  float transformed0[kBlockSize], transformed1[kBlockSize];
+  rht_chunk<kRandomSign>(column0, transformed0);
+  rht_chunk<kRandomSign>(column1, transformed1);
+#pragma unroll
+  for (int j = 0; j < kBlockSize; ++j) {
+    running_rht = max(running_rht, max(abs_bits(round_to_bf16(transformed0[j])), abs_bits(round_to_bf16(transformed1[j]))));
+  }
+}
+
+// A 2D grid-stride loop: y over the 16-row blocks, x over the column pairs (no division per item).
 template <bool kRandomSign>
 __global__ void __launch_bounds__(kAmaxThreads) amax_rht_kernel(const uint32_t* __restrict__ x, int64_t row_blocks,
                                                                 int64_t pairs_per_row, float* __restrict__ amax_plain,
                                                                 float* __restrict__ amax_rht) {
   __shared__ uint32_t scratch[32];
-  const int64_t items = row_blocks * pairs_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running_plain = 0, running_rht = 0;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items; item += stride) {
-    const int64_t pair = item % pairs_per_row, row_block = item / pairs_per_row;
-    const uint32_t* source = x + row_block * kBlockSize * pairs_per_row + pair;
-    uint32_t words[kBlockSize];
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) words[i] = __ldcs(source + i * pairs_per_row);
-    float column0[kBlockSize], column1[kBlockSize];
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) {
-      column0[i] = __uint_as_float(words[i] << 16);
-      column1[i] = __uint_as_float(words[i] & 0xFFFF0000u);
-      running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
-    }
-    float transformed0[kBlockSize], transformed1[kBlockSize];
-    rht_chunk<kRandomSign>(column0, transformed0);
-    rht_chunk<kRandomSign>(column1, transformed1);
-#pragma unroll
-    for (int j = 0; j < kBlockSize; ++j) {
-      running_rht = max(running_rht, max(abs_bits(round_to_bf16(transformed0[j])), abs_bits(round_to_bf16(transformed1[j]))));
+  for (int64_t row_block = blockIdx.y; row_block < row_blocks; row_block += gridDim.y) {
+    const uint32_t* block_start = x + row_block * kBlockSize * pairs_per_row;
+    for (int64_t pair = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; pair < pairs_per_row; pair += stride) {
+      accumulate_rht_pair_amax<kRandomSign>(block_start + pair, pairs_per_row, running_plain, running_rht);
     }
   }
   running_plain = block_max_bits(running_plain, scratch);
@@ -131,7 +139,10 @@ cudaError_t launch_amax_rht(const void* x, int64_t rows, int64_t cols, bool rand
   if (status != cudaSuccess) return status;
   const int64_t row_blocks = rows / kBlockSize, pairs_per_row = cols / 2;
   if (row_blocks * pairs_per_row == 0) return cudaSuccess;
-  const int64_t grid = grid_for(row_blocks * pairs_per_row);
+  // x: enough CTAs for one pass over a row block's pairs, y: the rest of grid_for's 8 per multiprocessor
+  const int64_t ctas = grid_for(row_blocks * pairs_per_row);
+  const int64_t grid_x = std::min<int64_t>((pairs_per_row + kAmaxThreads - 1) / kAmaxThreads, ctas);
+  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(std::min<int64_t>({row_blocks, ctas / grid_x, 65535})));
   const uint32_t* words = static_cast<const uint32_t*>(x);
   if (random_sign) {
     amax_rht_kernel<true><<<grid, kAmaxThreads, 0, stream>>>(words, row_blocks, pairs_per_row, amax_plain, amax_rht);
