@@ -8,8 +8,14 @@ kernel once, in turn, and each gets the median over the rounds. "cast" times the
 are also fitted as a per-launch fixed cost plus a cost per element (least squares), which tells a
 kernel slowed at the grid's start and end (its first wave, its last CTAs) from one slow throughout.
 
+Each shape starts after --settle-seconds of idle: on an H200 the card's power average climbs through a
+run of back-to-back casts until the power cap throttles the SM clock (1290-1575 MHz seen during the last
+shape, against 1980 MHz idle), which slowed the issue-bound casts of whichever shape came last by up to
+a fifth while the memory-bound copy kept its speed. nvidia-smi's SM clock, power draw and throttle
+reasons, sampled during each shape where nvidia-smi exists, go into the JSON (their range).
+
     python benchmarks/quantize.py [--sizes 4096 8192 16384] [--shapes 8192x16384 ...]
-                                  [--out benchmarks/results/quantize.json]
+                                  [--settle-seconds 2] [--out benchmarks/results/quantize.json]
 """
 from __future__ import annotations
 
@@ -17,6 +23,9 @@ import argparse
 import datetime
 import json
 import pathlib
+import shutil
+import subprocess
+import time
 
 import torch
 
@@ -160,6 +169,44 @@ def stochastic_rounding_ratios(results: list[dict]) -> list[dict]:
     return ratios
 
 
+class CardSampler:
+    """nvidia-smi sampling GPU 0's SM clock, power draw and throttle reasons every 100 ms while in the
+    `with` block; summary() gives their range (None without nvidia-smi)."""
+
+    QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+    def __enter__(self):
+        self.process = None
+        if shutil.which("nvidia-smi") is not None:
+            self.process = subprocess.Popen(
+                ["nvidia-smi", "-i", "0", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.lines = []
+        if self.process is not None:
+            self.process.terminate()
+            self.lines = self.process.communicate(timeout=10)[0].splitlines()
+
+    def summary(self) -> dict | None:
+        samples = []
+        for line in self.lines:
+            try:
+                clock, power, reasons = (field.strip() for field in line.split(","))
+                samples.append((float(clock), float(power), int(reasons, 16)))
+            except ValueError:
+                continue
+        if not samples:
+            return None
+        clocks = [c for c, _, _ in samples]
+        reasons = 0
+        for _, _, r in samples:
+            reasons |= r
+        return dict(samples=len(samples), sm_clock_mhz_min=min(clocks), sm_clock_mhz_max=max(clocks),
+                    power_w_max=max(p for _, p, _ in samples), throttle_reasons_seen=f"{reasons:#x}")
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     rows, _, cols = text.partition("x")
     if not (rows.isdigit() and cols.isdigit()):
@@ -171,14 +218,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384], help="square shapes")
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[], help="more shapes, ROWSxCOLS")
+    parser.add_argument("--settle-seconds", type=float, default=2.0,
+                        help="idle time before each shape, so that none inherits the power-capped clock of the last")
     parser.add_argument("--out", default="benchmarks/results/quantize.json")
     args = parser.parse_args()
+    if args.settle_seconds < 0:
+        parser.error(f"--settle-seconds {args.settle_seconds}: must be >= 0")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
-    results = []
+    results, card = [], []
     for rows, cols in [(size, size) for size in args.sizes] + args.shapes:
+        torch.cuda.synchronize()
+        time.sleep(args.settle_seconds)
         print(f"timing {rows}x{cols}", flush=True)
-        results += run_shape(rows, cols)
+        with CardSampler() as sampler:
+            results += run_shape(rows, cols)
+        card.append(dict(rows=rows, cols=cols, during=sampler.summary()))
+        print(f"  card during the shape: {card[-1]['during']}", flush=True)
         torch.cuda.empty_cache()
     print(f"{'kernel':42s} {'shape':>11s} {'ms':>9s} {'GB/s':>8s} {'of copy':>8s}")
     for r in results:
@@ -192,6 +248,7 @@ def main() -> None:
         print(f"{r['kernel']:42s} {r['rows']:5d}x{r['cols']:<5d} time / {r['baseline']}: {r['time_ratio']:.3f}x")
     report = dict(benchmark="quantize", gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
                   commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda, results=results,
+                  settle_seconds=args.settle_seconds, card_state_per_shape=card,
                   fixed_and_per_element_cost=fits, stochastic_rounding_time_ratios=ratios)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,3 +41,13 @@ def test_fixed_and_per_element_cost_recovers_a_line(bench):
     assert fit["fixed_us"] == pytest.approx(5.0)
     assert fit["us_per_million_elements"] == pytest.approx(2.0)
     assert bench.fixed_and_per_element_cost(results[:2]) == []  # two points fit any line: none reported
+
+
+def test_card_sampler_summarises_nvidia_smi_lines(bench):
+    sampler = bench.CardSampler()
+    sampler.lines = ["1980, 84.58, 0x0000000000000000", "1290, 687.85, 0x0000000000000004", "[N/A], [N/A], [N/A]",
+                     "1575, 711.86, 0x0000000000000004"]
+    assert sampler.summary() == dict(samples=3, sm_clock_mhz_min=1290.0, sm_clock_mhz_max=1980.0, power_w_max=711.86,
+                                     throttle_reasons_seen="0x4")
+    sampler.lines = []
+    assert sampler.summary() is None
