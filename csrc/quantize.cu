@@ -1,8 +1,9 @@
 // The NVFP4 cast (SPEC 2-7): one pass over a 128 x 128 tile of the input in shared memory writes
 // the rowwise copy and the columnwise (transposed) copy with their E4M3 scales.
-// Variants (template flags): 16x16 blocks for weights (SPEC 4), the RHT of the columnwise copy of
-// BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled amax (SPEC 6)
-// and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
+// Variants (template flags): 16x16 blocks for weights (SPEC 4; both copies under one tensor scale share
+// their codes, so the columnwise copy is the rowwise codes transposed in shared memory), the RHT of the
+// columnwise copy of BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled
+// amax (SPEC 6) and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
 // tiles (but the first CTAs on each multiprocessor and the last wave, one each), the next tile's copy
 // (cp.async, into a second shared-memory buffer) in flight while it encodes the current one, and pays
 // the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) run one CTA per tile.
@@ -48,6 +49,20 @@ struct TileLayout {
     return row * kRowBytes + ((chunk ^ (((row >> 4) ^ (row & (kChunksPerBlock - 1))) & 7)) << 4);
   }
 };
+
+// The rowwise codes of a tile in shared memory, for 2D casts whose columnwise copy is their transpose:
+// row r's 8-byte code words at r * 64, block b's at chunk b ^ (r / 16). The swizzle keeps the rowwise
+// stores (4 rows x 8 blocks per warp) and the columnwise 2-byte reads (8 row blocks x 4 column quads
+// per warp, each row i in turn) free of bank conflicts.
+struct CodeTile {
+  static constexpr int kRowBytes = kTileCols / 2;
+  __device__ static int block_offset(int row, int block) { return row * kRowBytes + ((block ^ (row >> 4)) & 7) * 8; }
+};
+
+// Byte values below 16, a0..a3 in a and b0..b3 in b -> one word of nibbles a0 a1 a2 a3 b0 b1 b2 b3.
+__device__ __forceinline__ uint32_t nibbles_of_byte_values(uint32_t a, uint32_t b) {
+  return __byte_perm(a | (a >> 4), b | (b >> 4), 0x6420);
+}
 
 __device__ __forceinline__ float block_amax(const float (&values)[kBlockSize]) {
   float running = 0.0f;
@@ -245,7 +260,13 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
                          const TileOrder order, const int leading_singles, const int paired_ctas) {
   constexpr bool kPrefetch = kPrefetchNextTile<T>;
   extern __shared__ __align__(16) uint8_t tiles_in_shared[];  // kTileBuffers<T> tiles
-  __shared__ float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
+  // the amax of each (row, 16-column block) of a 16x16-block tile; once the blocks' amaxes are taken, the
+  // same space holds the tile's rowwise codes for its columnwise copy (transpose_codes below)
+  __shared__ __align__(16) union {
+    float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
+    uint8_t codes[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
+  } tile_2d;
+  auto& block_amax_2d = tile_2d.block_amax_2d;
   __shared__ float tile_amax_2d[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ float encode_of_scale[2][kPositiveScales];  // e_b of each scale byte: rowwise, columnwise
   __shared__ float scale_factor[2];                     // S_enc * fp32(1/6): rowwise, columnwise
@@ -274,6 +295,13 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     }
   }
   const RowwiseItems<T> rowwise(tid);
+  // 2D casts of both copies under one tensor scale, round to nearest: an element gets the same 16x16 block
+  // scale and so the same code in both copies (SPEC 4), and the columnwise copy is the rowwise codes
+  // transposed, read back from shared memory instead of encoded again.
+  const bool transpose_codes = k2D && !kSR && args.rowwise_data != nullptr && args.columnwise_data != nullptr &&
+                               !args.row_scaled &&
+                               (args.amax_rowwise == args.amax_columnwise ||
+                                float_bits(*args.amax_rowwise) == float_bits(*args.amax_columnwise));
 
   for (int tile_index = first_tile, buffer = 0;; buffer ^= 1) {
     const int64_t m0 = origin.m0, k0 = origin.k0;
@@ -348,7 +376,11 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
                                                                k0 + block * kBlockSize);
         *reinterpret_cast<uint2*>(data) = packed;
         *scales = scale;
+        if constexpr (k2D && !kSR) {
+          if (transpose_codes) *reinterpret_cast<uint2*>(tile_2d.codes + CodeTile::block_offset(row, block)) = packed;
+        }
       }
+      if (k2D && transpose_codes) __syncthreads();  // the tile's codes are in
     }
 
     if (copy_next && kNextCopyAfterRowwise<kRHT>) start_next_copy();
@@ -364,52 +396,91 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       uint8_t* data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
       uint8_t* scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
       const int64_t data_step = kColumnStep * data_stride, scale_step = kColumnStep * scale_stride;
-      // the thread's blocks share their Philox group (one row block of x) and differ in the column
-      const uint64_t sr_column = m0 + row_block * kBlockSize + args.sr_row_offset;
-      const bool sr_one_group = args.sr_row_offset % kColumnsPerPhiloxCall == 0;
-      [[maybe_unused]] const PhiloxGroupPrefix sr_group =
-          kSR ? stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, kColumnwiseStream, sr_keys)
-              : PhiloxGroupPrefix{};
-      const uint8_t* base[Layout::kChunksPerBlock];
+      if (k2D && transpose_codes) {
+        // one item per thread: row block tid % 8, columns 4 (tid / 8) .. + 3, bytes b, b + 1 of their block's
+        // code words in the row block's 16 rows (b = the first column mod 16, halved); a column takes the low
+        // or high nibbles of its byte
+        const int quad_column = (tid >> 3) * 4;
+        if (row_block * kBlockSize < rows_in_tile && quad_column < cols_in_tile) {
+          const uint8_t* bytes = tile_2d.codes + CodeTile::block_offset(row_block * kBlockSize, quad_column >> 4) +
+                                 ((quad_column & 15) >> 1);
+          uint32_t pairs[kBlockSize];  // row i's two bytes
 #pragma unroll
-      for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
-        base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
-                  first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
-      }
+          for (int i = 0; i < kBlockSize; ++i) {
+            pairs[i] = *reinterpret_cast<const uint16_t*>(bytes + i * CodeTile::kRowBytes);
+          }
+          uint32_t first[4], second[4];  // word q: rows 4q .. 4q + 3 of the first byte, of the second
 #pragma unroll
-      for (int u = 0; u < kColumnwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
-        const int column = first_column + u * kColumnStep;
-        if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
-        float pair[2][kBlockSize], pair_amax[2];
-        read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
-        if constexpr (kRHT) {
+          for (int q = 0; q < 4; ++q) {
+            const uint32_t a = __byte_perm(pairs[4 * q], pairs[4 * q + 1], 0x5140);
+            const uint32_t b = __byte_perm(pairs[4 * q + 2], pairs[4 * q + 3], 0x5140);
+            first[q] = __byte_perm(a, b, 0x5410);
+            second[q] = __byte_perm(a, b, 0x7632);
+          }
+          const uint8_t scale = block_scale_e4m3_of_nonnegative(tile_amax_2d[row_block][quad_column >> 4], factor);
+          uint8_t* column_data =
+              args.columnwise_data + (k0 + quad_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
+          uint8_t* column_scales =
+              args.columnwise_scale + (k0 + quad_column) * scale_stride + m0 / kBlockSize + row_block;
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            float transformed[kBlockSize];
-            rht_chunk<kRandomSign>(pair[j], transformed);
-            uint32_t running = 0u;  // the amax on the packed BF16 pairs, as read_row_block takes it
-#pragma unroll
-            for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
-              const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
-              const uint32_t bits = *reinterpret_cast<const uint32_t*>(&rounded);
-              const float2 both = bf16_pair_to_float2(bits);
-              pair[j][i] = both.x;
-              pair[j][i + 1] = both.y;
-              running = i == 0 ? bits : max_abs_halves<__nv_bfloat16>(running, bits);
-            }
-            pair_amax[j] = abs_halves_as_float<__nv_bfloat16>(
-                max_abs_halves<__nv_bfloat16>(running, __byte_perm(running, 0u, 0x1032))).x;
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t(&words)[4] = j < 2 ? first : second;
+            const int shift = (j & 1) * 4;
+            constexpr uint32_t kLow = 0x0F0F0F0Fu;
+            *reinterpret_cast<uint2*>(column_data + j * data_stride) =
+                make_uint2(nibbles_of_byte_values((words[0] >> shift) & kLow, (words[1] >> shift) & kLow),
+                           nibbles_of_byte_values((words[2] >> shift) & kLow, (words[3] >> shift) & kLow));
+            column_scales[j * scale_stride] = scale;
           }
         }
+      } else {
+        // the thread's blocks share their Philox group (one row block of x) and differ in the column
+        const uint64_t sr_column = m0 + row_block * kBlockSize + args.sr_row_offset;
+        const bool sr_one_group = args.sr_row_offset % kColumnsPerPhiloxCall == 0;
+        [[maybe_unused]] const PhiloxGroupPrefix sr_group =
+            kSR ? stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, kColumnwiseStream, sr_keys)
+                : PhiloxGroupPrefix{};
+        const uint8_t* base[Layout::kChunksPerBlock];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
-          const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
-          const uint2 packed = encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys,
-                                                                 sr_one_group, sr_group, kColumnwiseStream,
-                                                                 k0 + column + j, sr_column);
-          *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
-          scales[j * scale_stride] = scale;
+        for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
+          base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
+                    first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
+        }
+#pragma unroll
+        for (int u = 0; u < kColumnwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
+          const int column = first_column + u * kColumnStep;
+          if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
+          float pair[2][kBlockSize], pair_amax[2];
+          read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
+          if constexpr (kRHT) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              float transformed[kBlockSize];
+              rht_chunk<kRandomSign>(pair[j], transformed);
+              uint32_t running = 0u;  // the amax on the packed BF16 pairs, as read_row_block takes it
+#pragma unroll
+              for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
+                const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
+                const uint32_t bits = *reinterpret_cast<const uint32_t*>(&rounded);
+                const float2 both = bf16_pair_to_float2(bits);
+                pair[j][i] = both.x;
+                pair[j][i + 1] = both.y;
+                running = i == 0 ? bits : max_abs_halves<__nv_bfloat16>(running, bits);
+              }
+              pair_amax[j] = abs_halves_as_float<__nv_bfloat16>(
+                  max_abs_halves<__nv_bfloat16>(running, __byte_perm(running, 0u, 0x1032))).x;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
+            const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
+            const uint2 packed =
+                encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys, sr_one_group,
+                                                  sr_group, kColumnwiseStream, k0 + column + j, sr_column);
+            *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
+            scales[j * scale_stride] = scale;
+          }
         }
       }
     }

@@ -115,6 +115,17 @@ def test_rht_wide_dynamic_range_matches_cpu_reference(random_sign):
     assert_same(q, r)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_2d_cast_under_two_tensor_scales_matches_reference(dtype):
+    """The 2D kernel transposes the rowwise codes into the columnwise copy when both copies share one tensor
+    scale (csrc/quantize.cu transpose_codes); with two different amaxes it encodes the columnwise copy."""
+    x = random_input((1024, 4096), dtype, seed=21)
+    amax = x.float().abs().amax().reshape(1)
+    for amax_columnwise in (amax * 3, amax.clone()):  # two scales; one value in two tensors (transposed)
+        q = kernels.quantize_tensor(x, block_2d=True, amax_rowwise=amax, amax_columnwise=amax_columnwise)
+        assert_same(q, reference.quantize_tensor(x, block_2d=True, amax_rowwise=amax, amax_columnwise=amax_columnwise))
+
+
 def test_gpu_reference_equals_cpu_reference():
     """The premise of running the reference on the GPU above."""
     x = random_input((1024, 4096), torch.bfloat16, seed=3)
