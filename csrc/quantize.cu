@@ -19,10 +19,11 @@ namespace {
 
 constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
 // CTAs per multiprocessor the registers must allow: FP32 input (85 registers, so 3 tiles overlap load
-// and math); 16-bit input, whose registers also hold the next tile; the same with 16x16 blocks.
+// and math); 16-bit input, whose registers also hold the next tile; the same with 16x16 blocks (whose
+// shared memory, 2 tiles and the codes, allows no more than 3 either; 4 had made the SR variant spill).
 constexpr int kMinTilesPerMultiprocessor = 3;
 constexpr int kMinTilesPerMultiprocessor16Bit = 3;
-constexpr int kMinTilesPerMultiprocessor2D = 4;
+constexpr int kMinTilesPerMultiprocessor2D = 3;
 constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
 constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
 constexpr int kRowwiseItemsPerThread = kTileRows * kColBlocksPerTile / kThreads;        // (row, 16-col block)
@@ -260,14 +261,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
                          const TileOrder order, const int leading_singles, const int paired_ctas) {
   constexpr bool kPrefetch = kPrefetchNextTile<T>;
   extern __shared__ __align__(16) uint8_t tiles_in_shared[];  // kTileBuffers<T> tiles
-  // the amax of each (row, 16-column block) of a 16x16-block tile; once the blocks' amaxes are taken, the
-  // same space holds the tile's rowwise codes for its columnwise copy (transpose_codes below)
-  __shared__ __align__(16) union {
-    float block_amax_2d[k2D ? kTileRows : 1][kColBlocksPerTile];
-    uint8_t codes[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
-  } tile_2d;
-  auto& block_amax_2d = tile_2d.block_amax_2d;
-  __shared__ float tile_amax_2d[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
+  // a 16x16-block tile's block amaxes (the bits of non-negative floats, maxed atomically), and its rowwise
+  // codes for its columnwise copy (transpose_codes below)
+  __shared__ uint32_t tile_amax_2d_bits[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
+  __shared__ __align__(16) uint8_t codes_2d[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
   __shared__ float encode_of_scale[2][kPositiveScales];  // e_b of each scale byte: rowwise, columnwise
   __shared__ float scale_factor[2];                     // S_enc * fp32(1/6): rowwise, columnwise
   using Layout = TileLayout<T>;
@@ -307,6 +304,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     const int64_t m0 = origin.m0, k0 = origin.k0;
     const int rows_in_tile = origin.rows_in_tile, cols_in_tile = origin.cols_in_tile;
     const uint8_t* const tile = tiles_in_shared + buffer * Layout::kBytes;
+    if (k2D && tid < kRowBlocksPerTile * kColBlocksPerTile) tile_amax_2d_bits[tid >> 3][tid & 7] = 0u;  // read by now
     const int next_tile = tile_index + 1;
     const bool copy_next = kPrefetch && next_tile < end_tile;
     const auto start_next_copy = [&] {  // the next tile's copy in flight while this one is encoded
@@ -321,24 +319,20 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     }
     __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
 
-    // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4).
+    // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4), as the maximum of
+    //    its rows' amaxes (rows outside x are zeros).
     if constexpr (k2D) {
 #pragma unroll
       for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
         float values[kBlockSize], amax;
         read_row_block<T>(tile, rowwise.chunk(u), values, amax);
-        block_amax_2d[rowwise.row + u * rowwise.kRowStep][rowwise.block] = amax;
-      }
-      __syncthreads();
-      if (tid < kRowBlocksPerTile * kColBlocksPerTile) {
-        const int row_block = tid >> 3, block = tid & 7;
-        float running = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kBlockSize; ++i) running = fmaxf(running, block_amax_2d[row_block * kBlockSize + i][block]);
-        tile_amax_2d[row_block][block] = running;
+        atomicMax(&tile_amax_2d_bits[(rowwise.row + u * rowwise.kRowStep) >> 4][rowwise.block], float_bits(amax));
       }
       __syncthreads();
     }
+    [[maybe_unused]] const auto tile_amax_2d = [&](int row_block, int block) {
+      return __uint_as_float(tile_amax_2d_bits[row_block][block]);
+    };
 
     // 3. Rowwise copy.
     if (args.rowwise_data != nullptr) {
@@ -359,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
         if (row >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
         float values[kBlockSize], row_block_amax;
         read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
-        const float amax_of_block = k2D ? tile_amax_2d[row >> 4][block] : row_block_amax;
+        const float amax_of_block = k2D ? tile_amax_2d(row >> 4, block) : row_block_amax;
         float encode;
         uint8_t scale;
         if (args.row_scaled) {
@@ -377,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
         *reinterpret_cast<uint2*>(data) = packed;
         *scales = scale;
         if constexpr (k2D && !kSR) {
-          if (transpose_codes) *reinterpret_cast<uint2*>(tile_2d.codes + CodeTile::block_offset(row, block)) = packed;
+          if (transpose_codes) *reinterpret_cast<uint2*>(codes_2d + CodeTile::block_offset(row, block)) = packed;
         }
       }
       if (k2D && transpose_codes) __syncthreads();  // the tile's codes are in
@@ -402,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
         // or high nibbles of its byte
         const int quad_column = (tid >> 3) * 4;
         if (row_block * kBlockSize < rows_in_tile && quad_column < cols_in_tile) {
-          const uint8_t* bytes = tile_2d.codes + CodeTile::block_offset(row_block * kBlockSize, quad_column >> 4) +
+          const uint8_t* bytes = codes_2d + CodeTile::block_offset(row_block * kBlockSize, quad_column >> 4) +
                                  ((quad_column & 15) >> 1);
           uint32_t pairs[kBlockSize];  // row i's two bytes
 #pragma unroll
@@ -417,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
             first[q] = __byte_perm(a, b, 0x5410);
             second[q] = __byte_perm(a, b, 0x7632);
           }
-          const uint8_t scale = block_scale_e4m3_of_nonnegative(tile_amax_2d[row_block][quad_column >> 4], factor);
+          const uint8_t scale = block_scale_e4m3_of_nonnegative(tile_amax_2d(row_block, quad_column >> 4), factor);
           uint8_t* column_data =
               args.columnwise_data + (k0 + quad_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
           uint8_t* column_scales =
@@ -473,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           }
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float amax_of_block = k2D ? tile_amax_2d[row_block][column >> 4] : pair_amax[j];
+            const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
             const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
             const uint2 packed =
                 encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys, sr_one_group,
