@@ -304,7 +304,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     const int64_t m0 = origin.m0, k0 = origin.k0;
     const int rows_in_tile = origin.rows_in_tile, cols_in_tile = origin.cols_in_tile;
     const uint8_t* const tile = tiles_in_shared + buffer * Layout::kBytes;
-    if (k2D && tid < kRowBlocksPerTile * kColBlocksPerTile) tile_amax_2d_bits[tid >> 3][tid & 7] = 0u;  // read by now
+    // zeros for this tile's block amaxes: the previous tile's readers are past the end-of-iteration barrier
+    if (k2D && tid < kRowBlocksPerTile * kColBlocksPerTile) tile_amax_2d_bits[tid >> 3][tid & 7] = 0u;
     const int next_tile = tile_index + 1;
     const bool copy_next = kPrefetch && next_tile < end_tile;
     const auto start_next_copy = [&] {  // the next tile's copy in flight while this one is encoded
