@@ -10,8 +10,7 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist import kernels, reference
 from nvfp4_dist.formats import FP4_MAGNITUDES, fp4_to_float
-from nvfp4_dist.reference.copies import COLUMNWISE_STREAM, ROWWISE_STREAM
-from nvfp4_dist.reference.quantize import compute_amax, decode_scale, quantize_blocks
+from nvfp4_dist.reference.quantize import decode_scale
 
 # (2192, 11280): wide enough for the banded tile order (csrc/quantize.cu TileOrder), with a partial last
 # band, tile row and tile column
@@ -65,23 +64,6 @@ def assert_same(q, r, copies=("rowwise", "columnwise")):
         assert torch.equal(amax.view(torch.int32), ref_amax.view(torch.int32)), f"amax_{copy}: {amax} vs {ref_amax}"
 
 
-def rht_reference(x, *, rowwise=True, columnwise=True, rht_random_sign=True, sr_seed=None, sr_row_offset=0):
-    """reference.quantize_tensor with RHT, its transform computed on the CPU, the rest on the GPU."""
-    x2d = x.reshape(-1, x.shape[-1])
-    source = reference.rht_transpose(x2d.cpu(), rht_random_sign).to(x.device)
-    r = nv.NVFP4Tensor(shape=x.shape, dtype=x.dtype, rht=columnwise, rht_random_sign=rht_random_sign)
-    if rowwise:
-        r.amax_rowwise = compute_amax(x2d)
-        r.rowwise_data, r.rowwise_scale = quantize_blocks(x2d, r.amax_rowwise, sr_seed=sr_seed,
-                                                          sr_offset=(sr_row_offset, 0), sr_stream=ROWWISE_STREAM)
-    if columnwise:
-        r.amax_columnwise = compute_amax(source)
-        r.columnwise_data, r.columnwise_scale = quantize_blocks(source, r.amax_columnwise, sr_seed=sr_seed,
-                                                                sr_offset=(0, sr_row_offset),
-                                                                sr_stream=COLUMNWISE_STREAM)
-    return r
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -100,7 +82,7 @@ def test_rht_cast_matches_reference(shape, sr_row_offset):
     x = random_input(shape, torch.bfloat16, seed=shape[0] + shape[1])
     options = dict(sr_seed=2024 + shape[0], sr_row_offset=sr_row_offset) if sr_row_offset is not None else {}
     q = kernels.quantize_tensor(x, rht=True, **options)
-    assert_same(q, rht_reference(x, **options))
+    assert_same(q, reference.quantize_tensor(x, rht=True, **options))
 
 
 @pytest.mark.parametrize("random_sign", [True, False])
@@ -137,10 +119,9 @@ def test_gpu_reference_equals_cpu_reference():
 @pytest.mark.parametrize("dtype,rht", [(dtype, False) for dtype in DTYPES] + [(torch.bfloat16, True)], ids=str)
 def test_compute_amaxes(dtype, rht):
     x = random_input((4096, 4096), dtype, seed=5)
-    x_for_reference = x.cpu() if rht else x
     for row_scaled in (False, True):
         got = kernels.compute_amaxes(x, rht=rht, row_scaled=row_scaled)
-        want = reference.compute_amaxes(x_for_reference, rht=rht, row_scaled=row_scaled)
+        want = reference.compute_amaxes(x, rht=rht, row_scaled=row_scaled)
         for g, w in zip(got, want):
             assert torch.equal(g.cpu().view(torch.int32), w.cpu().view(torch.int32))
 
@@ -173,7 +154,7 @@ def test_special_inputs(dtype, kind):
     for options in (dict(), dict(block_2d=True), dict(sr_seed=99), dict(row_scaled=True, columnwise=False)):
         assert_same(kernels.quantize_tensor(x, **options), reference.quantize_tensor(x, **options))
     if dtype == torch.bfloat16:
-        assert_same(kernels.quantize_tensor(x, rht=True), reference.quantize_tensor(x.cpu(), rht=True))
+        assert_same(kernels.quantize_tensor(x, rht=True), reference.quantize_tensor(x, rht=True))
 
 
 def test_non_contiguous_and_3d_inputs():
@@ -185,7 +166,7 @@ def test_non_contiguous_and_3d_inputs():
     for x in (transposed, sliced, offset, three_d):
         assert_same(kernels.quantize_tensor(x), reference.quantize_tensor(x))
     assert_same(kernels.quantize_tensor(transposed, rht=True, sr_seed=3),
-                rht_reference(transposed.contiguous(), sr_seed=3))
+                reference.quantize_tensor(transposed.contiguous(), rht=True, sr_seed=3))
 
 
 def test_unsupported_inputs_raise_value_error():
@@ -298,6 +279,5 @@ def test_ops_dispatch_to_kernels():
         q = nv.quantize(x, role, recipe=recipe, sr_seed=5)
         options = nv.ops.quantize_options(role, recipe)
         sr = options.pop("stochastic_rounding")
-        r = (rht_reference(x, sr_seed=5 if sr else None, rht_random_sign=options["rht_random_sign"]) if options["rht"]
-             else reference.quantize_tensor(x, sr_seed=5 if sr else None, **options))
+        r = reference.quantize_tensor(x, sr_seed=5 if sr else None, **options)
         assert_same(q, r)
