@@ -71,8 +71,8 @@ __device__ __forceinline__ void accumulate_rht_pair_amax(const uint32_t* source,
     running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
   }
   float transformed0[kBlockSize], transformed1[kBlockSize];
-  rht_chunk<kRandomSign>(column0, transformed0);
-  rht_chunk<kRandomSign>(column1, transformed1);
+  rht_chunk_odd_negated<kRandomSign>(column0, transformed0);  // the odd lanes negated: their |.| is the same
+  rht_chunk_odd_negated<kRandomSign>(column1, transformed1);
 #pragma unroll
   for (int j = 0; j < kBlockSize; ++j) {
     running_rht = max(running_rht, max(abs_bits(round_to_bf16(transformed0[j])), abs_bits(round_to_bf16(transformed1[j]))));

@@ -56,9 +56,19 @@ NVFP4_HD float gemm_alpha(float a_amax, float b_amax) {
 
 // E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (SPEC 2.3), for
 // block_amax >= 0 (or NaN) and a finite factor = S_enc * fp32(1/6) > 0: the product is then in
-// [0, FLT_MAX] after the first clamp, and SATFINITE clamps it to 448 itself.
-NVFP4_HD uint8_t block_scale_e4m3_of_nonnegative(float block_amax, float factor) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(fminf(block_amax * factor, kFltMax), __NV_SATFINITE, __NV_E4M3));
+// [0, +inf], and SATFINITE alone clamps it to 448 (+inf included; a NaN stays NaN, 0x7F, as the
+// reference's clamp leaves it). On the GPU the byte comes zero-extended from the conversion itself,
+// so that indexing a table with it needs no mask.
+NVFP4_HD uint32_t block_scale_e4m3_of_nonnegative(float block_amax, float factor) {
+#ifdef __CUDA_ARCH__
+  uint32_t byte;
+  asm("{.reg .b16 h, z; mov.b16 z, 0; cvt.rn.satfinite.e4m3x2.f32 h, %1, %2; mov.b32 %0, {h, z};}"
+      : "=r"(byte)
+      : "f"(0.0f), "f"(block_amax * factor));
+  return byte;
+#else
+  return __nv_cvt_float_to_fp8(block_amax * factor, __NV_SATFINITE, __NV_E4M3);
+#endif
 }
 
 // Exact FP32 value of an E4M3 (float8_e4m3fn) byte; 0x7F/0xFF (NaN) never occur as scales.
@@ -387,12 +397,13 @@ static __host__ __device__ __noinline__ uint32_t stochastic_rounding_bits_at(uin
 constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i set where s_i = -1: s = 1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1
 
 // out = t . H16 by the fast Walsh-Hadamard transform: butterflies (a, b) -> (a + b, a - b) on the pairs
-// (i, i + h), i & h == 0, for h = 1, 2, 4, 8 in turn; 64 FP32 additions. This order of the additions
+// (i, i + h), i & h == 0, for h = 1, 2, 4, 8 in turn; 64 FP32 additions. Here the stages from h =
+// first_half_width on (2 when the caller did the first stage itself). This order of the additions
 // is the reference's (reference/rht.py hadamard_butterflies), so the rounded sums match it bit for
 // bit. No sum is -0.0 when no term is (a - a and -a + a are +0 under round to nearest).
-NVFP4_HD void hadamard_butterflies(float (&t)[kBlockSize]) {
+NVFP4_HD void hadamard_butterflies_from(float (&t)[kBlockSize], int first_half_width) {
 #pragma unroll
-  for (int h = 1; h < kBlockSize; h *= 2) {
+  for (int h = first_half_width; h < kBlockSize; h *= 2) {
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) {
       if (i & h) continue;
@@ -403,15 +414,24 @@ NVFP4_HD void hadamard_butterflies(float (&t)[kBlockSize]) {
   }
 }
 
-// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4 (reference: rht_chunks): terms
-// c_i * (s_i / 4) + 0 (exact for BF16 c_i; the + 0 makes a -0.0 term +0.0), then the butterflies.
+// y = c . H for one 16-chunk of BF16 values c, H = diag(s) . H16 / 4 (reference: rht_chunks), bit for bit but
+// for the sign of exact zeros, and with the odd outputs negated: out[i] = y_i for even i, -y_i for odd i.
+// The terms t_i = c_i * (s_i / 4) are exact, so the first butterfly stage (t_i + t_j, t_i - t_j), j = i + 1,
+// is two FMAs of c_i * (+-s_i / 4) onto t_j, only t_j computed: y_i and -(t_i - t_j) (the FMA's addend takes
+// no negation next to an immediate factor). Negation commutes with rounding, and the later stages pair
+// lanes of one parity, so the odd lanes just stay negated. A zero sum may come out -0.0 where the
+// reference's + 0 makes it +0.0; no code or scale depends on that (a cast's scaled value v * e + 0 is
+// +0.0 for both, and amaxes take |v|).
 template <bool kRandomSign>
-NVFP4_HD void rht_chunk(const float (&c)[kBlockSize], float (&y)[kBlockSize]) {
+NVFP4_HD void rht_chunk_odd_negated(const float (&c)[kBlockSize], float (&out)[kBlockSize]) {
+  constexpr auto quarter = [](int i) { return (kRandomSign && ((kRhtSignMask >> i) & 1u)) ? -0.25f : 0.25f; };
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) {
-    y[i] = fmaf(c[i], (kRandomSign && ((kRhtSignMask >> i) & 1u)) ? -0.25f : 0.25f, 0.0f);
+  for (int i = 0; i < kBlockSize; i += 2) {
+    const float odd_term = c[i + 1] * quarter(i + 1);
+    out[i] = fmaf(c[i], quarter(i), odd_term);
+    out[i + 1] = fmaf(c[i], -quarter(i), odd_term);
   }
-  hadamard_butterflies(y);
+  hadamard_butterflies_from(out, 2);
 }
 
 // x = y . H^T for one 16-chunk, the inverse transform (reference: inverse_rht_chunks): terms
@@ -421,7 +441,7 @@ template <bool kRandomSign>
 NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockSize]) {
 #pragma unroll
   for (int j = 0; j < kBlockSize; ++j) x[j] = y[j] * 0.25f + 0.0f;  // two roundings (-fmad=false): y need not be BF16
-  hadamard_butterflies(x);
+  hadamard_butterflies_from(x, 1);
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) {
     if (kRandomSign && ((kRhtSignMask >> i) & 1u)) x[i] = 0.0f - x[i];

@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   const int tid = threadIdx.x;
 
   // 1. The first tile's loads in flight; meanwhile e_b of each scale byte a non-negative block amax can
-  //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E), once per CTA instead of one division per
-  //    block (a per-row S_enc, for row-scaled copies, divides per block instead).
+  //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E, 0x7F for NaN), once per CTA instead of one
+  //    division per block (a per-row S_enc, for row-scaled copies, divides per block instead).
   const int cta = static_cast<int>(blockIdx.x);
   const int pair = cta - leading_singles;
   const bool paired = pair >= 0 && pair < paired_ctas;
@@ -335,149 +335,162 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       return __uint_as_float(tile_amax_2d_bits[row_block][block]);
     };
 
-    // 3. Rowwise copy.
-    if (args.rowwise_data != nullptr) {
-      const float tensor_factor = scale_factor[0];
-      const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
-      // item u's data and scale at u item steps from item 0's (pointer steps, not 64-bit products per item)
-      uint8_t* data = args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
-      uint8_t* scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
-      const int64_t data_step = rowwise.kRowStep * data_stride, scale_step = rowwise.kRowStep * scale_stride;
-      // the thread's blocks share their Philox group (one column block), and differ in the row
-      [[maybe_unused]] const PhiloxGroupPrefix sr_group =
-          kSR ? stochastic_rounding_group_prefix((k0 + rowwise.block * kBlockSize) / kColumnsPerPhiloxCall, kRowwiseStream,
-                                                 sr_keys)
-              : PhiloxGroupPrefix{};
-#pragma unroll
-      for (int u = 0; u < kRowwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
-        const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
-        if (row >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
-        float values[kBlockSize], row_block_amax;
-        read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
-        const float amax_of_block = k2D ? tile_amax_2d(row >> 4, block) : row_block_amax;
-        float encode;
-        uint8_t scale;
-        if (args.row_scaled) {
-          const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
-          scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
-          encode = block_encode_factor(scale, decode_scale(s_enc));
-        } else {
-          scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
-          encode = encode_of_scale[0][scale];
-        }
-        // the rowwise copy's blocks start at multiples of 16: each is one Philox group
-        const uint2 packed = encode_block<kSR, sizeof(T) == 2>(values, encode, amax_of_block, sr_keys, true, sr_group,
-                                                               kRowwiseStream, m0 + row + args.sr_row_offset,
-                                                               k0 + block * kBlockSize);
-        *reinterpret_cast<uint2*>(data) = packed;
-        *scales = scale;
-        if constexpr (k2D && !kSR) {
-          if (transpose_codes) *reinterpret_cast<uint2*>(codes_2d + CodeTile::block_offset(row, block)) = packed;
-        }
-      }
-      if (k2D && transpose_codes) __syncthreads();  // the tile's codes are in
-    }
+    // 3-4. The copies, in two versions: with the per-item bounds checks, and without them for whole tiles (the
+    //      common case: no check, branch or reconvergence per item).
+    const auto encode_tile = [&](auto whole_tile) {
+      constexpr bool kWhole = decltype(whole_tile)::value;
 
-    if (copy_next && kNextCopyAfterRowwise<kRHT>) start_next_copy();
-
-    // 4. Columnwise copy of x^T (after the RHT when on): item u = (16-row block tid % 8, column pair
-    //    (tid / 8) * 2 + u * 64); 8 lanes write 64 bytes of each of their two columns.
-    if (args.columnwise_data != nullptr) {
-      const float factor = scale_factor[1];
-      const int row_block = tid & 7, first_column = (tid >> 3) * 2;
-      constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
-      const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
-      // item u's column pair's data and scales at u item steps from item 0's
-      uint8_t* data = args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
-      uint8_t* scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
-      const int64_t data_step = kColumnStep * data_stride, scale_step = kColumnStep * scale_stride;
-      if (k2D && transpose_codes) {
-        // one item per thread: row block tid % 8, columns 4 (tid / 8) .. + 3, bytes b, b + 1 of their block's
-        // code words in the row block's 16 rows (b = the first column mod 16, halved); a column takes the low
-        // or high nibbles of its byte
-        const int quad_column = (tid >> 3) * 4;
-        if (row_block * kBlockSize < rows_in_tile && quad_column < cols_in_tile) {
-          const uint8_t* bytes = codes_2d + CodeTile::block_offset(row_block * kBlockSize, quad_column >> 4) +
-                                 ((quad_column & 15) >> 1);
-          uint32_t pairs[kBlockSize];  // row i's two bytes
-#pragma unroll
-          for (int i = 0; i < kBlockSize; ++i) {
-            pairs[i] = *reinterpret_cast<const uint16_t*>(bytes + i * CodeTile::kRowBytes);
-          }
-          uint32_t first[4], second[4];  // word q: rows 4q .. 4q + 3 of the first byte, of the second
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const uint32_t a = __byte_perm(pairs[4 * q], pairs[4 * q + 1], 0x5140);
-            const uint32_t b = __byte_perm(pairs[4 * q + 2], pairs[4 * q + 3], 0x5140);
-            first[q] = __byte_perm(a, b, 0x5410);
-            second[q] = __byte_perm(a, b, 0x7632);
-          }
-          const uint8_t scale = block_scale_e4m3_of_nonnegative(tile_amax_2d(row_block, quad_column >> 4), factor);
-          uint8_t* column_data =
-              args.columnwise_data + (k0 + quad_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
-          uint8_t* column_scales =
-              args.columnwise_scale + (k0 + quad_column) * scale_stride + m0 / kBlockSize + row_block;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t(&words)[4] = j < 2 ? first : second;
-            const int shift = (j & 1) * 4;
-            constexpr uint32_t kLow = 0x0F0F0F0Fu;
-            *reinterpret_cast<uint2*>(column_data + j * data_stride) =
-                make_uint2(nibbles_of_byte_values((words[0] >> shift) & kLow, (words[1] >> shift) & kLow),
-                           nibbles_of_byte_values((words[2] >> shift) & kLow, (words[3] >> shift) & kLow));
-            column_scales[j * scale_stride] = scale;
-          }
-        }
-      } else {
-        // the thread's blocks share their Philox group (one row block of x) and differ in the column
-        const uint64_t sr_column = m0 + row_block * kBlockSize + args.sr_row_offset;
-        const bool sr_one_group = args.sr_row_offset % kColumnsPerPhiloxCall == 0;
+      // 3. Rowwise copy.
+      if (args.rowwise_data != nullptr) {
+        const float tensor_factor = scale_factor[0];
+        const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
+        // item u's data and scale at u item steps from item 0's (pointer steps, not 64-bit products per item)
+        uint8_t* data =
+            args.rowwise_data + (m0 + rowwise.row) * data_stride + k0 / 2 + rowwise.block * (kBlockSize / 2);
+        uint8_t* scales = args.rowwise_scale + (m0 + rowwise.row) * scale_stride + k0 / kBlockSize + rowwise.block;
+        const int64_t data_step = rowwise.kRowStep * data_stride, scale_step = rowwise.kRowStep * scale_stride;
+        // the thread's blocks share their Philox group (one column block), and differ in the row
         [[maybe_unused]] const PhiloxGroupPrefix sr_group =
-            kSR ? stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, kColumnwiseStream, sr_keys)
+            kSR ? stochastic_rounding_group_prefix((k0 + rowwise.block * kBlockSize) / kColumnsPerPhiloxCall,
+                                                   kRowwiseStream, sr_keys)
                 : PhiloxGroupPrefix{};
-        const uint8_t* base[Layout::kChunksPerBlock];
 #pragma unroll
-        for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
-          base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
-                    first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
+        for (int u = 0; u < kRowwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
+          const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
+          if (!kWhole && (row >= rows_in_tile || block * kBlockSize >= cols_in_tile)) continue;
+          float values[kBlockSize], row_block_amax;
+          read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
+          const float amax_of_block = k2D ? tile_amax_2d(row >> 4, block) : row_block_amax;
+          float encode;
+          uint32_t scale;
+          if (args.row_scaled) {
+            const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
+            scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
+            encode = block_encode_factor(scale, decode_scale(s_enc));
+          } else {
+            scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
+            encode = encode_of_scale[0][scale];
+          }
+          // the rowwise copy's blocks start at multiples of 16: each is one Philox group
+          const uint2 packed = encode_block<kSR, sizeof(T) == 2>(values, encode, amax_of_block, sr_keys, true, sr_group,
+                                                                 kRowwiseStream, m0 + row + args.sr_row_offset,
+                                                                 k0 + block * kBlockSize);
+          *reinterpret_cast<uint2*>(data) = packed;
+          *scales = scale;
+          if constexpr (k2D && !kSR) {
+            if (transpose_codes) *reinterpret_cast<uint2*>(codes_2d + CodeTile::block_offset(row, block)) = packed;
+          }
         }
+        if (k2D && transpose_codes) __syncthreads();  // the tile's codes are in
+      }
+
+      if (copy_next && kNextCopyAfterRowwise<kRHT>) start_next_copy();
+
+      // 4. Columnwise copy of x^T (after the RHT when on): item u = (16-row block tid % 8, column pair
+      //    (tid / 8) * 2 + u * 64); 8 lanes write 64 bytes of each of their two columns.
+      if (args.columnwise_data != nullptr) {
+        const float factor = scale_factor[1];
+        const int row_block = tid & 7, first_column = (tid >> 3) * 2;
+        constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
+        const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
+        // item u's column pair's data and scales at u item steps from item 0's
+        uint8_t* data =
+            args.columnwise_data + (k0 + first_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
+        uint8_t* scales = args.columnwise_scale + (k0 + first_column) * scale_stride + m0 / kBlockSize + row_block;
+        const int64_t data_step = kColumnStep * data_stride, scale_step = kColumnStep * scale_stride;
+        if (k2D && transpose_codes) {
+          // one item per thread: row block tid % 8, columns 4 (tid / 8) .. + 3, bytes b, b + 1 of their block's
+          // code words in the row block's 16 rows (b = the first column mod 16, halved); a column takes the low
+          // or high nibbles of its byte
+          const int quad_column = (tid >> 3) * 4;
+          if (kWhole || (row_block * kBlockSize < rows_in_tile && quad_column < cols_in_tile)) {
+            const uint8_t* bytes = codes_2d + CodeTile::block_offset(row_block * kBlockSize, quad_column >> 4) +
+                                   ((quad_column & 15) >> 1);
+            uint32_t pairs[kBlockSize];  // row i's two bytes
 #pragma unroll
-        for (int u = 0; u < kColumnwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
-          const int column = first_column + u * kColumnStep;
-          if (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile) continue;
-          float pair[2][kBlockSize], pair_amax[2];
-          read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
-          if constexpr (kRHT) {
+            for (int i = 0; i < kBlockSize; ++i) {
+              pairs[i] = *reinterpret_cast<const uint16_t*>(bytes + i * CodeTile::kRowBytes);
+            }
+            uint32_t first[4], second[4];  // word q: rows 4q .. 4q + 3 of the first byte, of the second
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              float transformed[kBlockSize];
-              rht_chunk<kRandomSign>(pair[j], transformed);
-              uint32_t running = 0u;  // the amax on the packed BF16 pairs, as read_row_block takes it
+            for (int q = 0; q < 4; ++q) {
+              const uint32_t a = __byte_perm(pairs[4 * q], pairs[4 * q + 1], 0x5140);
+              const uint32_t b = __byte_perm(pairs[4 * q + 2], pairs[4 * q + 3], 0x5140);
+              first[q] = __byte_perm(a, b, 0x5410);
+              second[q] = __byte_perm(a, b, 0x7632);
+            }
+            const uint32_t scale = block_scale_e4m3_of_nonnegative(tile_amax_2d(row_block, quad_column >> 4), factor);
+            uint8_t* column_data =
+                args.columnwise_data + (k0 + quad_column) * data_stride + m0 / 2 + row_block * (kBlockSize / 2);
+            uint8_t* column_scales =
+                args.columnwise_scale + (k0 + quad_column) * scale_stride + m0 / kBlockSize + row_block;
 #pragma unroll
-              for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
-                const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
-                const uint32_t bits = *reinterpret_cast<const uint32_t*>(&rounded);
-                const float2 both = bf16_pair_to_float2(bits);
-                pair[j][i] = both.x;
-                pair[j][i + 1] = both.y;
-                running = i == 0 ? bits : max_abs_halves<__nv_bfloat16>(running, bits);
-              }
-              pair_amax[j] = abs_halves_as_float<__nv_bfloat16>(
-                  max_abs_halves<__nv_bfloat16>(running, __byte_perm(running, 0u, 0x1032))).x;
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t(&words)[4] = j < 2 ? first : second;
+              const int shift = (j & 1) * 4;
+              constexpr uint32_t kLow = 0x0F0F0F0Fu;
+              *reinterpret_cast<uint2*>(column_data + j * data_stride) =
+                  make_uint2(nibbles_of_byte_values((words[0] >> shift) & kLow, (words[1] >> shift) & kLow),
+                             nibbles_of_byte_values((words[2] >> shift) & kLow, (words[3] >> shift) & kLow));
+              column_scales[j * scale_stride] = scale;
             }
           }
+        } else {
+          // the thread's blocks share their Philox group (one row block of x) and differ in the column
+          const uint64_t sr_column = m0 + row_block * kBlockSize + args.sr_row_offset;
+          const bool sr_one_group = args.sr_row_offset % kColumnsPerPhiloxCall == 0;
+          [[maybe_unused]] const PhiloxGroupPrefix sr_group =
+              kSR ? stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, kColumnwiseStream, sr_keys)
+                  : PhiloxGroupPrefix{};
+          const uint8_t* base[Layout::kChunksPerBlock];
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
-            const uint8_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
-            const uint2 packed =
-                encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys, sr_one_group,
-                                                  sr_group, kColumnwiseStream, k0 + column + j, sr_column);
-            *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
-            scales[j * scale_stride] = scale;
+          for (int b = 0; b < Layout::kChunksPerBlock; ++b) {
+            base[b] = tile + Layout::chunk_offset(row_block * kBlockSize + b, first_column / Layout::kChunkElements) +
+                      first_column % Layout::kChunkElements * static_cast<int>(sizeof(T));
+          }
+#pragma unroll
+          for (int u = 0; u < kColumnwiseItemsPerThread; ++u, data += data_step, scales += scale_step) {
+            const int column = first_column + u * kColumnStep;
+            if (!kWhole && (row_block * kBlockSize >= rows_in_tile || column >= cols_in_tile)) continue;
+            float pair[2][kBlockSize], pair_amax[2];
+            read_column_pair<T>(base, u * kColumnStep * static_cast<int>(sizeof(T)), pair[0], pair[1], pair_amax);
+            if constexpr (kRHT) {
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                float transformed[kBlockSize];  // odd elements negated
+                rht_chunk_odd_negated<kRandomSign>(pair[j], transformed);
+                uint32_t running = 0u;  // the amax on the packed BF16 pairs, as read_row_block takes it
+#pragma unroll
+                for (int i = 0; i < kBlockSize; i += 2) {  // RNE to BF16, two values per conversion
+                  const __nv_bfloat162 rounded = __floats2bfloat162_rn(transformed[i], transformed[i + 1]);
+                  const uint32_t bits = *reinterpret_cast<const uint32_t*>(&rounded);
+                  const float2 both = bf16_pair_to_float2(bits);
+                  pair[j][i] = both.x;
+                  pair[j][i + 1] = -both.y;  // undoes rht_chunk_odd_negated's sign, free in the scaling FMA
+                  running = i == 0 ? bits : max_abs_halves<__nv_bfloat16>(running, bits);
+                }
+                pair_amax[j] = abs_halves_as_float<__nv_bfloat16>(
+                    max_abs_halves<__nv_bfloat16>(running, __byte_perm(running, 0u, 0x1032))).x;
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
+              const uint32_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
+              const uint2 packed =
+                  encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys,
+                                                    sr_one_group, sr_group, kColumnwiseStream, k0 + column + j, sr_column);
+              *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
+              scales[j * scale_stride] = scale;
+            }
           }
         }
       }
+    };
+    if (origin.whole()) {
+      encode_tile(std::true_type{});
+    } else {
+      encode_tile(std::false_type{});
     }
 
     if (!copy_next) break;
