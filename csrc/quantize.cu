@@ -305,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   for (int tile_index = first_tile, buffer = 0;; buffer ^= 1) {
     const int64_t m0 = origin.m0, k0 = origin.k0;
     const int rows_in_tile = origin.rows_in_tile, cols_in_tile = origin.cols_in_tile;
+    const bool whole_tile = origin.whole();  // origin moves on to the next tile when its copy starts
     const uint8_t* const tile = tiles_in_shared + buffer * Layout::kBytes;
     // zeros for this tile's block amaxes: the previous tile's readers are past the end-of-iteration barrier
     if (k2D && tid < kRowBlocksPerTile * kColBlocksPerTile) tile_amax_2d_bits[tid >> 3][tid & 7] = 0u;
@@ -490,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
         }
       }
     };
-    if (origin.whole()) {
+    if (whole_tile) {
       encode_tile(std::true_type{});
     } else {
       encode_tile(std::false_type{});

@@ -13,8 +13,10 @@ from nvfp4_dist.formats import FP4_MAGNITUDES, fp4_to_float
 from nvfp4_dist.reference.quantize import decode_scale
 
 # (2192, 11280): wide enough for the banded tile order (csrc/quantize.cu TileOrder), with a partial last
-# band, tile row and tile column
-SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 4096), (4096, 4096), (8192, 8192), (2192, 11280)]
+# band, tile row and tile column. (4096, 8208): 65 tile columns in row-major order, so that CTAs of two
+# tiles get a partial tile (a row's last) and then a whole one (the next row's first), and the other way
+SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 4096), (4096, 4096), (8192, 8192), (2192, 11280),
+          (4096, 8208)]
 RHT_SHAPES = SHAPES + [(8192, 11328), (16384, 4096)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CONFIGS = {
