@@ -71,7 +71,8 @@ NVFP4_HD uint32_t block_scale_e4m3_of_nonnegative(float block_amax, float factor
 #endif
 }
 
-// Exact FP32 value of an E4M3 (float8_e4m3fn) byte; 0x7F/0xFF (NaN) never occur as scales.
+// Exact FP32 value of an E4M3 (float8_e4m3fn) byte; 0x7F/0xFF (NaN) occur as scales only for a NaN amax,
+// and decode here as 480 (not NaN).
 NVFP4_HD float e4m3_to_float(uint8_t byte) {
   const uint32_t sign = static_cast<uint32_t>(byte >> 7) << 31;
   const uint32_t exponent = (byte >> 3) & 0xF;
