@@ -340,8 +340,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
 
     // 3-4. The copies, in two versions: with the per-item bounds checks, and without them for whole tiles (the
     //      common case: no check, branch or reconvergence per item).
-    const auto encode_tile = [&](auto whole_tile) {
-      constexpr bool kWhole = decltype(whole_tile)::value;
+    const auto encode_tile = [&](auto whole_tag) {
+      constexpr bool kWhole = decltype(whole_tag)::value;
 
       // 3. Rowwise copy.
       if (args.rowwise_data != nullptr) {
