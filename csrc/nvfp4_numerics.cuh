@@ -454,6 +454,15 @@ NVFP4_HD void inverse_rht_chunk(const float (&y)[kBlockSize], float (&x)[kBlockS
 // FP16 down to 2^-24) is at least 2^-149, so nonzero: no product underflows to -0.0.
 constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  // 2^-16
 
+// e_b (always > 0) as the casts pass it to encode_block: negated where it is below
+// kEncodeKeepingSixteenBitProductsNonzero, so that one unsigned compare of block_amax * encode's bits finds
+// both rare cases of a 16-bit block (a negative product's sign bit puts it above every positive float).
+// Idempotent.
+NVFP4_HD float underflow_marked_encode(float encode) {
+  const float magnitude = fabsf(encode);
+  return magnitude >= kEncodeKeepingSixteenBitProductsNonzero ? magnitude : -magnitude;
+}
+
 // Packed codes of one block of 16 values that are consecutive along the quantized dimension, round
 // to nearest even, or stochastic with the Philox bits of global row `sr_row`, global columns
 // sr_column .. sr_column + 15 of the copy in `stream` (SPEC 7).
@@ -463,11 +472,16 @@ constexpr float kEncodeKeepingSixteenBitProductsNonzero = 1.52587890625e-05f;  /
 // The sign bits come from the scaled values' sign bits (sign_bits_of_eight), which must then be set
 // only where value * encode < 0: v * encode + 0 turns a -0.0 input into +0.0, and a product that
 // underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
-// numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out.
-// Both rare fixes share one branch: the + 0 changes no other value, and the clamp no code below 7.
+// numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out. encode: e_b, for round to
+// nearest as underflow_marked_encode gives it (its magnitude scales; a negative one marks the underflow
+// case; the SR casts ran 0.5-1% slower with marks, H200).
+// Round to nearest: both rare fixes share one branch, taken for 16-bit values where the bits of
+// block_amax * encode are at least 7's as unsigned integers (a marked encode, a NaN, or a product of 7 or
+// more): one compare; the + 0 changes no other value, and the clamp no code below 7.
 // Stochastic rounding skips the clamp when block_amax * encode < 8 (magnitudes in [6, 8) give index 7
 // or 8, and saturate_stochastic_codes makes 8 a 7), and otherwise clamps |scaled| to 6 in place, in
-// its own rare branch, so that one copy of the encoding serves both cases.
+// its own rare branch, so that one copy of the encoding serves both cases (one branch for both fixes,
+// as round to nearest has, made the SR casts 0.4-1.9% slower on an H200: more register moves).
 // sr_row and sr_column are non-negative. sr_one_group: whether sr_column % 16 == 0, the block being
 // one Philox group, whose PhiloxGroupPrefix in `stream` is sr_group; otherwise each element takes its
 // own Philox call (a shard offset that is not a multiple of 16). A kernel passes a condition that is
@@ -476,18 +490,26 @@ template <bool kSR, bool kSixteenBitValues = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
                             const StochasticRoundingKeys& keys, bool sr_one_group, const PhiloxGroupPrefix& sr_group,
                             uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
+  const float magnitude = kSR ? encode : fabsf(encode);
   float scaled[kBlockSize];
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) scaled[i] = fmaf(values[i], encode, 0.0f);
-  const bool may_underflow = !kSixteenBitValues || !(encode >= kEncodeKeepingSixteenBitProductsNonzero);
-  const bool may_saturate = !(block_amax * encode < (kSR ? 8.0f : 7.0f));
-  if (may_underflow || (!kSR && may_saturate)) {
+  for (int i = 0; i < kBlockSize; ++i) scaled[i] = fmaf(values[i], magnitude, 0.0f);
+  if constexpr (!kSR) {
+    if (!kSixteenBitValues || float_bits(block_amax * encode) >= float_bits(7.0f)) {
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) scaled[i] = kSR ? scaled[i] + 0.0f : clamp_fp4(scaled[i] + 0.0f);
-  }
-  if (kSR && may_saturate) {  // |scaled| <= 6 keeping the sign (a NaN becomes 6 with its sign bit)
+      for (int i = 0; i < kBlockSize; ++i) scaled[i] = clamp_fp4(scaled[i] + 0.0f);
+    }
+  } else {
+    const bool may_underflow = !kSixteenBitValues || !(encode >= kEncodeKeepingSixteenBitProductsNonzero);
+    const bool may_saturate = !(block_amax * encode < 8.0f);
+    if (may_underflow) {
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) scaled[i] = copysignf(fminf(fabsf(scaled[i]), kFp4Max), scaled[i]);
+      for (int i = 0; i < kBlockSize; ++i) scaled[i] = scaled[i] + 0.0f;
+    }
+    if (may_saturate) {  // |scaled| <= 6 keeping the sign (a NaN becomes 6 with its sign bit)
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) scaled[i] = copysignf(fminf(fabsf(scaled[i]), kFp4Max), scaled[i]);
+    }
   }
   uint2 packed;
   if constexpr (!kSR) {
@@ -522,11 +544,11 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
 }
 
 // encode_block with the stochastic rounding seed (the keys computed here).
-template <bool kSR>
+template <bool kSR, bool kSixteenBitValues = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
                             uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
   const StochasticRoundingKeys keys = stochastic_rounding_keys(seed);
-  return encode_block<kSR>(values, encode, block_amax, keys, sr_column % kColumnsPerPhiloxCall == 0,
+  return encode_block<kSR, kSixteenBitValues>(values, encode, block_amax, keys, sr_column % kColumnsPerPhiloxCall == 0,
                            stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, stream, keys), stream,
                            sr_row, sr_column);
 }

@@ -6,7 +6,8 @@
 // amax (SPEC 6) and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
 // tiles (but the first CTAs on each multiprocessor and the last wave, one each), the next tile's copy
 // (cp.async, into a second shared-memory buffer) in flight while it encodes the current one, and pays
-// the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) run one CTA per tile.
+// the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) and the 16x16-block casts
+// that round to nearest (four CTAs per multiprocessor) run one CTA per tile.
 // Consecutive tiles follow TileOrder (tile_order.cuh): row-major, or bands of 16 tile rows for wide x.
 #include <cstdint>
 
@@ -19,11 +20,13 @@ namespace {
 
 constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
 // CTAs per multiprocessor the registers must allow: FP32 input (85 registers, so 3 tiles overlap load
-// and math); 16-bit input, whose registers also hold the next tile; the same with 16x16 blocks (whose
-// shared memory, 2 tiles and the codes, allows no more than 3 either; 4 had made the SR variant spill).
+// and math); 16-bit input, whose registers also hold the next tile (2 tiles per CTA: shared memory allows
+// no more than 3; 4 made the SR casts spill); the 16x16-block casts that round to nearest, one tile per
+// CTA (64 registers, no spills; H200 driver: 0.97-0.98x against 3 CTAs of two tiles, whose 1D and RHT
+// twins lost 0-3% that way).
 constexpr int kMinTilesPerMultiprocessor = 3;
 constexpr int kMinTilesPerMultiprocessor16Bit = 3;
-constexpr int kMinTilesPerMultiprocessor2D = 3;
+constexpr int kMinTilesPerMultiprocessor2DNearest = 4;
 constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
 constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
 constexpr int kRowwiseItemsPerThread = kTileRows * kColBlocksPerTile / kThreads;        // (row, 16-col block)
@@ -234,11 +237,12 @@ __device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArg
 
 // Whether a CTA copies its next tile into a second buffer while it encodes the current one (two
 // consecutive tiles per CTA): for 16-bit inputs, whose two tiles take 64 KiB of shared memory (FP32's 128 KiB
-// would leave one CTA per multiprocessor).
-template <typename T>
-constexpr bool kPrefetchNextTile = sizeof(T) == 2;
-template <typename T>
-constexpr int kTileBuffers = kPrefetchNextTile<T> ? 2 : 1;
+// would leave one CTA per multiprocessor), but for the 16x16-block casts that round to nearest, whose
+// four CTAs of one tile each hide the loads as well.
+template <typename T, bool k2D, bool kSR>
+constexpr bool kPrefetchNextTile = sizeof(T) == 2 && !(k2D && !kSR);
+template <typename T, bool k2D, bool kSR>
+constexpr int kTileBuffers = kPrefetchNextTile<T, k2D, kSR> ? 2 : 1;
 
 // When that copy starts: before the wait for the current tile, so that it overlaps all of its encoding,
 // or, for the RHT cast, whose encoding takes longest, after the current tile's rowwise copy. The memory
@@ -256,18 +260,19 @@ constexpr bool kNextCopyAfterRowwise = kRHT;
 // kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
-                                              : (k2D ? kMinTilesPerMultiprocessor2D : kMinTilesPerMultiprocessor16Bit))
+                                              : (kPrefetchNextTile<T, k2D, kSR> ? kMinTilesPerMultiprocessor16Bit
+                                                                                : kMinTilesPerMultiprocessor2DNearest))
     quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
                          const TileOrder order, const int leading_singles, const int paired_ctas) {
-  constexpr bool kPrefetch = kPrefetchNextTile<T>;
-  // kTileBuffers<T> tiles, 128-byte aligned: TileLayout's conflict-free patterns assume rows that start on
+  constexpr bool kPrefetch = kPrefetchNextTile<T, k2D, kSR>;
+  // kTileBuffers tiles, 128-byte aligned: TileLayout's conflict-free patterns assume rows that start on
   // 128-byte lines (H200: with the tiles 16 bytes past a line, behind the static arrays, the casts took 2-8% longer)
   extern __shared__ __align__(128) uint8_t tiles_in_shared[];
   // a 16x16-block tile's block amaxes (the bits of non-negative floats, maxed atomically), and its rowwise
   // codes for its columnwise copy (transpose_codes below)
   __shared__ uint32_t tile_amax_2d_bits[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ __align__(16) uint8_t codes_2d[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
-  __shared__ float encode_of_scale[2][kPositiveScales];  // e_b of each scale byte: rowwise, columnwise
+  __shared__ float encode_of_scale[2][kPositiveScales];  // e_b per scale byte (encode_block's): rowwise, columnwise
   __shared__ float scale_factor[2];                     // S_enc * fp32(1/6): rowwise, columnwise
   using Layout = TileLayout<T>;
   const int64_t rows = args.rows, cols = args.cols;
@@ -289,7 +294,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
     if (amax != nullptr && !(copy == 0 && args.row_scaled)) {
       const float s_enc = encode_scale(amax[0]);
-      encode_of_scale[copy][scale] = block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc));
+      // marked for round to nearest (encode_block)
+      const float encode = block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc));
+      encode_of_scale[copy][scale] = kSR ? encode : underflow_marked_encode(encode);
       if (scale == 0) scale_factor[copy] = s_enc * kOneSixth;
     }
   }
@@ -370,6 +377,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
             const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
             scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
             encode = block_encode_factor(scale, decode_scale(s_enc));
+            if (!kSR) encode = underflow_marked_encode(encode);
           } else {
             scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
             encode = encode_of_scale[0][scale];
@@ -510,7 +518,8 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t tiles = tile_rows * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  constexpr int kSharedBytes = kTileBuffers<T> * TileLayout<T>::kBytes;
+  constexpr bool kPrefetch = kPrefetchNextTile<T, k2D, kSR>;
+  constexpr int kSharedBytes = kTileBuffers<T, k2D, kSR> * TileLayout<T>::kBytes;
   auto kernel = quantize_tile_kernel<T, k2D, kRHT, kRandomSign, kSR>;
   if (kSharedBytes > 48 * 1024) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
@@ -522,8 +531,8 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t multiprocessors = device_multiprocessors();
   const int band_shift = !kRHT && 5 * multiprocessors < 10 * column_tiles ? 4 : 0;  // see TileOrder
   const int64_t last_wave = multiprocessors * kMinTilesPerMultiprocessor16Bit;
-  const int64_t leading = kPrefetchNextTile<T> && tiles > 4 * last_wave ? (kRHT ? 2 : 1) * multiprocessors : 0;
-  const int64_t paired_ctas = kPrefetchNextTile<T> && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
+  const int64_t leading = kPrefetch && tiles > 4 * last_wave ? (kRHT ? 2 : 1) * multiprocessors : 0;
+  const int64_t paired_ctas = kPrefetch && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
   kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
       args, stochastic_rounding_keys(args.sr_seed), TileOrder(tile_rows, column_tiles, band_shift),
       static_cast<int>(leading), static_cast<int>(paired_ctas));

@@ -41,9 +41,10 @@ void tile_positions(long tile_rows, long column_tiles, int shift, int row_major,
 void fast_quotients(const int* n, const int* d, long count, int* out) {
   for (long i = 0; i < count; ++i) out[i] = FastDivisor(d[i]).quotient(n[i]);
 }
-// Rows of 16-element blocks along the last dim; amax per tensor (amax_count 1) or per row.
+// Rows of 16-element blocks along the last dim; amax per tensor (amax_count 1) or per row. sixteen_bit: the
+// values are BF16 or FP16 numbers, encoded as the kernels encode 16-bit inputs.
 void quantize_rows(const float* x, long rows, long cols, const float* amax, long amax_count, int stochastic,
-                   unsigned long long seed, long row_offset, long col_offset, unsigned stream,
+                   unsigned long long seed, long row_offset, long col_offset, unsigned stream, int sixteen_bit,
                    unsigned char* codes, unsigned char* scales) {
   for (long r = 0; r < rows; ++r) {
     const float s_enc = encode_scale(amax[amax_count == 1 ? 0 : r]);
@@ -53,12 +54,16 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
       float block_amax = 0.0f;
       for (int i = 0; i < kBlockSize; ++i) block_amax = fmaxf(block_amax, fabsf(v[i]));
       const unsigned char scale = block_scale_e4m3_of_nonnegative(block_amax, s_enc * kOneSixth);
-      const float encode = block_encode_factor(scale, s_dec);
+      const float e_b = block_encode_factor(scale, s_dec), encode = stochastic ? e_b : underflow_marked_encode(e_b);
       scales[r * (cols / kBlockSize) + b] = scale;
       float block[kBlockSize];
       for (int i = 0; i < kBlockSize; ++i) block[i] = v[i];
-      const uint2 packed = stochastic ? encode_block<true>(block, encode, block_amax, seed, stream, row_offset + r, col_offset + b * kBlockSize)
-                                      : encode_block<false>(block, encode, block_amax, seed, stream, row_offset + r, col_offset + b * kBlockSize);
+      const long row = row_offset + r, column = col_offset + b * kBlockSize;
+      const uint2 packed =
+          sixteen_bit ? (stochastic ? encode_block<true, true>(block, encode, block_amax, seed, stream, row, column)
+                                    : encode_block<false, true>(block, encode, block_amax, seed, stream, row, column))
+                      : (stochastic ? encode_block<true>(block, encode, block_amax, seed, stream, row, column)
+                                    : encode_block<false>(block, encode, block_amax, seed, stream, row, column));
       std::memcpy(codes + r * (cols / 2) + b * (kBlockSize / 2), &packed, sizeof(packed));
     }
   }
@@ -112,6 +117,8 @@ def pointer(array: np.ndarray):
 
 
 def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset=(0, 0), stream=0):
+    """The kernels' block encoding on the host; BF16 or FP16 x takes the kernels' 16-bit path."""
+    sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     x_np = np.ascontiguousarray(x.to(torch.float32).numpy())
     rows, cols = x_np.shape
     amax_np = np.ascontiguousarray(amax.numpy().astype(np.float32))
@@ -120,7 +127,7 @@ def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset
     lib.quantize_rows(pointer(x_np), ctypes.c_long(rows), ctypes.c_long(cols), pointer(amax_np),
                       ctypes.c_long(amax_np.size), ctypes.c_int(sr_seed is not None), ctypes.c_ulonglong(sr_seed or 0),
                       ctypes.c_long(offset[0]), ctypes.c_long(offset[1]), ctypes.c_uint(stream),
-                      pointer(codes), pointer(scales))
+                      ctypes.c_int(sixteen_bit), pointer(codes), pointer(scales))
     return torch.from_numpy(codes), torch.from_numpy(scales)
 
 
@@ -213,6 +220,23 @@ def test_bin_edges_and_extremes_match_reference(numerics):
         host_data, host_scale = host_quantize(numerics, x, candidate)
         assert torch.equal(host_scale, scale.view(torch.uint8)), candidate
         assert torch.equal(host_data, data), candidate
+
+
+@needs_nvcc
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_sixteen_bit_rare_blocks_match_reference(numerics, stochastic):
+    """The kernels' 16-bit path finds its rare blocks (e_b below 2^-16, products that underflow to -0.0,
+    saturation) by one compare of an underflow-marked e_b; the codes must still equal the reference's."""
+    x = wide_range(128, 256, seed=3, low=-12, high=20)
+    x[5, :16] = torch.tensor([1e6, -1e-40, -3e-39, -0.0, 1e-40, -1e-38, 7e5, -6e5, 0.0, -1.0, 2.5, -2.5, 1e-30, -1e-30,
+                              3e5, -4e5])
+    x = x.to(torch.bfloat16)
+    amax = reference.compute_amax(x.float())
+    seed = 0x0123456789ABCDEF if stochastic else None
+    data, scale = reference.quantize_blocks(x.float(), amax, sr_seed=seed, sr_stream=0)
+    host_data, host_scale = host_quantize(numerics, x, amax, sr_seed=seed)
+    assert torch.equal(host_scale, scale.view(torch.uint8))
+    assert torch.equal(host_data, data)
 
 
 @needs_nvcc
