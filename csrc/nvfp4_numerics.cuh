@@ -463,6 +463,10 @@ NVFP4_HD float underflow_marked_encode(float encode) {
   return magnitude >= kEncodeKeepingSixteenBitProductsNonzero ? magnitude : -magnitude;
 }
 
+// e_b as encode_block<kSR> takes it: marked for round to nearest, e_b itself for stochastic rounding.
+template <bool kSR>
+NVFP4_HD float encode_block_factor(float e_b) { return kSR ? e_b : underflow_marked_encode(e_b); }
+
 // Packed codes of one block of 16 values that are consecutive along the quantized dimension, round
 // to nearest even, or stochastic with the Philox bits of global row `sr_row`, global columns
 // sr_column .. sr_column + 15 of the copy in `stream` (SPEC 7).

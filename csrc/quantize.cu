@@ -294,9 +294,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
     if (amax != nullptr && !(copy == 0 && args.row_scaled)) {
       const float s_enc = encode_scale(amax[0]);
-      // marked for round to nearest (encode_block)
-      const float encode = block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc));
-      encode_of_scale[copy][scale] = kSR ? encode : underflow_marked_encode(encode);
+      encode_of_scale[copy][scale] =
+          encode_block_factor<kSR>(block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc)));
       if (scale == 0) scale_factor[copy] = s_enc * kOneSixth;
     }
   }
@@ -376,8 +375,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           if (args.row_scaled) {
             const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
             scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
-            encode = block_encode_factor(scale, decode_scale(s_enc));
-            if (!kSR) encode = underflow_marked_encode(encode);
+            encode = encode_block_factor<kSR>(block_encode_factor(scale, decode_scale(s_enc)));
           } else {
             scale = block_scale_e4m3_of_nonnegative(amax_of_block, tensor_factor);
             encode = encode_of_scale[0][scale];

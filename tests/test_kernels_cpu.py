@@ -54,7 +54,8 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
       float block_amax = 0.0f;
       for (int i = 0; i < kBlockSize; ++i) block_amax = fmaxf(block_amax, fabsf(v[i]));
       const unsigned char scale = block_scale_e4m3_of_nonnegative(block_amax, s_enc * kOneSixth);
-      const float e_b = block_encode_factor(scale, s_dec), encode = stochastic ? e_b : underflow_marked_encode(e_b);
+      const float e_b = block_encode_factor(scale, s_dec);
+      const float encode = stochastic ? encode_block_factor<true>(e_b) : encode_block_factor<false>(e_b);
       scales[r * (cols / kBlockSize) + b] = scale;
       float block[kBlockSize];
       for (int i = 0; i < kBlockSize; ++i) block[i] = v[i];
