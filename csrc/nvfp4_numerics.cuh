@@ -476,9 +476,9 @@ NVFP4_HD float encode_block_factor(float e_b) { return kSR ? e_b : underflow_mar
 // The sign bits come from the scaled values' sign bits (sign_bits_of_eight), which must then be set
 // only where value * encode < 0: v * encode + 0 turns a -0.0 input into +0.0, and a product that
 // underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
-// numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out. encode: for round to
-// nearest e_b as underflow_marked_encode gives it (its magnitude scales; a negative one marks the underflow
-// case), for stochastic rounding e_b itself, unmarked (the SR casts ran 0.5-1% slower with marks, H200).
+// numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out. encode: encode_block_factor<kSR>
+// of e_b; for round to nearest as underflow_marked_encode gives it (its magnitude scales; a negative one marks
+// the underflow case), for stochastic rounding e_b itself (the SR casts ran 0.5-1% slower with marks, H200).
 // Round to nearest: both rare fixes share one branch, taken for 16-bit values where the bits of
 // block_amax * encode are at least 7's as unsigned integers (a marked encode, a NaN, or a product of 7 or
 // more): one compare; the + 0 changes no other value, and the clamp no code below 7.
