@@ -30,6 +30,14 @@ __device__ __forceinline__ float2 bf16_pair_to_float2(uint32_t pair) {
   return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xFFFF0000u));
 }
 
+// 16 bytes of shared memory at a 16-byte-aligned shared-window address (ld.shared, so that the address
+// arithmetic stays 32-bit and a constant offset becomes the load's immediate).
+__device__ __forceinline__ uint4 load_shared_16(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+
 // The elements of one 16-byte vector as FP32.
 template <typename T>
 __device__ __forceinline__ void unpack_vector(const uint4& vec, float (&out)[16 / sizeof(T)]) {

@@ -96,38 +96,52 @@ NVFP4_HD float block_encode_factor(uint8_t scale, float s_dec) {
 
 NVFP4_HD float clamp_fp4(float v) { return fminf(fmaxf(v, -kFp4Max), kFp4Max); }
 
-// x + kRoundMagic holds round-to-nearest-even(x) in its low mantissa bits, for 0 <= x < 2^22.
-constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23, whose ulp is 1
+// Rounding constants c = 1.5 * 2^n, whose low 22 bits are zero: for 0 <= x < 2^(n-1) one FADD rounds x + c to
+// the ulp of c, 2^(n-23) (to nearest even), and the multiple of the ulp lands in the low bits of the sum.
+constexpr float kRoundToHalves = 6291456.0f;  // 1.5 * 2^22, ulp 0.5
+constexpr float kRoundToOnes = 12582912.0f;   // 1.5 * 2^23, ulp 1
+constexpr float kRoundToTwos = 25165824.0f;   // 1.5 * 2^24, ulp 2
 
-// The bits of kRoundMagic plus the index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to the
-// even code), SPEC 2.5. The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6]; rounding |v| on
-// each step gives the candidates rint(2|v|), rint(|v|) + 2 and rint(|v|/2) + 4, each one exactly-rounded
-// FMA/FADD into the magic constant's integer bits, and the smallest of them is the index (below 7 the
-// coarse one is at most 7, so no saturation step). The candidates are positive floats (NaN for a NaN
-// v), whose bits order as they do: their minimum is one 3-input integer min (VIMNMX3), not two FMNMX.
-NVFP4_HD uint32_t fp4_index_rne_below_7_plus_magic_bits(float v) {
+// The unsigned minimum of three words' low 16 bits, in the low 16 bits (the high 16 bits: the high halves'
+// minimum on the GPU, one VIMNMX3.U16x2; zero on the host).
+NVFP4_HD uint32_t min_of_low_halves(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  uint32_t ab, abc;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(ab) : "r"(a), "r"(b));
+  asm("min.u16x2 %0, %1, %2;" : "=r"(abc) : "r"(ab), "r"(c));
+  return abc;
+#else
+  const uint32_t ab = (a & 0xFFFFu) < (b & 0xFFFFu) ? (a & 0xFFFFu) : (b & 0xFFFFu);
+  return ab < (c & 0xFFFFu) ? ab : (c & 0xFFFFu);
+#endif
+}
+
+// The index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to the even code) in the low 16 bits, SPEC 2.5.
+// The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6]; rounding |v| on each step gives the
+// candidates rint(2|v|), rint(|v|) + 2 and rint(|v|/2) + 4, each one exactly-rounded FADD of a rounding
+// constant (the + 2 and + 4 folded into it), and the smallest of them is the index (below 7 the coarse one
+// is at most 7, so no saturation step). Immediate operands only: no constant held in a register.
+NVFP4_HD uint32_t fp4_index_rne_below_7_in_low_half(float v) {
   const float a = fabsf(v);
-  const uint32_t fine = float_bits(fmaf(a, 2.0f, kRoundMagic));
-  const uint32_t middle = float_bits(a + (kRoundMagic + 2.0f));
-  const uint32_t coarse = float_bits(fmaf(a, 0.5f, kRoundMagic + 4.0f));
-  const uint32_t finer = fine < middle ? fine : middle;
-  return finer < coarse ? finer : coarse;
+  const uint32_t fine = float_bits(a + kRoundToHalves);            // low half rint(2a)
+  const uint32_t middle = float_bits(a + (kRoundToOnes + 2.0f));   // rint(a) + 2
+  const uint32_t coarse = float_bits(a + (kRoundToTwos + 8.0f));   // rint(a / 2) + 4
+  return min_of_low_halves(fine, middle, coarse);
 }
 
 // The FP4 code (0..15) of v: round to nearest even on the E2M1 grid, saturating above 6 (an index capped
 // at 7; NaN gives 7), SPEC 2.5. A negative value that rounds to 0 gives code 8; -0.0 gives 0.
 NVFP4_HD uint32_t fp4_code_rne(float v) {
-  const uint32_t below_7 = fp4_index_rne_below_7_plus_magic_bits(v), seven = float_bits(kRoundMagic + 7.0f);
-  return ((below_7 < seven ? below_7 : seven) & 0xFu) | (v < 0.0f ? 8u : 0u);
+  const uint32_t index = fabsf(v) < 7.0f ? fp4_index_rne_below_7_in_low_half(v) & 0xFFFFu : 7u;
+  return index | (v < 0.0f ? 8u : 0u);
 }
 
-// Eight codes in the low 4 bits of words (the bits of floats kRoundMagic + code) -> one word, element
-// i in nibble i: each pair's byte is the low byte of (odd << 4) + even (one LEA), three byte permutes
-// gather them.
-NVFP4_HD uint32_t pack_eight_magic_codes(const uint32_t* codes_plus_magic) {
+// Eight codes in the low bits of words whose bits 4..7 are clear -> one word, element i in nibble i: each
+// pair's byte is the low byte of (odd << 4) + even (one LEA), three byte permutes gather them.
+NVFP4_HD uint32_t pack_eight_codes(const uint32_t* codes) {
   uint32_t pairs[4];
 #pragma unroll
-  for (int p = 0; p < 4; ++p) pairs[p] = (codes_plus_magic[2 * p + 1] << 4) + codes_plus_magic[2 * p];
+  for (int p = 0; p < 4; ++p) pairs[p] = (codes[2 * p + 1] << 4) + codes[2 * p];
 #ifdef __CUDA_ARCH__
   return __byte_perm(__byte_perm(pairs[0], pairs[1], 0x0040), __byte_perm(pairs[2], pairs[3], 0x0040), 0x5410);
 #else
@@ -517,10 +531,10 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
   }
   uint2 packed;
   if constexpr (!kSR) {
-    uint32_t indices[kBlockSize];  // the bits of kRoundMagic + index of |scaled|
+    uint32_t indices[kBlockSize];  // the index of |scaled| in the low 16 bits
 #pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_plus_magic_bits(scaled[i]);
-    packed = make_uint2(pack_eight_magic_codes(indices), pack_eight_magic_codes(indices + 8));
+    for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_in_low_half(scaled[i]);
+    packed = make_uint2(pack_eight_codes(indices), pack_eight_codes(indices + 8));
   } else {
     // the magnitude index in bits 24..27: below 8 it comes out at most 8, which saturate_stochastic_codes
     // turns into 7, as 6 gives

@@ -79,13 +79,12 @@ __device__ __forceinline__ float block_amax(const float (&values)[kBlockSize]) {
 // and their amax (for 16-bit T taken on the packed pairs, one HMNMX2 per pair). Chunk q of the block
 // lies at first_chunk ^ (q << 4): the block's chunks differ in the swizzle's low bits only.
 template <typename T>
-__device__ __forceinline__ void read_row_block(const uint8_t* tile, int first_chunk, float (&values)[kBlockSize],
-                                               float& amax) {
+__device__ __forceinline__ void read_row_block(uint32_t first_chunk_address, float (&values)[kBlockSize], float& amax) {
   using Layout = TileLayout<T>;
   constexpr int kParts = Layout::kChunksPerBlock;
   uint4 raw[kParts];
 #pragma unroll
-  for (int q = 0; q < kParts; ++q) raw[q] = *reinterpret_cast<const uint4*>(tile + (first_chunk ^ (q << 4)));
+  for (int q = 0; q < kParts; ++q) raw[q] = load_shared_16(first_chunk_address ^ (q << 4));
 #pragma unroll
   for (int q = 0; q < kParts; ++q) {
     float part[Layout::kChunkElements];
@@ -127,8 +126,10 @@ struct RowwiseItems {
         block((((tid & 31) >> 3) % kParts) * kBlocksPerQuarter + (tid & 7) % kBlocksPerQuarter),
         first_chunk(TileLayout<T>::chunk_offset(row, block * kParts)) {}
 
-  __device__ int chunk(int u) const {
-    return (first_chunk ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * TileLayout<T>::kRowBytes;
+  // item u's first chunk in a tile at shared address tile_address (128-byte aligned, so that the swizzle's XOR
+  // on the sum leaves the tile's bits alone: one LOP3, the row offset an immediate of the load)
+  __device__ uint32_t chunk_address(uint32_t tile_address, int u) const {
+    return ((tile_address + first_chunk) ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * TileLayout<T>::kRowBytes;
   }
 };
 
@@ -272,9 +273,11 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // codes for its columnwise copy (transpose_codes below)
   __shared__ uint32_t tile_amax_2d_bits[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ __align__(16) uint8_t codes_2d[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
-  __shared__ float encode_of_scale[2][kPositiveScales];  // e_b per scale byte (encode_block's): rowwise, columnwise
-  __shared__ float scale_factor[2];                     // S_enc * fp32(1/6): rowwise, columnwise
   using Layout = TileLayout<T>;
+  // behind the tiles: e_b per scale byte (encode_block's), rowwise and columnwise, and S_enc * fp32(1/6) of each
+  float(*const encode_of_scale)[kPositiveScales] =
+      reinterpret_cast<float(*)[kPositiveScales]>(tiles_in_shared + kTileBuffers<T, k2D, kSR> * Layout::kBytes);
+  float* const scale_factor = encode_of_scale[2];
   const int64_t rows = args.rows, cols = args.cols;
   const int tid = threadIdx.x;
 
@@ -313,6 +316,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     const int rows_in_tile = origin.rows_in_tile, cols_in_tile = origin.cols_in_tile;
     const bool whole_tile = origin.whole();  // origin moves on to the next tile when its copy starts
     const uint8_t* const tile = tiles_in_shared + buffer * Layout::kBytes;
+    const uint32_t tile_address = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
     // zeros for this tile's block amaxes: the previous tile's readers are past the end-of-iteration barrier
     if (k2D && tid < kRowBlocksPerTile * kColBlocksPerTile) tile_amax_2d_bits[tid >> 3][tid & 7] = 0u;
     const int next_tile = tile_index + 1;
@@ -335,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
 #pragma unroll
       for (int u = 0; u < kRowwiseItemsPerThread; ++u) {
         float values[kBlockSize], amax;
-        read_row_block<T>(tile, rowwise.chunk(u), values, amax);
+        read_row_block<T>(rowwise.chunk_address(tile_address, u), values, amax);
         atomicMax(&tile_amax_2d_bits[(rowwise.row + u * rowwise.kRowStep) >> 4][rowwise.block], float_bits(amax));
       }
       __syncthreads();
@@ -368,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           const int row = rowwise.row + u * rowwise.kRowStep, block = rowwise.block;
           if (!kWhole && (row >= rows_in_tile || block * kBlockSize >= cols_in_tile)) continue;
           float values[kBlockSize], row_block_amax;
-          read_row_block<T>(tile, rowwise.chunk(u), values, row_block_amax);
+          read_row_block<T>(rowwise.chunk_address(tile_address, u), values, row_block_amax);
           const float amax_of_block = k2D ? tile_amax_2d(row >> 4, block) : row_block_amax;
           float encode;
           uint32_t scale;
@@ -517,7 +521,8 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
   constexpr bool kPrefetch = kPrefetchNextTile<T, k2D, kSR>;
-  constexpr int kSharedBytes = kTileBuffers<T, k2D, kSR> * TileLayout<T>::kBytes;
+  constexpr int kSharedBytes =
+      kTileBuffers<T, k2D, kSR> * TileLayout<T>::kBytes + (2 * kPositiveScales + 2) * static_cast<int>(sizeof(float));
   auto kernel = quantize_tile_kernel<T, k2D, kRHT, kRandomSign, kSR>;
   if (kSharedBytes > 48 * 1024) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
