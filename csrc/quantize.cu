@@ -3,11 +3,11 @@
 // Variants (template flags): 16x16 blocks for weights (SPEC 4; both copies under one tensor scale share
 // their codes, so the columnwise copy is the rowwise codes transposed in shared memory), the RHT of the
 // columnwise copy of BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled
-// amax (SPEC 6) and which copies to write are run-time arguments. For 16-bit inputs a CTA encodes 2 consecutive
-// tiles (but the first CTAs on each multiprocessor and the last wave, one each), the next tile's copy
-// (cp.async, into a second shared-memory buffer) in flight while it encodes the current one, and pays
-// the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) and the 16x16-block casts
-// that round to nearest (four CTAs per multiprocessor) run one CTA per tile.
+// amax (SPEC 6) and which copies to write are run-time arguments. For the RHT and stochastic-rounding casts of
+// 16-bit inputs a CTA encodes 2 consecutive tiles (but the first CTAs on each multiprocessor and the last wave,
+// one each), the next tile's copy (cp.async, into a second shared-memory buffer) in flight while it encodes the
+// current one, and pays the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) and the
+// other 16-bit casts, which round to nearest (four CTAs per multiprocessor), run one CTA per tile.
 // Consecutive tiles follow TileOrder (tile_order.cuh): row-major, or bands of 16 tile rows for wide x.
 #include <cstdint>
 
@@ -20,13 +20,12 @@ namespace {
 
 constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
 // CTAs per multiprocessor the registers must allow: FP32 input (85 registers, so 3 tiles overlap load
-// and math); 16-bit input, whose registers also hold the next tile (2 tiles per CTA: shared memory allows
-// no more than 3; 4 made the SR casts spill); the 16x16-block casts that round to nearest, one tile per
-// CTA (64 registers, no spills; H200 driver: 0.97-0.98x against 3 CTAs of two tiles, whose 1D and RHT
-// twins lost 0-3% that way).
+// and math); 16-bit input with two tiles per CTA (its registers also hold the next tile; shared memory allows
+// no more than 3; 4 made the SR casts spill); the other 16-bit casts, one tile per CTA (64 registers, no
+// spills; H200 driver against 3 CTAs of two tiles: 2D 0.97-0.98x, 1D 0.986-1.000x, but RHT 1.03-1.04x).
 constexpr int kMinTilesPerMultiprocessor = 3;
 constexpr int kMinTilesPerMultiprocessor16Bit = 3;
-constexpr int kMinTilesPerMultiprocessor2DNearest = 4;
+constexpr int kMinTilesPerMultiprocessorNearest = 4;
 constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
 constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
 constexpr int kRowwiseItemsPerThread = kTileRows * kColBlocksPerTile / kThreads;        // (row, 16-col block)
@@ -237,13 +236,14 @@ __device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArg
 }
 
 // Whether a CTA copies its next tile into a second buffer while it encodes the current one (two
-// consecutive tiles per CTA): for 16-bit inputs, whose two tiles take 64 KiB of shared memory (FP32's 128 KiB
-// would leave one CTA per multiprocessor), but for the 16x16-block casts that round to nearest, whose
-// four CTAs of one tile each hide the loads as well.
-template <typename T, bool k2D, bool kSR>
-constexpr bool kPrefetchNextTile = sizeof(T) == 2 && !(k2D && !kSR);
-template <typename T, bool k2D, bool kSR>
-constexpr int kTileBuffers = kPrefetchNextTile<T, k2D, kSR> ? 2 : 1;
+// consecutive tiles per CTA): for the 16-bit casts with the longest encoding, RHT or stochastic rounding,
+// whose two tiles take 64 KiB of shared memory (FP32's 128 KiB would leave one CTA per multiprocessor).
+// The other 16-bit casts round to nearest without the RHT: their four CTAs of one tile each hide the
+// loads as well.
+template <typename T, bool kRHT, bool kSR>
+constexpr bool kPrefetchNextTile = sizeof(T) == 2 && (kRHT || kSR);
+template <typename T, bool kRHT, bool kSR>
+constexpr int kTileBuffers = kPrefetchNextTile<T, kRHT, kSR> ? 2 : 1;
 
 // When that copy starts: before the wait for the current tile, so that it overlaps all of its encoding,
 // or, for the RHT cast, whose encoding takes longest, after the current tile's rowwise copy. The memory
@@ -261,11 +261,11 @@ constexpr bool kNextCopyAfterRowwise = kRHT;
 // kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
-                                              : (kPrefetchNextTile<T, k2D, kSR> ? kMinTilesPerMultiprocessor16Bit
-                                                                                : kMinTilesPerMultiprocessor2DNearest))
+                                              : (kPrefetchNextTile<T, kRHT, kSR> ? kMinTilesPerMultiprocessor16Bit
+                                                                                 : kMinTilesPerMultiprocessorNearest))
     quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
                          const TileOrder order, const int leading_singles, const int paired_ctas) {
-  constexpr bool kPrefetch = kPrefetchNextTile<T, k2D, kSR>;
+  constexpr bool kPrefetch = kPrefetchNextTile<T, kRHT, kSR>;
   // kTileBuffers tiles, 128-byte aligned: TileLayout's conflict-free patterns assume rows that start on
   // 128-byte lines (H200: with the tiles 16 bytes past a line, behind the static arrays, the casts took 2-8% longer)
   extern __shared__ __align__(128) uint8_t tiles_in_shared[];
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   using Layout = TileLayout<T>;
   // behind the tiles: e_b per scale byte (encode_block's), rowwise and columnwise, and S_enc * fp32(1/6) of each
   float(*const encode_of_scale)[kPositiveScales] =
-      reinterpret_cast<float(*)[kPositiveScales]>(tiles_in_shared + kTileBuffers<T, k2D, kSR> * Layout::kBytes);
+      reinterpret_cast<float(*)[kPositiveScales]>(tiles_in_shared + kTileBuffers<T, kRHT, kSR> * Layout::kBytes);
   float* const scale_factor = encode_of_scale[2];
   const int64_t rows = args.rows, cols = args.cols;
   const int tid = threadIdx.x;
@@ -520,9 +520,9 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t tiles = tile_rows * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  constexpr bool kPrefetch = kPrefetchNextTile<T, k2D, kSR>;
+  constexpr bool kPrefetch = kPrefetchNextTile<T, kRHT, kSR>;
   constexpr int kSharedBytes =
-      kTileBuffers<T, k2D, kSR> * TileLayout<T>::kBytes + (2 * kPositiveScales + 2) * static_cast<int>(sizeof(float));
+      kTileBuffers<T, kRHT, kSR> * TileLayout<T>::kBytes + (2 * kPositiveScales + 2) * static_cast<int>(sizeof(float));
   auto kernel = quantize_tile_kernel<T, k2D, kRHT, kRandomSign, kSR>;
   if (kSharedBytes > 48 * 1024) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
