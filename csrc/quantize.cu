@@ -286,16 +286,24 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   //    division per block (a per-row S_enc, for row-scaled copies, divides per block instead).
   const int cta = static_cast<int>(blockIdx.x);
   const int pair = cta - leading_singles;
-  const bool paired = pair >= 0 && pair < paired_ctas;
-  const int first_tile = cta < leading_singles ? cta : (paired ? leading_singles + 2 * pair : cta + paired_ctas);
+  const bool paired = kPrefetch && pair >= 0 && pair < paired_ctas;
+  const int first_tile =
+      !kPrefetch || cta < leading_singles ? cta : (paired ? leading_singles + 2 * pair : cta + paired_ctas);
   const int end_tile = paired ? first_tile + 2 : first_tile + 1;
   // the RHT cast's tiles row-major (a band_shift of 0), without the band arithmetic
   TileOrigin origin(args, kRHT ? order.row_major(first_tile) : order.row_and_column(first_tile));
   copy_tile_async<T>(tiles_in_shared, args, origin, tid);
+  // one table for both copies where their tensor amaxes are equal (a plain cast's; the RHT changes the
+  // columnwise one): the columnwise copy reads the rowwise table, and half the threads skip the divisions
+  const bool shared_table = !kRHT && args.amax_rowwise != nullptr && args.amax_columnwise != nullptr &&
+                            !args.row_scaled &&
+                            (args.amax_rowwise == args.amax_columnwise ||
+                             float_bits(*args.amax_rowwise) == float_bits(*args.amax_columnwise));
+  const int columnwise_table = shared_table ? 0 : 1;
   {
     const int copy = tid / kPositiveScales, scale = tid % kPositiveScales;
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
-    if (amax != nullptr && !(copy == 0 && args.row_scaled)) {
+    if (amax != nullptr && !(copy == 0 && args.row_scaled) && !(copy == 1 && shared_table)) {
       const float s_enc = encode_scale(amax[0]);
       encode_of_scale[copy][scale] =
           encode_block_factor<kSR>(block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc)));
@@ -306,10 +314,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // 2D casts of both copies under one tensor scale, round to nearest: an element gets the same 16x16 block
   // scale and so the same code in both copies (SPEC 4), and the columnwise copy is the rowwise codes
   // transposed, read back from shared memory instead of encoded again.
-  const bool transpose_codes = k2D && !kSR && args.rowwise_data != nullptr && args.columnwise_data != nullptr &&
-                               !args.row_scaled &&
-                               (args.amax_rowwise == args.amax_columnwise ||
-                                float_bits(*args.amax_rowwise) == float_bits(*args.amax_columnwise));
+  const bool transpose_codes =
+      k2D && !kSR && args.rowwise_data != nullptr && args.columnwise_data != nullptr && shared_table;
 
   for (int tile_index = first_tile, buffer = 0;; buffer ^= 1) {
     const int64_t m0 = origin.m0, k0 = origin.k0;
@@ -402,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       // 4. Columnwise copy of x^T (after the RHT when on): item u = (16-row block tid % 8, column pair
       //    (tid / 8) * 2 + u * 64); 8 lanes write 64 bytes of each of their two columns.
       if (args.columnwise_data != nullptr) {
-        const float factor = scale_factor[1];
+        const float factor = scale_factor[columnwise_table];
         const int row_block = tid & 7, first_column = (tid >> 3) * 2;
         constexpr int kColumnStep = kThreads / kRowBlocksPerTile * 2;
         const int64_t data_stride = rows / 2, scale_stride = rows / kBlockSize;
@@ -491,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
               const uint32_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
               const uint2 packed =
-                  encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[1][scale], amax_of_block, sr_keys,
+                  encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[columnwise_table][scale], amax_of_block, sr_keys,
                                                     sr_one_group, sr_group, kColumnwiseStream, k0 + column + j,
                                                     sr_column);
               *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
