@@ -99,15 +99,18 @@ def test_rht_wide_dynamic_range_matches_cpu_reference(random_sign):
     assert_same(q, r)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(sr_seed=21), dict(block_2d=True), dict(block_2d=True, sr_seed=21)],
+                         ids=["1d", "1d_sr", "2d", "2d_sr"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_2d_cast_under_two_tensor_scales_matches_reference(dtype):
-    """The 2D kernel transposes the rowwise codes into the columnwise copy when both copies share one tensor
-    scale (csrc/quantize.cu transpose_codes); with two different amaxes it encodes the columnwise copy."""
+def test_casts_under_two_tensor_scales_match_reference(dtype, options):
+    """Both copies under one tensor scale share one e_b table (csrc/quantize.cu shared_table), and the 2D cast
+    that rounds to nearest then transposes the rowwise codes into the columnwise copy (transpose_codes); under
+    two different amaxes each copy has its own table and codes."""
     x = random_input((1024, 4096), dtype, seed=21)
     amax = x.float().abs().amax().reshape(1)
-    for amax_columnwise in (amax * 3, amax.clone()):  # two scales; one value in two tensors (transposed)
-        q = kernels.quantize_tensor(x, block_2d=True, amax_rowwise=amax, amax_columnwise=amax_columnwise)
-        assert_same(q, reference.quantize_tensor(x, block_2d=True, amax_rowwise=amax, amax_columnwise=amax_columnwise))
+    for amax_columnwise in (amax * 3, amax.clone(), amax):  # two scales; one value in two tensors; one tensor
+        q = kernels.quantize_tensor(x, amax_rowwise=amax, amax_columnwise=amax_columnwise, **options)
+        assert_same(q, reference.quantize_tensor(x, amax_rowwise=amax, amax_columnwise=amax_columnwise, **options))
 
 
 def test_gpu_reference_equals_cpu_reference():
