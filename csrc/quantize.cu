@@ -284,6 +284,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // 1. The first tile's loads in flight; meanwhile e_b of each scale byte a non-negative block amax can
   //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E, 0x7F for NaN), once per CTA instead of one
   //    division per block (a per-row S_enc, for row-scaled copies, divides per block instead).
+  // the tensor amaxes first, so that their loads do not queue behind the tile's copies (row-scaled: the
+  // rowwise ones are read per row below)
+  const float rowwise_amax = args.amax_rowwise != nullptr && !args.row_scaled ? *args.amax_rowwise : 0.0f;
+  const float columnwise_amax = args.amax_columnwise != nullptr ? *args.amax_columnwise : 0.0f;
   const int cta = static_cast<int>(blockIdx.x);
   const int pair = cta - leading_singles;
   const bool paired = kPrefetch && pair >= 0 && pair < paired_ctas;
@@ -296,15 +300,13 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // one table for both copies where their tensor amaxes are equal (a plain cast's; the RHT changes the
   // columnwise one): the columnwise copy reads the rowwise table, and half the threads skip the divisions
   const bool shared_table = !kRHT && args.amax_rowwise != nullptr && args.amax_columnwise != nullptr &&
-                            !args.row_scaled &&
-                            (args.amax_rowwise == args.amax_columnwise ||
-                             float_bits(*args.amax_rowwise) == float_bits(*args.amax_columnwise));
+                            !args.row_scaled && float_bits(rowwise_amax) == float_bits(columnwise_amax);
   const int columnwise_table = shared_table ? 0 : 1;
   {
     const int copy = tid / kPositiveScales, scale = tid % kPositiveScales;
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
     if (amax != nullptr && !(copy == 0 && args.row_scaled) && !(copy == 1 && shared_table)) {
-      const float s_enc = encode_scale(amax[0]);
+      const float s_enc = encode_scale(copy == 0 ? rowwise_amax : columnwise_amax);
       encode_of_scale[copy][scale] =
           encode_block_factor<kSR>(block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc)));
       if (scale == 0) scale_factor[copy] = s_enc * kOneSixth;
