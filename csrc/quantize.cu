@@ -24,7 +24,7 @@ constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
 // no more than 3; 4 made the SR casts spill); the other 16-bit casts, one tile per CTA (64 registers, no
 // spills; H200 driver against 3 CTAs of two tiles: 2D 0.97-0.98x, 1D 0.986-1.000x, but RHT 1.03-1.04x).
 constexpr int kMinTilesPerMultiprocessor = 3;
-constexpr int kMinTilesPerMultiprocessor16Bit = 3;
+constexpr int kMinTilesPerMultiprocessorPaired = 3;
 constexpr int kMinTilesPerMultiprocessorNearest = 4;
 constexpr int kRowBlocksPerTile = kTileRows / kBlockSize;   // 16-row blocks of a tile
 constexpr int kColBlocksPerTile = kTileCols / kBlockSize;   // 16-column blocks of a tile
@@ -128,7 +128,8 @@ struct RowwiseItems {
   // item u's first chunk in a tile at shared address tile_address (128-byte aligned, so that the swizzle's XOR
   // on the sum leaves the tile's bits alone: one LOP3, the row offset an immediate of the load)
   __device__ uint32_t chunk_address(uint32_t tile_address, int u) const {
-    return ((tile_address + first_chunk) ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * TileLayout<T>::kRowBytes;
+    return ((tile_address + first_chunk) ^ ((((u * kRowStep) >> 4) & 7) << 4)) +
+           u * kRowStep * TileLayout<T>::kRowBytes;
   }
 };
 
@@ -261,7 +262,7 @@ constexpr bool kNextCopyAfterRowwise = kRHT;
 // kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
-                                              : (kPrefetchNextTile<T, kRHT, kSR> ? kMinTilesPerMultiprocessor16Bit
+                                              : (kPrefetchNextTile<T, kRHT, kSR> ? kMinTilesPerMultiprocessorPaired
                                                                                  : kMinTilesPerMultiprocessorNearest))
     quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
                          const TileOrder order, const int leading_singles, const int paired_ctas) {
@@ -508,8 +509,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
               const uint32_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
               const uint2 packed =
-                  encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[columnwise_table][scale], amax_of_block, sr_keys,
-                                                    sr_one_group, sr_group, kColumnwiseStream, k0 + column + j,
+                  encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[columnwise_table][scale], amax_of_block,
+                                                    sr_keys, sr_one_group, sr_group, kColumnwiseStream, k0 + column + j,
                                                     sr_column);
               *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
               scales[j * scale_stride] = scale;
@@ -550,7 +551,7 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
   // multiprocessor the registers allow), pairs between
   const int64_t multiprocessors = device_multiprocessors();
   const int band_shift = !kRHT && 5 * multiprocessors < 10 * column_tiles ? 4 : 0;  // see TileOrder
-  const int64_t last_wave = multiprocessors * kMinTilesPerMultiprocessor16Bit;
+  const int64_t last_wave = multiprocessors * kMinTilesPerMultiprocessorPaired;
   const int64_t leading = kPrefetch && tiles > 4 * last_wave ? (kRHT ? 2 : 1) * multiprocessors : 0;
   const int64_t paired_ctas = kPrefetch && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
   kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
