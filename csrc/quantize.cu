@@ -214,10 +214,12 @@ __device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArg
                      ((origin.m0 + row) * args.cols + origin.k0 + chunk * Layout::kChunkElements) * element_bytes;
   const int64_t stride = kRowStep * args.cols * element_bytes;
   const bool columns_in = chunk * Layout::kChunkElements < origin.cols_in_tile;
-  const uint32_t tile_address = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
-  const int offset = Layout::chunk_offset(row, chunk);
+  // copy 0's shared address; the tile is on a 128-byte line, so the swizzle's XOR can act on the sum (one LOP3 per
+  // copy, the row offset the copy's immediate)
+  const uint32_t first_address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(tile)) + Layout::chunk_offset(row, chunk);
   const auto shared_address = [&](int u) {
-    return tile_address + ((offset ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * Layout::kRowBytes);
+    return (first_address ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * Layout::kRowBytes;
   };
   if (origin.whole()) {
 #pragma unroll
