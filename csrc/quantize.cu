@@ -290,12 +290,13 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // the tensor amaxes before the first tile's copies, so that their loads do not queue behind them (row-scaled:
   // the rowwise ones are read per row below); after them for the SR casts (H100 and H200 driver: 1.00-1.02x
   // with the loads first there, 0.99-1.00x for the others)
-  const auto load_amax = [&](const float* amax) { return amax != nullptr ? *amax : 0.0f; };
   float rowwise_amax = 0.0f, columnwise_amax = 0.0f;
-  if constexpr (!kSR) {
-    rowwise_amax = args.row_scaled ? 0.0f : load_amax(args.amax_rowwise);
-    columnwise_amax = load_amax(args.amax_columnwise);
-  }
+  const auto load_tensor_amaxes = [&] {
+    const auto load = [](const float* amax) { return amax != nullptr ? *amax : 0.0f; };
+    rowwise_amax = args.row_scaled ? 0.0f : load(args.amax_rowwise);
+    columnwise_amax = load(args.amax_columnwise);
+  };
+  if constexpr (!kSR) load_tensor_amaxes();
   const int cta = static_cast<int>(blockIdx.x);
   const int pair = cta - leading_singles;
   const bool paired = kPrefetch && pair >= 0 && pair < paired_ctas;
@@ -305,10 +306,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // the RHT cast's tiles row-major (a band_shift of 0), without the band arithmetic
   TileOrigin origin(args, kRHT ? order.row_major(first_tile) : order.row_and_column(first_tile));
   copy_tile_async<T>(tiles_in_shared, args, origin, tid);
-  if constexpr (kSR) {
-    rowwise_amax = args.row_scaled ? 0.0f : load_amax(args.amax_rowwise);
-    columnwise_amax = load_amax(args.amax_columnwise);
-  }
+  if constexpr (kSR) load_tensor_amaxes();
   // one table for both copies where their tensor amaxes are equal (a plain cast's; the RHT changes the
   // columnwise one): the columnwise copy reads the rowwise table, and half the threads skip the divisions
   const bool shared_table = !kRHT && args.amax_rowwise != nullptr && args.amax_columnwise != nullptr &&
