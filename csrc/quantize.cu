@@ -257,7 +257,7 @@ constexpr bool kNextCopyAfterRowwise = kRHT;
 
 // The grid, in tile order (TileOrder): `leading_singles` CTAs of one tile, then `paired_ctas` CTAs of two
 // consecutive tiles, then CTAs of one tile (both counts 0 without kPrefetchNextTile). The leading
-// singles, one per multiprocessor (two for the RHT cast), end half-way through the first wave's pairs,
+// singles, one per multiprocessor (two for the RHT cast that rounds to nearest), end half-way through the first wave's pairs,
 // so that the CTAs after them start (and load) out of step with the rest, instead of every CTA loading
 // at once and then computing at once; the last CTAs to start, about one wave of them, take one tile, so
 // the wave that ends the grid is half as long. sr_keys: the Philox round keys of args.sr_seed, in the
@@ -288,15 +288,15 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E, 0x7F for NaN), once per CTA instead of one
   //    division per block (a per-row S_enc, for row-scaled copies, divides per block instead).
   // the tensor amaxes before the first tile's copies, so that their loads do not queue behind them (row-scaled:
-  // the rowwise ones are read per row below); after them for the SR casts (H100 and H200 driver: 1.00-1.02x
-  // with the loads first there, 0.99-1.00x for the others)
+  // the rowwise ones are read per row below); after them for the 1D and 2D SR casts (H100 and H200 driver:
+  // 1.00-1.02x with the loads first there, 0.99-1.00x for the others; H100 RHT SR: 0.99x with them first)
   float rowwise_amax = 0.0f, columnwise_amax = 0.0f;
   const auto load_tensor_amaxes = [&] {
     const auto load = [](const float* amax) { return amax != nullptr ? *amax : 0.0f; };
     rowwise_amax = args.row_scaled ? 0.0f : load(args.amax_rowwise);
     columnwise_amax = load(args.amax_columnwise);
   };
-  if constexpr (!kSR) load_tensor_amaxes();
+  if constexpr (!kSR || kRHT) load_tensor_amaxes();
   const int cta = static_cast<int>(blockIdx.x);
   const int pair = cta - leading_singles;
   const bool paired = kPrefetch && pair >= 0 && pair < paired_ctas;
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // the RHT cast's tiles row-major (a band_shift of 0), without the band arithmetic
   TileOrigin origin(args, kRHT ? order.row_major(first_tile) : order.row_and_column(first_tile));
   copy_tile_async<T>(tiles_in_shared, args, origin, tid);
-  if constexpr (kSR) load_tensor_amaxes();
+  if constexpr (kSR && !kRHT) load_tensor_amaxes();
   // one table for both copies where their tensor amaxes are equal (a plain cast's; the RHT changes the
   // columnwise one): the columnwise copy reads the rowwise table, and half the threads skip the divisions
   const bool shared_table = !kRHT && args.amax_rowwise != nullptr && args.amax_columnwise != nullptr &&
@@ -546,13 +546,13 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
     if (status != cudaSuccess) return status;
   }
-  // one single-tile CTA per multiprocessor first (on grids of over 4 waves; two for the RHT cast, whose
-  // first wave is the longest: H100, 8192^2, 0.99x), about one wave of them at the end (the CTAs per
+  // one single-tile CTA per multiprocessor first (on grids of over 4 waves; two for the RHT cast that rounds
+  // to nearest, whose first wave is the longest: H100, 8192^2, 0.99x; the RHT SR cast: 0.99x with one), about one wave of them at the end (the CTAs per
   // multiprocessor the registers allow), pairs between
   const int64_t multiprocessors = device_multiprocessors();
   const int band_shift = !kRHT && 5 * multiprocessors < 10 * column_tiles ? 4 : 0;  // see TileOrder
   const int64_t last_wave = multiprocessors * kMinTilesPerMultiprocessorPaired;
-  const int64_t leading = kPrefetch && tiles > 4 * last_wave ? (kRHT ? 2 : 1) * multiprocessors : 0;
+  const int64_t leading = kPrefetch && tiles > 4 * last_wave ? (kRHT ? (kSR ? 1 : 2) : 1) * multiprocessors : 0;
   const int64_t paired_ctas = kPrefetch && tiles > last_wave + leading ? (tiles - last_wave - leading) / 2 : 0;
   kernel<<<static_cast<int>(tiles - paired_ctas), kThreads, kSharedBytes, stream>>>(
       args, stochastic_rounding_keys(args.sr_seed), TileOrder(tile_rows, column_tiles, band_shift),
