@@ -257,11 +257,11 @@ constexpr bool kNextCopyAfterRowwise = kRHT;
 
 // The grid, in tile order (TileOrder): `leading_singles` CTAs of one tile, then `paired_ctas` CTAs of two
 // consecutive tiles, then CTAs of one tile (both counts 0 without kPrefetchNextTile). The leading
-// singles, one per multiprocessor (two for the RHT cast that rounds to nearest), end half-way through the first wave's pairs,
-// so that the CTAs after them start (and load) out of step with the rest, instead of every CTA loading
-// at once and then computing at once; the last CTAs to start, about one wave of them, take one tile, so
-// the wave that ends the grid is half as long. sr_keys: the Philox round keys of args.sr_seed, in the
-// kernel's parameters (constant memory) rather than computed per Philox call.
+// singles, one per multiprocessor (two for the RHT cast that rounds to nearest), end half-way through
+// the first wave's pairs, so that the CTAs after them start (and load) out of step with the rest,
+// instead of every CTA loading at once and then computing at once; the last CTAs to start, about one
+// wave of them, take one tile, so the wave that ends the grid is half as long. sr_keys: the Philox round
+// keys of args.sr_seed, in the kernel's parameters (constant memory) rather than computed per Philox call.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
                                               : (kPrefetchNextTile<T, kRHT, kSR> ? kMinTilesPerMultiprocessorPaired
@@ -547,8 +547,8 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
   }
   // one single-tile CTA per multiprocessor first (on grids of over 4 waves; two for the RHT cast that rounds
-  // to nearest, whose first wave is the longest: H100, 8192^2, 0.99x; the RHT SR cast: 0.99x with one), about one wave of them at the end (the CTAs per
-  // multiprocessor the registers allow), pairs between
+  // to nearest, whose first wave is the longest: H100, 8192^2, 0.99x; the RHT SR cast: 0.99x with one),
+  // about one wave of them at the end (the CTAs per multiprocessor the registers allow), pairs between
   const int64_t multiprocessors = device_multiprocessors();
   const int band_shift = !kRHT && 5 * multiprocessors < 10 * column_tiles ? 4 : 0;  // see TileOrder
   const int64_t last_wave = multiprocessors * kMinTilesPerMultiprocessorPaired;
