@@ -496,12 +496,13 @@ NVFP4_HD float encode_block_factor(float e_b) { return kSR ? e_b : underflow_mar
 // Stochastic rounding skips the clamp when block_amax * encode < 8 (magnitudes in [6, 8) give index 7
 // or 8, and saturate_stochastic_codes makes 8 a 7), and otherwise clamps |scaled| to 6 in place, in
 // its own rare branch, so that one copy of the encoding serves both cases (one branch for both fixes,
-// as round to nearest has, made the SR casts 0.4-1.9% slower on an H200: more register moves).
+// as round to nearest has, made the 1D SR casts 0.4-1.9% slower on an H200: more register moves). The RHT
+// SR cast takes that one branch (kOneRareBranch: H100 0.984-0.994x, H200 0.982-0.985x).
 // sr_row and sr_column are non-negative. sr_one_group: whether sr_column % 16 == 0, the block being
 // one Philox group, whose PhiloxGroupPrefix in `stream` is sr_group; otherwise each element takes its
 // own Philox call (a shard offset that is not a multiple of 16). A kernel passes a condition that is
 // the same in all its threads (a constant, or one of its arguments), so that the branch is uniform.
-template <bool kSR, bool kSixteenBitValues = false>
+template <bool kSR, bool kSixteenBitValues = false, bool kOneRareBranch = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
                             const StochasticRoundingKeys& keys, bool sr_one_group, const PhiloxGroupPrefix& sr_group,
                             uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
@@ -517,11 +518,18 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
   } else {
     const bool may_underflow = !kSixteenBitValues || !(encode >= kEncodeKeepingSixteenBitProductsNonzero);
     const bool may_saturate = !(block_amax * encode < 8.0f);
-    if (may_underflow) {
+    if (kOneRareBranch && (may_underflow || may_saturate)) {  // both fixes: each changes nothing it need not
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) {
+        const float sum = scaled[i] + 0.0f;
+        scaled[i] = copysignf(fminf(fabsf(sum), kFp4Max), sum);
+      }
+    }
+    if (!kOneRareBranch && may_underflow) {
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) scaled[i] = scaled[i] + 0.0f;
     }
-    if (may_saturate) {  // |scaled| <= 6 keeping the sign (a NaN becomes 6 with its sign bit)
+    if (!kOneRareBranch && may_saturate) {  // |scaled| <= 6 keeping the sign (a NaN becomes 6 with its sign bit)
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) scaled[i] = copysignf(fminf(fabsf(scaled[i]), kFp4Max), scaled[i]);
     }

@@ -403,9 +403,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
             encode = encode_of_scale[0][scale];
           }
           // the rowwise copy's blocks start at multiples of 16: each is one Philox group
-          const uint2 packed = encode_block<kSR, sizeof(T) == 2>(values, encode, amax_of_block, sr_keys, true, sr_group,
-                                                                 kRowwiseStream, m0 + row + args.sr_row_offset,
-                                                                 k0 + block * kBlockSize);
+          const uint2 packed =
+              encode_block<kSR, sizeof(T) == 2, kRHT>(values, encode, amax_of_block, sr_keys, true, sr_group,
+                                                      kRowwiseStream, m0 + row + args.sr_row_offset,
+                                                      k0 + block * kBlockSize);
           *reinterpret_cast<uint2*>(data) = packed;
           *scales = scale;
           if constexpr (k2D && !kSR) {
@@ -509,9 +510,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
               const uint32_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
               const uint2 packed =
-                  encode_block<kSR, sizeof(T) == 2>(pair[j], encode_of_scale[columnwise_table][scale], amax_of_block,
-                                                    sr_keys, sr_one_group, sr_group, kColumnwiseStream, k0 + column + j,
-                                                    sr_column);
+                  encode_block<kSR, sizeof(T) == 2, kRHT>(pair[j], encode_of_scale[columnwise_table][scale],
+                                                          amax_of_block, sr_keys, sr_one_group, sr_group,
+                                                          kColumnwiseStream, k0 + column + j, sr_column);
               *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
               scales[j * scale_stride] = scale;
             }
