@@ -51,6 +51,14 @@ struct TileLayout {
   __device__ static int chunk_offset(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ (((row >> 4) ^ (row & (kChunksPerBlock - 1))) & 7)) << 4);
   }
+
+  // The shared address of the chunk `rows` rows below the one at `address`, for a step that keeps row mod P
+  // and moves the row's 16-row block by rows / 16 without a carry (a first row below 16, rows a multiple of
+  // 16; or below 8 and 8): the key changes by an XOR. With the tile on a 128-byte line the XOR can act on the
+  // whole address (one LOP3, the row offset an immediate of the access).
+  __device__ static uint32_t address_rows_below(uint32_t address, int rows) {
+    return (address ^ (((rows >> 4) & 7) << 4)) + rows * kRowBytes;
+  }
 };
 
 // The rowwise codes of a tile in shared memory, for 2D casts whose columnwise copy is their transpose:
@@ -125,11 +133,9 @@ struct RowwiseItems {
         block((((tid & 31) >> 3) % kParts) * kBlocksPerQuarter + (tid & 7) % kBlocksPerQuarter),
         first_chunk(TileLayout<T>::chunk_offset(row, block * kParts)) {}
 
-  // item u's first chunk in a tile at shared address tile_address (128-byte aligned, so that the swizzle's XOR
-  // on the sum leaves the tile's bits alone: one LOP3, the row offset an immediate of the load)
+  // item u's first chunk in a tile at shared address tile_address (128-byte aligned)
   __device__ uint32_t chunk_address(uint32_t tile_address, int u) const {
-    return ((tile_address + first_chunk) ^ ((((u * kRowStep) >> 4) & 7) << 4)) +
-           u * kRowStep * TileLayout<T>::kRowBytes;
+    return TileLayout<T>::address_rows_below(tile_address + first_chunk, u * kRowStep);
   }
 };
 
@@ -214,13 +220,10 @@ __device__ __forceinline__ void copy_tile_async(uint8_t* tile, const QuantizeArg
                      ((origin.m0 + row) * args.cols + origin.k0 + chunk * Layout::kChunkElements) * element_bytes;
   const int64_t stride = kRowStep * args.cols * element_bytes;
   const bool columns_in = chunk * Layout::kChunkElements < origin.cols_in_tile;
-  // copy 0's shared address; the tile is on a 128-byte line, so the swizzle's XOR can act on the sum (one LOP3 per
-  // copy, the row offset the copy's immediate)
+  // copy 0's shared address (the tile on a 128-byte line; copy u's: TileLayout::address_rows_below)
   const uint32_t first_address =
       static_cast<uint32_t>(__cvta_generic_to_shared(tile)) + Layout::chunk_offset(row, chunk);
-  const auto shared_address = [&](int u) {
-    return (first_address ^ ((((u * kRowStep) >> 4) & 7) << 4)) + u * kRowStep * Layout::kRowBytes;
-  };
+  const auto shared_address = [&](int u) { return Layout::address_rows_below(first_address, u * kRowStep); };
   if (origin.whole()) {
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
