@@ -520,21 +520,20 @@ def run_worker(plan: Plan) -> int:
         if rank == 0:
             print(f"nvfp4-train: stopping: {error} (--on-nonfinite skip would skip such steps)",
                   file=sys.stderr, flush=True)
-        watchdog.stop()
-        # every rank stops at the same step; leaving the group before the interpreter exits keeps gloo's
-        # worker threads from aborting the process (SIGABRT) while it tears down
-        dist.destroy_process_group()
-        return NONFINITE_EXIT_CODE
+        code = NONFINITE_EXIT_CODE
     except SettingError as error:
         sys.stderr.write(f"nvfp4-train (rank {rank}): error: {error}\n")
         sys.stderr.flush()
-        watchdog.stop()
-        dist.destroy_process_group()
-        return 2
+        code = 2
     except Exception as error:
         if faults.is_communication_error(error):  # a peer died or hung: let the watchdog name it first
             watchdog.hold(args.watchdog_timeout + 5)
         raise
+    # A stop this rank chose (every rank stops at the same NaN/Inf step): leaving the process group before the
+    # interpreter exits keeps gloo's worker threads from aborting the process (SIGABRT) while it tears down.
+    watchdog.stop()
+    dist.destroy_process_group()
+    return code
 
 
 class SettingError(ValueError):
