@@ -2,7 +2,7 @@
 
 The logical tensor is [M, hidden] in BF16 of 16, 64, 256 and 512 MB, sharded along M over the group.
 NVFP4 moves one copy (rowwise data + E4M3 scales: 0.5625 bytes per element); its time includes the
-amax MAX all-reduce that must precede the cast (SPEC 9). Quantization itself is not timed here.
+amax MAX all-reduce that must precede the cast (docs/numerics.md §9). Quantization itself is not timed here.
 Reported per size: median GPU time per call over back-to-back calls (max over ranks; see median_ms), bus bandwidth
 ((W-1)/W * gathered bytes / time), the amax all-reduce alone, BF16 time / NVFP4 time, and the host time to enqueue
 one call. Targets on 4 H200s: >= 3.0x at 256 MB and above,

@@ -13,7 +13,7 @@ for the forward and for forward+backward:
   overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters), every layer
   auto        the TP pair as recipe.overlap=True runs it: ring-pipelined where one ring step's GEMM has at least
               recipe.overlap_min_chunk_gflops, plain elsewhere ("auto_pipelined": whether it went round the ring)
-  exposed     overlapped - no-comm (issue 7 defines overlapped - GEMMs; both are in the JSON)
+  exposed     overlapped - no-comm (both definitions are in the JSON)
   *_host      host time per plain / overlapped step over HOST_STEPS steps queued behind a busy GPU: near the GPU
               time, the step is bound by Python and launches (cProfiles: the timeline's pair, and with
               --host-profiles every shape's overlapped fwd+bwd, into --out-dir)

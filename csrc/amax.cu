@@ -1,4 +1,4 @@
-// Amax reductions (SPEC 2.1, 5 and 6): per tensor, per row, and after the RHT of the columnwise copy.
+// Amax reductions (docs/numerics.md §2.1, 5 and 6): per tensor, per row, and after the RHT of the columnwise copy.
 #include <algorithm>
 
 #include "nvfp4_device.cuh"

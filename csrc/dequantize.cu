@@ -1,4 +1,4 @@
-// Dequantization (SPEC 2.6): x' = fp4value(q) * fp32(s_b) * S_dec, for both copies; the
+// Dequantization (docs/numerics.md §2.6): x' = fp4value(q) * fp32(s_b) * S_dec, for both copies; the
 // columnwise copy is written back in the original [rows, cols] layout, undoing the RHT if on.
 // Without an amax the rowwise kernel writes fp4value(q) * fp32(s_b) * factor instead: the exact block
 // values (times a power of two) that the Hopper GEMM's dequantize path feeds to cuBLAS.

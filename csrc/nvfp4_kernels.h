@@ -75,7 +75,7 @@ cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int6
                                  cudaStream_t stream);
 
 // swizzle.cu --------------------------------------------------------------------------------------
-// [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (SPEC 8).
+// [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (docs/numerics.md §8).
 cudaError_t launch_swizzle_scales(const uint8_t* scale, int64_t rows, int64_t cols, uint8_t* out,
                                   cudaStream_t stream);
 

@@ -1,4 +1,4 @@
-// NVFP4 numerics shared by the kernels: SPEC sections 2, 5 and 7, element by element.
+// NVFP4 numerics shared by the kernels: docs/numerics.md sections 2, 5 and 7, element by element.
 // Every function is __host__ __device__ so a host build can check it against the reference.
 // All arithmetic is FP32 in the SPEC's order; compile without fast-math and with -fmad=false.
 #pragma once
@@ -41,7 +41,7 @@ NVFP4_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// S_enc = min(2688 / A, FLT_MAX); 1.0 where that is 0 (A = inf). One IEEE division (SPEC 2.2).
+// S_enc = min(2688 / A, FLT_MAX); 1.0 where that is 0 (A = inf). One IEEE division (docs/numerics.md §2.2).
 NVFP4_HD float encode_scale(float amax) {
   float s_enc = fminf(kGlobalScaleNumerator / amax, kFltMax);
   return s_enc == 0.0f ? 1.0f : s_enc;
@@ -49,12 +49,12 @@ NVFP4_HD float encode_scale(float amax) {
 
 NVFP4_HD float decode_scale(float s_enc) { return 1.0f / s_enc; }
 
-// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (SPEC 8), one FP32 product.
+// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (docs/numerics.md §8), one FP32 product.
 NVFP4_HD float gemm_alpha(float a_amax, float b_amax) {
   return decode_scale(encode_scale(a_amax)) * decode_scale(encode_scale(b_amax));
 }
 
-// E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (SPEC 2.3), for
+// E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (docs/numerics.md §2.3), for
 // block_amax >= 0 (or NaN) and a finite factor = S_enc * fp32(1/6) > 0: the product is then in
 // [0, +inf], and SATFINITE alone clamps it to 448 (+inf included; a NaN stays NaN, 0x7F, as the
 // reference's clamp leaves it). On the GPU the byte comes zero-extended from the conversion itself,
@@ -84,7 +84,7 @@ NVFP4_HD float e4m3_to_float(uint8_t byte) {
   return bits_float(sign | ((exponent + 120) << 23) | (mantissa << 20));
 }
 
-// e_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX) (SPEC 2.4).
+// e_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX) (docs/numerics.md §2.4).
 NVFP4_HD float block_encode_factor(uint8_t scale, float s_dec) {
   const float denominator = e4m3_to_float(scale) * s_dec;
 #ifdef __CUDA_ARCH__
@@ -116,7 +116,7 @@ NVFP4_HD uint32_t min_of_low_halves(uint32_t a, uint32_t b, uint32_t c) {
 #endif
 }
 
-// The index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to the even code) in the low 16 bits, SPEC 2.5.
+// The index 0..7 of the FP4 magnitude nearest to |v| < 7 (ties to the even code) in the low 16 bits, docs/numerics.md §2.5.
 // The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6]; rounding |v| on each step gives the
 // candidates rint(2|v|), rint(|v|) + 2 and rint(|v|/2) + 4, each one exactly-rounded FADD of a rounding
 // constant (the + 2 and + 4 folded into it), and the smallest of them is the index (below 7 the coarse one
@@ -130,7 +130,7 @@ NVFP4_HD uint32_t fp4_index_rne_below_7_in_low_half(float v) {
 }
 
 // The FP4 code (0..15) of v: round to nearest even on the E2M1 grid, saturating above 6 (an index capped
-// at 7; NaN gives 7), SPEC 2.5. A negative value that rounds to 0 gives code 8; -0.0 gives 0.
+// at 7; NaN gives 7), docs/numerics.md §2.5. A negative value that rounds to 0 gives code 8; -0.0 gives 0.
 NVFP4_HD uint32_t fp4_code_rne(float v) {
   const uint32_t index = fabsf(v) < 7.0f ? fp4_index_rne_below_7_in_low_half(v) & 0xFFFFu : 7u;
   return index | (v < 0.0f ? 8u : 0u);
@@ -166,7 +166,7 @@ NVFP4_HD float fp4_value(uint32_t code) {
 #endif
 }
 
-// Stochastic rounding (SPEC 7) of a = min(|v|, 6) on the FP32 bits, the reference's rule
+// Stochastic rounding (docs/numerics.md §7) of a = min(|v|, 6) on the FP32 bits, the reference's rule
 // (reference/quantize.py): up in magnitude iff bits16 < p * 65536, p = (a - lo) / (hi - lo).
 // The carrier c = RU(a * 2^-126) puts a in the E2M1 grid's shape: [0, 1) lands in FP32's subnormals,
 // whose step 2^-149 matches that of the first normal binade [2^-126, 2^-125), so the grid's uniform
@@ -405,7 +405,7 @@ static __host__ __device__ __noinline__ uint32_t stochastic_rounding_bits_at(uin
   return bits_of_column(words, static_cast<uint32_t>(column % kColumnsPerPhiloxCall));
 }
 
-// The RHT sign vector s of H = diag(s) . H16 / 4 (SPEC 5): bit i set where s_i = -1.
+// The RHT sign vector s of H = diag(s) . H16 / 4 (docs/numerics.md §5): bit i set where s_i = -1.
 constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i set where s_i = -1: s = 1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1
 
 // out = t . H16 by the fast Walsh-Hadamard transform: butterflies (a, b) -> (a + b, a - b) on the pairs
@@ -480,7 +480,7 @@ NVFP4_HD float encode_block_factor(float e_b) { return kSR ? e_b : underflow_mar
 
 // Packed codes of one block of 16 values that are consecutive along the quantized dimension, round
 // to nearest even, or stochastic with the Philox bits of global row `sr_row`, global columns
-// sr_column .. sr_column + 15 of the copy in `stream` (SPEC 7).
+// sr_column .. sr_column + 15 of the copy in `stream` (docs/numerics.md §7).
 // block_amax: an upper bound of their |value| (NaN allowed). Round to nearest skips the saturation
 // when block_amax * encode < 7 (rounding is monotonic, so every |value * encode| is below 7 too), and
 // clamps to +-6 first otherwise.

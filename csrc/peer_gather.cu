@@ -5,7 +5,7 @@
 //  - peer_gather: every piece's W shards (read through peer pointers) into one output, rank blocks
 //    concatenated along rows (rowwise copies) or interleaved per row: the swap_first_dims reorder of
 //    the columnwise copies, done for free while gathering.
-//  - peer_amax_all_reduce: the MAX over ranks of a few FP32 values (the per-tensor amaxes, SPEC 9),
+//  - peer_amax_all_reduce: the MAX over ranks of a few FP32 values (the per-tensor amaxes, docs/numerics.md §9),
 //    publish + barrier + reduce in one single-block kernel.
 //  - peer_barrier: the barrier alone (the symmetric reduce-scatter's, after its copy-engine pushes).
 // Barrier: torch symmetric memory's signal pads, slot [channel * W + source] of each rank's pad, set

@@ -1,9 +1,9 @@
-// The NVFP4 cast (SPEC 2-7): one pass over a 128 x 128 tile of the input in shared memory writes
+// The NVFP4 cast (docs/numerics.md §2-7): one pass over a 128 x 128 tile of the input in shared memory writes
 // the rowwise copy and the columnwise (transposed) copy with their E4M3 scales.
-// Variants (template flags): 16x16 blocks for weights (SPEC 4; both copies under one tensor scale share
+// Variants (template flags): 16x16 blocks for weights (docs/numerics.md §4; both copies under one tensor scale share
 // their codes, so the columnwise copy is the rowwise codes transposed in shared memory), the RHT of the
-// columnwise copy of BF16 inputs (SPEC 5), stochastic rounding with Philox bits (SPEC 7). Row-scaled
-// amax (SPEC 6) and which copies to write are run-time arguments. For the RHT and stochastic-rounding casts of
+// columnwise copy of BF16 inputs (docs/numerics.md §5), stochastic rounding with Philox bits (docs/numerics.md §7). Row-scaled
+// amax (docs/numerics.md §6) and which copies to write are run-time arguments. For the RHT and stochastic-rounding casts of
 // 16-bit inputs a CTA encodes 2 consecutive tiles (but the first CTAs on each multiprocessor and the last wave,
 // one each), the next tile's copy (cp.async, into a second shared-memory buffer) in flight while it encodes the
 // current one, and pays the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) and the
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   }
   const RowwiseItems<T> rowwise(tid);
   // 2D casts of both copies under one tensor scale, round to nearest: an element gets the same 16x16 block
-  // scale and so the same code in both copies (SPEC 4), and the columnwise copy is the rowwise codes
+  // scale and so the same code in both copies (docs/numerics.md §4), and the columnwise copy is the rowwise codes
   // transposed, read back from shared memory instead of encoded again.
   const bool transpose_codes =
       k2D && !kSR && args.rowwise_data != nullptr && args.columnwise_data != nullptr && shared_table;
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     }
     __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
 
-    // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (SPEC 4), as the maximum of
+    // 2. For 16x16 blocks: the amax of each 16x16 block, shared by both copies (docs/numerics.md §4), as the maximum of
     //    its rows' amaxes (rows outside x are zeros).
     if constexpr (k2D) {
 #pragma unroll

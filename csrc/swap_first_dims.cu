@@ -1,4 +1,4 @@
-// swap_first_dims (SPEC 9): a gathered columnwise copy [W*K, X] viewed as (W, K, X) -> (K, W, X).
+// swap_first_dims (docs/numerics.md §9): a gathered columnwise copy [W*K, X] viewed as (W, K, X) -> (K, W, X).
 #include "nvfp4_device.cuh"
 
 namespace nvfp4 {

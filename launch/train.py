@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--micro-batch", type=int, default=8, help="sequences per data-parallel rank and step")
     where.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                        help="activation dtype outside the NVFP4 GEMMs (auto: bf16 on GPU, fp32 on CPU)")
-    recipe = parser.add_argument_group("NVFP4 recipe (SPEC section 10)")
+    recipe = parser.add_argument_group("NVFP4 recipe (docs/numerics.md section 10)")
     recipe.add_argument("--no-rht", action="store_true", help="no random Hadamard transform on wgrad operands")
     recipe.add_argument("--no-sr", action="store_true", help="no stochastic rounding of gradients")
     recipe.add_argument("--no-2d", action="store_true", help="1x16 instead of 16x16 weight blocks")
@@ -204,7 +204,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                          f"{args.bf16_last_layers} exceed --layers={args.layers}")
     if args.row_scaled_activation and not (args.no_rht and args.no_sr):
         raise ValueError("--row-scaled-activation conflicts with RHT and stochastic rounding (on by default): "
-                         "add --no-rht --no-sr (row-scaled layers run backward in BF16, SPEC 6)")
+                         "add --no-rht --no-sr (row-scaled layers run backward in BF16, docs/numerics.md §6)")
     if args.sp and tp == 1:
         raise ValueError("--sp needs --tp > 1 (sequence parallelism splits the sequence across the TP group)")
     if args.overlap and tp == 1:

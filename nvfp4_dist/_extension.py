@@ -23,7 +23,7 @@ BUILD_HOW_TO = ("Build it on a machine with a CUDA GPU, a CUDA build of torch, n
                 "`python -m nvfp4_dist.build` (set NVFP4_BUILD_DIR to choose the cache folder), "
                 "or set NVFP4_FORCE_REFERENCE=1 to use the pure-torch reference instead.")
 # -fmad=false: no FMA contraction, so every product and sum is rounded as the SPEC orders it;
-# no fast-math, so divisions are IEEE (SPEC 2.2).
+# no fast-math, so divisions are IEEE (docs/numerics.md §2.2).
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-lineinfo")
 CXX_FLAGS = ("-O3", "-std=c++17")
 

@@ -1,4 +1,4 @@
-"""The NaN/Inf check of quantized amaxes (recipe.check_finite, SPEC 2), without a host sync per call on CUDA.
+"""The NaN/Inf check of quantized amaxes (recipe.check_finite, docs/numerics.md §2), without a host sync per call on CUDA.
 
 On the CPU an amax is checked at once. On CUDA, reading it would make the host wait for the GPU at every
 quantize (the host could never run ahead of the kernels, and the overlapped layers' transfers could not be

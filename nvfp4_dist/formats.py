@@ -1,4 +1,4 @@
-"""NVFP4 format constants and FP4 (E2M1) encoding/packing (SPEC section 1)."""
+"""NVFP4 format constants and FP4 (E2M1) encoding/packing (docs/numerics.md section 1)."""
 import torch
 
 BLOCK_SIZE = 16                 # elements per block scale
@@ -19,7 +19,7 @@ def fp4_code_values() -> torch.Tensor:
 
 
 def fp4_round_to_nearest_even(v: torch.Tensor) -> torch.Tensor:
-    """Codes (uint8) of FP32 values already clamped to [-6, 6], ties to even (SPEC 2.5).
+    """Codes (uint8) of FP32 values already clamped to [-6, 6], ties to even (docs/numerics.md §2.5).
 
     Midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 round to the neighbour whose
     mantissa bit is 0: 0, 1, 1, 2, 2, 4, 4. A negative value that rounds to 0

@@ -1,4 +1,4 @@
-"""Block-scaled NVFP4 GEMM dispatch (SPEC 8): y = A . B^T, both operands quantized along K.
+"""Block-scaled NVFP4 GEMM dispatch (docs/numerics.md §8): y = A . B^T, both operands quantized along K.
 
 Each operand is one copy of an NVFP4Tensor, taken as the 2D matrix it stores:
 rowwise -> [M, K] of x, columnwise -> [K, M] of x^T.

@@ -1,4 +1,4 @@
-"""The two GPU GEMM backends behind nvfp4_dist.gemm (SPEC 8).
+"""The two GPU GEMM backends behind nvfp4_dist.gemm (docs/numerics.md §8).
 
 cublaslt: Blackwell cuBLASLt block-scaled NVFP4 (gemm_blackwell).
 emulated: Hopper exact-block emulation (gemm_hopper); NVFP4_HOPPER_GEMM picks "dequantize"

@@ -1,4 +1,4 @@
-"""Blackwell (sm_100+) NVFP4 GEMM through cuBLASLt block-scaled FP4, via torch._scaled_mm (SPEC 8).
+"""Blackwell (sm_100+) NVFP4 GEMM through cuBLASLt block-scaled FP4, via torch._scaled_mm (docs/numerics.md §8).
 
 The call, valid for torch 2.11 and 2.13 (the single-scale NVFP4 recipe of the v1 API):
     torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)

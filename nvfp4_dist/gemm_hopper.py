@@ -1,4 +1,4 @@
-"""Hopper (sm_90) NVFP4 GEMM by exact block emulation (SPEC 8).
+"""Hopper (sm_90) NVFP4 GEMM by exact block emulation (docs/numerics.md §8).
 
 Every FP4 value times its E4M3 block scale has at most 6 significant bits, so it is
 exact in FP16 and BF16, and tensor-core products of such values are exact in FP32.
@@ -75,7 +75,7 @@ mov.b32 {$5, $7}, t0;
 
 @triton.jit
 def _decode_scale(amax):
-    """S_dec = 1 / S_enc with S_enc = min(2688 / amax, FLT_MAX), 1 where that is 0 (SPEC 2.2): the
+    """S_dec = 1 / S_enc with S_enc = min(2688 / amax, FLT_MAX), 1 where that is 0 (docs/numerics.md §2.2): the
     reference's two correctly rounded FP32 divisions."""
     s_enc = tl.math.div_rn(tl.zeros_like(amax) + 2688.0, amax)
     s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
@@ -224,7 +224,7 @@ class FusedConfig:
 DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # fastest fused variant on H100 (benchmarks/gemm.py)
 # gemm_dequantize_matmul's row chunks: at most this many bytes of BF16 A rows (and FP32 product rows) at once,
 # so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunking cost
-# ~2% at 8192^3 on H100 in `benchmarks/gemm.py --sweep` of the FP32-product path, session 3).
+# ~2% at 8192^3 on H100 in `benchmarks/gemm.py --sweep` of the FP32-product path).
 CHUNK_BYTES = 512 << 20
 
 

@@ -31,7 +31,7 @@ def _check_input(x2d: torch.Tensor, *, columnwise: bool, block_2d: bool = False,
                          f"to be a multiple of {BLOCK_SIZE}")
     if rht and columnwise:
         if x2d.dtype != torch.bfloat16:
-            raise ValueError(f"x.dtype={x2d.dtype}: the RHT columnwise copy takes torch.bfloat16 only (SPEC 5)")
+            raise ValueError(f"x.dtype={x2d.dtype}: the RHT columnwise copy takes torch.bfloat16 only (docs/numerics.md §5)")
         if block_2d:
             raise ValueError("block_2d=True with rht=True: the kernels apply the RHT to 1D (1x16) blocks only")
 

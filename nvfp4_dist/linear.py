@@ -1,6 +1,6 @@
 """NVFP4 linear layer: the autograd Function shared by every layer, and the single-device nvfp4_dist.Linear.
 
-The three GEMMs of y = x W^T run in NVFP4 (SPEC 3):
+The three GEMMs of y = x W^T run in NVFP4 (docs/numerics.md §3):
   fprop  y  = x . W^T   x rowwise (1D),  W rowwise (2D blocks by default)
   dgrad  dx = dy . W    dy rowwise (1D, stochastic rounding),  W columnwise
   wgrad  dW = dy^T . x  dy columnwise (RHT + SR),  x columnwise (RHT)
@@ -8,7 +8,7 @@ Backward keeps only the quantized copies it needs (x columnwise, W columnwise), 
 requantize_weight_in_backward it keeps no weight copy at all and quantizes W's columnwise copy again.
 
 Communication is a LinearComm object (this module's base class is TP=1: none); the tensor-parallel
-layers of nvfp4_dist.parallel subclass it. Row-scaled activations (SPEC 6) run fprop in NVFP4 and
+layers of nvfp4_dist.parallel subclass it. Row-scaled activations (docs/numerics.md §6) run fprop in NVFP4 and
 backward in BF16 on the dequantized forward operands.
 
 RHT with FP16/FP32 activations: the RHT path takes BF16 only, so the columnwise (wgrad) copy of such a
@@ -155,7 +155,7 @@ class LinearComm:
         """dx = dy . W [tokens, in] for this rank's input."""
         return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
 
-    # Row-scaled activations (SPEC 6): backward in BF16.
+    # Row-scaled activations (docs/numerics.md §6): backward in BF16.
     def grad_output_bf16(self, dy2d: torch.Tensor) -> torch.Tensor:
         """The output gradient over the token range of the GEMMs (gathered under row-parallel SP)."""
         return dy2d
@@ -294,7 +294,7 @@ def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype,
 
 
 def row_scaled_backward(dy2d, saved_x, weight_q, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
-    """Backward of a row-scaled layer (SPEC 6): BF16 GEMMs on the dequantized forward operands."""
+    """Backward of a row-scaled layer (docs/numerics.md §6): BF16 GEMMs on the dequantized forward operands."""
     dy_full = comm.grad_output_bf16(dy2d)
     dx2d = None
     if need_dgrad:
@@ -377,11 +377,11 @@ def check_activation(x: torch.Tensor, in_features: int) -> None:
 
 
 class Linear(torch.nn.Module):
-    """Drop-in for torch.nn.Linear whose three GEMMs run in NVFP4 (SPEC 3).
+    """Drop-in for torch.nn.Linear whose three GEMMs run in NVFP4 (docs/numerics.md §3).
 
     Same constructor arguments, parameters (in `dtype`) and state_dict as torch.nn.Linear, plus:
     recipe: this layer's NVFP4Recipe (None: the enclosing nvfp4_dist.autocast's, else from the environment).
-    bf16_fallback: run this layer unquantized in the activation dtype (first/last layers, SPEC 10).
+    bf16_fallback: run this layer unquantized in the activation dtype (first/last layers, docs/numerics.md §10).
     accumulate_into_main_grad: add wgrad into weight.main_grad (FP32) in the GEMM (Megatron).
     delay_wgrad: backward skips wgrad; backward_dw() runs it later (Megatron delay_wgrad_compute).
     The quantized weight is cached until the parameter changes (see WeightCache).

@@ -33,7 +33,7 @@ def backend_for(tensor: torch.Tensor):
 
 
 def quantize_options(role: str, recipe: NVFP4Recipe) -> dict:
-    """What a role's copies get from the recipe: 2D blocks, RHT, SR, row scaling (SPEC 3-7)."""
+    """What a role's copies get from the recipe: 2D blocks, RHT, SR, row scaling (docs/numerics.md §3-7)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not one of {ROLES}")
     return dict(block_2d=role == "weight" and recipe.weight_2d,
@@ -60,7 +60,7 @@ def validate_input(x: torch.Tensor, *, name: str = "x", columnwise: bool = False
         raise ValueError(f"{name}.shape={tuple(x.shape)}: {what} needs the leading dims' product ({rows}) "
                          f"to be a positive multiple of {BLOCK_SIZE}")
     if rht and columnwise and x.dtype != torch.bfloat16:
-        raise ValueError(f"{name}.dtype={x.dtype}: the RHT columnwise copy takes torch.bfloat16 input (SPEC 5)")
+        raise ValueError(f"{name}.dtype={x.dtype}: the RHT columnwise copy takes torch.bfloat16 input (docs/numerics.md §5)")
 
 
 def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, device: torch.device) -> None:
@@ -107,7 +107,7 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
     if not (rowwise or columnwise):
         raise ValueError("rowwise=False and columnwise=False: ask for at least one copy")
     if options["row_scaled"] and columnwise:
-        raise ValueError("columnwise=True with row-scaled activations: row scaling is forward-only (SPEC 6); "
+        raise ValueError("columnwise=True with row-scaled activations: row scaling is forward-only (docs/numerics.md §6); "
                          "the backward of such a layer runs in BF16")
     validate_input(x, columnwise=columnwise, block_2d=options["block_2d"], rht=options["rht"])
     rows = x.numel() // x.shape[-1]
@@ -139,7 +139,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype | None = None, copy: str | Non
 
 
 def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(W, K, X) -> (K, W, X) of a gathered columnwise copy [W*K, X] -> [K, W*X] (SPEC 9)."""
+    """(W, K, X) -> (K, W, X) of a gathered columnwise copy [W*K, X] -> [K, W*X] (docs/numerics.md §9)."""
     if gathered.dim() != 2:
         raise ValueError(f"gathered.shape={tuple(gathered.shape)}: expected 2 dims [W*K, X]")
     if world_size < 1 or gathered.shape[0] % world_size:
@@ -148,7 +148,7 @@ def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
-    """[R, C] E4M3 scales -> the flat 128x4 swizzled layout of Blackwell GEMMs (SPEC 8)."""
+    """[R, C] E4M3 scales -> the flat 128x4 swizzled layout of Blackwell GEMMs (docs/numerics.md §8)."""
     if scale.dim() != 2 or scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"scale: expected a 2D float8_e4m3fn tensor, got {scale.dtype} {tuple(scale.shape)}")
     return backend_for(scale).swizzle_scales(scale)

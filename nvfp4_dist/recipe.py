@@ -1,4 +1,4 @@
-"""NVFP4Recipe: every option of SPEC section 10, with environment overrides."""
+"""NVFP4Recipe: every option of docs/numerics.md section 10, with environment overrides."""
 import dataclasses
 import os
 
@@ -24,18 +24,18 @@ _GEMM_BACKEND_ENV = "NVFP4_GEMM_BACKEND"
 class NVFP4Recipe:
     """How a layer quantizes. Defaults follow NVIDIA's NVFP4 training recipe.
 
-    rht: random Hadamard transform on the wgrad operands (SPEC 5).
+    rht: random Hadamard transform on the wgrad operands (docs/numerics.md §5).
     rht_random_sign: H = diag(s) H16 / 4 (True) or plain H16 / 4.
-    stochastic_rounding: SR on output gradients (SPEC 7).
-    weight_2d: 16x16 block scales for weights (SPEC 4).
-    row_scaled_activation: one amax per activation row, forward only (SPEC 6).
+    stochastic_rounding: SR on output gradients (docs/numerics.md §7).
+    weight_2d: 16x16 block scales for weights (docs/numerics.md §4).
+    row_scaled_activation: one amax per activation row, forward only (docs/numerics.md §6).
     bf16_first_layers / bf16_last_layers: transformer layers kept in BF16.
-    gemm_backend: auto | cublaslt | emulated | reference (SPEC 8).
+    gemm_backend: auto | cublaslt | emulated | reference (docs/numerics.md §8).
     overlap: pipeline TP communication with the GEMMs (parallel layers only).
     overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
       many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
       host time that small GEMMs cannot hide (the default: measured on H200, README "When to turn overlap on").
-    check_finite: reject a non-finite amax with NonFiniteAmaxError (SPEC 2); on CUDA without a host sync, raised
+    check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     """
 
@@ -61,11 +61,11 @@ class NVFP4Recipe:
         if self.row_scaled_activation and self.rht:
             raise ValueError(
                 "row_scaled_activation=True cannot be combined with rht=True: row-scaled "
-                "activations run backward in BF16 (SPEC 6); set rht=False (or NVFP4_DISABLE_RHT=1)")
+                "activations run backward in BF16 (docs/numerics.md §6); set rht=False (or NVFP4_DISABLE_RHT=1)")
         if self.row_scaled_activation and self.stochastic_rounding:
             raise ValueError(
                 "row_scaled_activation=True cannot be combined with stochastic_rounding=True: "
-                "row-scaled layers keep gradients in BF16 (SPEC 6); set stochastic_rounding=False "
+                "row-scaled layers keep gradients in BF16 (docs/numerics.md §6); set stochastic_rounding=False "
                 "(or NVFP4_DISABLE_SR=1)")
 
     @classmethod

@@ -1,4 +1,4 @@
-"""NVFP4Tensor: packed FP4 codes, E4M3 block scales and FP32 amax of one tensor (SPEC 1-3)."""
+"""NVFP4Tensor: packed FP4 codes, E4M3 block scales and FP32 amax of one tensor (docs/numerics.md §1-3)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,7 @@ class NVFP4Tensor:
       rowwise_data    uint8 [M, K/2]   rowwise_scale    float8_e4m3fn [M, K/16]
       columnwise_data uint8 [K, M/2]   columnwise_scale float8_e4m3fn [K, M/16]  (of x^T)
       amax_rowwise / amax_columnwise   float32 (1,), or (M,) when row_scaled
-    rht: the columnwise copy holds x^T . H (SPEC 5), so dequantizing it undoes H.
+    rht: the columnwise copy holds x^T . H (docs/numerics.md §5), so dequantizing it undoes H.
     """
 
     shape: torch.Size

@@ -1,4 +1,4 @@
-"""nvfp4_dist.parallel: tensor/sequence-parallel NVFP4 linear layers and their communication (SPEC 9)."""
+"""nvfp4_dist.parallel: tensor/sequence-parallel NVFP4 linear layers and their communication (docs/numerics.md §9)."""
 from .comm import (all_gather_bf16, all_gather_nvfp4, all_reduce_amax, all_reduce_bf16, reduce_scatter_bf16)
 from .layers import ColumnParallelLinear, RowParallelLinear
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel communication primitives (SPEC 9): plain functions over a torch.distributed group.
+"""Tensor-parallel communication primitives (docs/numerics.md §9): plain functions over a torch.distributed group.
 
 NCCL on GPUs, gloo on CPUs; no autograd inside. `group=None` is the default (world) group.
 """
@@ -164,7 +164,7 @@ def all_gather_bf16(x: torch.Tensor, group=None, async_op: bool = False):
 
 
 def reduce_scatter_bf16(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum x over the ranks and keep this rank's 1/W slice of dim 0 (partial GEMM outputs, SPEC 9)."""
+    """Sum x over the ranks and keep this rank's 1/W slice of dim 0 (partial GEMM outputs, docs/numerics.md §9)."""
     world_size = group_size(group)
     if world_size == 1:
         return x

@@ -1,4 +1,4 @@
-"""ColumnParallelLinear and RowParallelLinear in NVFP4 with tensor and sequence parallelism (SPEC 9).
+"""ColumnParallelLinear and RowParallelLinear in NVFP4 with tensor and sequence parallelism (docs/numerics.md §9).
 
 Same arguments and return convention as Megatron-Core's layers: forward(x) -> (output, bias or None).
 Activations are [s, b, h] (or any [..., h]); sequence parallelism shards dim 0.
@@ -199,7 +199,7 @@ class _ParallelLinear(torch.nn.Module):
                             requantize_weight_in_backward=not self.keep_quantized_weight)
 
     def _overlapped(self, comm: LinearComm, min_chunk_gflops: int) -> LinearComm:
-        """The ring-pipelined twin of `comm` (recipe.overlap, SPEC 9 "Overlap"), built once; its minimum ring-step
+        """The ring-pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum ring-step
         size follows the recipe of each call."""
         self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops)
         return self._overlapped_comm

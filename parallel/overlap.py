@@ -1,4 +1,4 @@
-"""Communication/GEMM overlap on a ring (SPEC 9, "Overlap").
+"""Communication/GEMM overlap on a ring (docs/numerics.md §9, "Overlap").
 
 Two schedules, each over the ranks of a tensor-parallel group, with transfers issued before the GEMM that
 does not depend on them, so the transfer of the next chunk runs while the current chunk's GEMM does. Where
@@ -12,7 +12,7 @@ NVFP4_SYMMETRIC_MEMORY=0) they are NCCL (or gloo) point-to-point transfers round
   output of chunk (rank - i - 1) mod W, adds the running sum received from rank - 1 and passes it on;
   after W steps it holds the full sum of its own chunk.
 
-On them, the pipelined GEMMs of the sequence-parallel NVFP4 layers (issue 7), selected by
+On them, the pipelined GEMMs of the sequence-parallel NVFP4 layers, selected by
 overlapped_comm(plain_comm):
 - column-parallel forward: the quantized input's rowwise chunks (data + scales, + per-row amaxes when
   row-scaled) go round the ring and each chunk's fprop GEMM writes its rows of the output;
@@ -135,7 +135,7 @@ class ColumnwiseCarry:
     """The all-gather of a columnwise copy (a wgrad operand) riding along a rowwise ring, else done on demand.
 
     Rank r's columnwise block [K, M/2] lands in columns [r*M/2, (r+1)*M/2) of the gathered [K, W*M/2]: the
-    same bytes as all_gather_nvfp4 (SPEC 9), with no swap_first_dims.
+    same bytes as all_gather_nvfp4 (docs/numerics.md §9), with no swap_first_dims.
     """
 
     def __init__(self, local: NVFP4Tensor, group):

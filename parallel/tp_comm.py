@@ -1,4 +1,4 @@
-"""The communication of the NVFP4 linear Function for each tensor-parallel layer kind (SPEC 9).
+"""The communication of the NVFP4 linear Function for each tensor-parallel layer kind (docs/numerics.md §9).
 
 ColumnParallelComm and RowParallelComm are the plain (not pipelined) paths; parallel/overlap.py
 derives the ring-pipelined twins from them, and parallel/layers.py picks one per forward.

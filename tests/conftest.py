@@ -4,12 +4,12 @@ import pathlib
 import numpy as np
 import pytest
 
-GOLDEN = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "te_reference_vectors.npz"
+GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "te_reference_vectors.npz"
 
 
 @pytest.fixture(scope="session")
 def golden():
-    """Transformer Engine's reference vectors (../shared/golden beside the checkout)."""
+    """Transformer Engine's reference vectors (tests/data, README there)."""
     if not GOLDEN.exists():
-        pytest.fail(f"golden vectors not found at {GOLDEN}: the checkout needs ../shared beside it")
+        pytest.fail(f"golden vectors not found at {GOLDEN}")
     return np.load(GOLDEN)

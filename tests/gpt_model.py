@@ -1,7 +1,7 @@
 """A small single-device GPT for the NVFP4-vs-BF16 convergence checks (tests/ and tests_multigpu/).
 
 The four linears of each block are nvfp4_dist.Linear (NVFP4, or its BF16 fallback for the baseline);
-embeddings, norms, attention math and the output head stay in BF16/FP32 (SPEC 10). Parameters are FP32
+embeddings, norms, attention math and the output head stay in BF16/FP32 (docs/numerics.md §10). Parameters are FP32
 master weights; activations run in BF16. The token stream is a fixed Markov chain (each token has 4
 likely successors: the loss floor is ln 4).
 """

@@ -1,4 +1,4 @@
-"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on gloo groups of 2 and 4 ranks (issue 7).
+"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on gloo groups of 2 and 4 ranks.
 
 The same layer is run with its plain comm and with overlapped_comm(plain comm), from the same weights, inputs,
 output gradients and stochastic-rounding seed. Expected, with the reference GEMM:

@@ -26,7 +26,7 @@ def assert_bytes_equal(got, expected, what):
 
 
 def sharded_then_gathered(local, role, recipe, rank, sr_seed, async_op, packed=None):
-    """SPEC 9: reduce amaxes, quantize the shard (global SR positions), gather in NVFP4."""
+    """docs/numerics.md §9: reduce amaxes, quantize the shard (global SR positions), gather in NVFP4."""
     amaxes = list(operand_amaxes(local, role, recipe))
     all_reduce_amax(amaxes)
     q = quantize_operand(local, role, recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=sr_seed,
@@ -63,7 +63,7 @@ def _check_comm(rank, world_size, device="cpu", packed=None):
         if x.is_cuda:
             assert_bytes_equal(got.to("cpu"), quantize_operand(x.cpu(), role, recipe, sr_seed=seed), "vs CPU")
 
-    # Row-scaled activations: no amax reduction, the per-row amaxes travel with their rows (SPEC 6).
+    # Row-scaled activations: no amax reduction, the per-row amaxes travel with their rows (docs/numerics.md §6).
     recipe = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
     x = full.to(torch.bfloat16)
     q = nv.quantize(x.chunk(world_size)[rank], "activation", columnwise=False, recipe=recipe)

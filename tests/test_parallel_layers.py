@@ -96,7 +96,7 @@ def check_column(rank, world_size, sequence_parallel, recipe, keep_input_columnw
     y, dx, dw, db, returned_bias = run(layer, x_in, dy_local)
     assert returned_bias is None
 
-    # Emulation of the sharded math: the gathered input equals quantizing the full input (SPEC 9).
+    # Emulation of the sharded math: the gathered input equals quantizing the full input (docs/numerics.md §9).
     x2d = x.reshape(-1, COLUMN_IN)
     xq_row, xq_col = quantize_activation(x2d, recipe)
     torch.manual_seed(BACKWARD_SEED)

@@ -1,4 +1,4 @@
-"""NVFP4Recipe options, environment overrides and rejected combinations (SPEC 10)."""
+"""NVFP4Recipe options, environment overrides and rejected combinations (docs/numerics.md §10)."""
 import pytest
 
 from nvfp4_dist import NVFP4Recipe

@@ -1,4 +1,4 @@
-"""The reference reproduces Transformer Engine's golden vectors byte for byte (../shared/golden)."""
+"""The reference reproduces Transformer Engine's golden vectors byte for byte (tests/data)."""
 import numpy as np
 import pytest
 import torch

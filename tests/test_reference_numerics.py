@@ -1,4 +1,4 @@
-"""Hand-computed vectors and properties of the reference quantizer (SPEC sections 1-7)."""
+"""Hand-computed vectors and properties of the reference quantizer (docs/numerics.md sections 1-7)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""RHT (SPEC 5) and stochastic rounding (SPEC 7) properties of the reference."""
+"""RHT (docs/numerics.md §5) and stochastic rounding (docs/numerics.md §7) properties of the reference."""
 import torch
 
 import nvfp4_dist as nv

@@ -1,4 +1,4 @@
-"""128x4 scale swizzle (SPEC 8), swap_first_dims (SPEC 9) and the reference GEMM."""
+"""128x4 scale swizzle (docs/numerics.md §8), swap_first_dims (docs/numerics.md §9) and the reference GEMM."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""The multi-GPU test matrix: world size x TP size x SP x overlap x recipe x layer kind (issue 10).
+"""The multi-GPU test matrix: world size x TP size x SP x overlap x recipe x layer kind.
 
 Driver (runs one launch per world size, merges, prints the table, exits non-zero on any failure):
     python tests_multigpu/matrix.py --driver --max-world 4 --launcher torchrun --out out/matrix

@@ -16,7 +16,7 @@ W / TP data-parallel replicas each get their own data and check independently. P
      bias gradient         a BF16 sum over tokens: one BF16 step + tokens * 2^-23 * sum |dy| (FP32 order);
      row-scaled on CUDA    BF16 matmuls (cuBLAS may order the sums differently): one BF16 step
                            + K * 2^-23 * (|a| @ |b|), carried through GELU backward in the MLP;
-     overlap on CUDA       the above plus the GEMM accumulation tolerance of SPEC 11 (8e-3 * (|want| + mean
+     overlap on CUDA       the above plus the GEMM accumulation tolerance of docs/numerics.md §11 (8e-3 * (|want| + mean
                            |want|)), since chunked GEMMs may tile differently.
 2. Cells with TP > 1 also against the same layer at TP = 1 (same full weights and data): relative L2
    error of every quantity <= TP1_RELATIVE_TOLERANCE = 0.4 (shards quantize with their own scales and
@@ -28,7 +28,7 @@ W / TP data-parallel replicas each get their own data and check independently. P
    same layer at TP = 1 (relative L2 <= MEGATRON_TP1_RELATIVE_TOLERANCE = 0.5), finite output and
    gradients (parameter shards against the matching slice; SP-replicated parameters summed over TP first).
 5. b200 profile cells: gemm(backend="cublaslt") against gemm(backend="emulated") and the reference GEMM
-   (SPEC 11: atol = rtol = 8e-3), only where sm_100 exists.
+   (docs/numerics.md §11: atol = rtol = 8e-3), only where sm_100 exists.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ TP1_RELATIVE_TOLERANCE = 0.4
 MEGATRON_TP1_RELATIVE_TOLERANCE = 0.5
 BF16_ROUNDING = 2.0 ** -8  # largest relative error of one rounding to BF16 (half a step)
 BF16_ULP = 2.0 ** -7  # largest relative size of one BF16 step: two roundings of nearby values may differ by it
-GEMM_TOLERANCE = 8e-3  # SPEC 11
+GEMM_TOLERANCE = 8e-3  # docs/numerics.md §11
 SR_SEED_BASE = 20260
 OVERLAP_UNAVAILABLE = "overlap unavailable"
 
@@ -260,7 +260,7 @@ def bias_grad_allowed(want: torch.Tensor, dy2d: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_allowance(want: torch.Tensor) -> torch.Tensor:
-    """SPEC 11's GEMM accumulation-order tolerance, scaled to the tensor's magnitude."""
+    """docs/numerics.md §11's GEMM accumulation-order tolerance, scaled to the tensor's magnitude."""
     magnitude = want.float().abs()
     return GEMM_TOLERANCE * (magnitude + magnitude.mean())
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# nvfp4-train with Megatron-Core on 2 GPUs, under torchrun and under mpirun (issue 9, GPU part).
+# nvfp4-train with Megatron-Core on 2 GPUs, under torchrun and under mpirun.
 #
 #   bash tests_multigpu/run_train_gpu.sh            # in the repo root, on a machine with >= 2 GPUs
 #

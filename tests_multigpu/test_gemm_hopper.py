@@ -3,7 +3,7 @@ per-block reference.
 
 Operands are quantized by the reference quantizer (pure torch, run on the GPU for speed with
 NVFP4_FORCE_REFERENCE=1 set only while quantizing), so these tests do not depend on the CUDA
-quantization kernels. Tolerance: atol = rtol = 8e-3 on BF16 output (SPEC 11).
+quantization kernels. Tolerance: atol = rtol = 8e-3 on BF16 output (docs/numerics.md §11).
 """
 import functools
 import os
@@ -56,7 +56,7 @@ def layer_operands(m: int, n: int, k: int, seed: int = 0, recipe=RECIPE):
 
 
 def layout(name: str, x, w, dy):
-    """(a, a_copy, b, b_copy) of fprop, dgrad or wgrad (SPEC 3)."""
+    """(a, a_copy, b, b_copy) of fprop, dgrad or wgrad (docs/numerics.md §3)."""
     return {"fprop": (x, "rowwise", w, "rowwise"),
             "dgrad": (dy, "rowwise", w, "columnwise"),
             "wgrad": (dy, "columnwise", x, "columnwise")}[name]

@@ -3,7 +3,7 @@
 - with the reference GEMM backend the layer equals the reference emulation run on the same GPU, exactly
   (the kernels must produce the reference bytes; the GEMMs are then the same computation);
 - with the default (Hopper emulated / Blackwell cuBLASLt) GEMM it is within the GEMM tolerance of that
-  emulation (SPEC 11: atol = rtol = 8e-3 on BF16, checked here as a relative Frobenius distance);
+  emulation (docs/numerics.md §11: atol = rtol = 8e-3 on BF16, checked here as a relative Frobenius distance);
 - weight-cache invalidation, BF16 fallback vs nn.Linear, saved bytes, at realistic sizes.
 
     python -m pytest tests_multigpu/test_linear_gpu.py -q

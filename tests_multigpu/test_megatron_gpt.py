@@ -74,5 +74,5 @@ def test_distributed_checkpoint_reshards_across_tp(tmp_path):
             continue
         resharded = train(tp, tmp_path / f"load{tp}.json", "--tp", str(tp), "--steps", "0", "--load",
                           str(checkpoint))
-        # Another TP size changes the per-shard weight amax (SPEC 9) and reduction order only.
+        # Another TP size changes the per-shard weight amax (docs/numerics.md §9) and reduction order only.
         assert resharded["eval_loss"] == pytest.approx(saved["eval_loss"], rel=5e-3), tp

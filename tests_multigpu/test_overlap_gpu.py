@@ -1,4 +1,4 @@
-"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on 2 and 4 GPUs with NCCL (issue 7).
+"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on 2 and 4 GPUs with NCCL.
 
 Run: `pytest -q tests_multigpu/test_overlap_gpu.py` (each test launches torchrun on 2 or 4 local GPUs), or one
 world directly: `torchrun --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py`.
@@ -8,7 +8,7 @@ Expected, per GEMM path of the Hopper emulated backend (both are run, whichever 
 - fused Triton kernel (NVFP4_HOPPER_GEMM=fused): each output row depends only on its own row of A, so the
   all-gather side (column fprop, row dgrad, both wgrads, bias grads) is bit-identical to the plain layers;
 - dequantize + cuBLAS (NVFP4_HOPPER_GEMM=dequantize): cuBLAS may pick another kernel for a chunk's row
-  count, so within accumulation-order tolerance: rtol = 8e-3, atol = 8e-3 * rms(expected) (SPEC 11's GEMM
+  count, so within accumulation-order tolerance: rtol = 8e-3, atol = 8e-3 * rms(expected) (docs/numerics.md §11's GEMM
   tolerance).
 The reduce-scatter side (row fprop, column dgrad) sums in ring order (FP32, rounded to BF16 each hop) against
 NCCL's own order: each is within (W-1) * 2^-8 * S of the exact sum, S = sum over ranks of |partial|, so they

@@ -1,4 +1,4 @@
-"""The CUDA quantization kernels (nvfp4_dist.kernels) against the reference, byte for byte (SPEC 11).
+"""The CUDA quantization kernels (nvfp4_dist.kernels) against the reference, byte for byte (docs/numerics.md §11).
 
 Codes, unpadded scales and amax must be identical. The reference runs on the GPU (the same torch
 ops, correctly rounded, give the same bits as on the CPU; test_gpu_reference_equals_cpu_reference
@@ -246,13 +246,13 @@ def test_sharded_sr_equals_full_tensor():
 
 
 def test_stochastic_rounding_statistics():
-    """SPEC 7 on 8192 x 8192: each code is a neighbour of the exact scaled value, the mean over
+    """docs/numerics.md §7 on 8192 x 8192: each code is a neighbour of the exact scaled value, the mean over
     draws converges to it (closer than round-to-nearest), and two draws differ."""
     x = random_input((8192, 8192), torch.bfloat16, seed=21)
     nearest = kernels.quantize_tensor(x, columnwise=False)
     amax = nearest.amax_rowwise
     denominator = nearest.rowwise_scale.float() * decode_scale(amax)
-    encode = torch.div(torch.ones_like(denominator), denominator).clamp(max=torch.finfo(torch.float32).max)  # SPEC 2.4
+    encode = torch.div(torch.ones_like(denominator), denominator).clamp(max=torch.finfo(torch.float32).max)  # docs/numerics.md §2.4
     exact = (x.float().reshape(8192, -1, 16) * encode[:, :, None]).clamp(-6, 6).reshape(8192, 8192)
     mags = torch.tensor(FP4_MAGNITUDES, device="cuda")
     lower = mags[(torch.bucketize(exact.abs(), mags, right=True) - 1).clamp(0, 7)]

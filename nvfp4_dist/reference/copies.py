@@ -1,4 +1,4 @@
-"""Reference rowwise/columnwise copies of a tensor (SPEC 3), with 2D, RHT, row scaling and SR."""
+"""Reference rowwise/columnwise copies of a tensor (docs/numerics.md §3), with 2D, RHT, row scaling and SR."""
 import torch
 
 from ..tensor import NVFP4Tensor
@@ -37,7 +37,7 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
                     amax_columnwise: torch.Tensor | None = None) -> NVFP4Tensor:
     """Quantize x (viewed as [M, K]) into an NVFP4Tensor, the reference way.
 
-    amax_*: supplied from outside (reduced across ranks, SPEC 9) or computed here.
+    amax_*: supplied from outside (reduced across ranks, docs/numerics.md §9) or computed here.
     sr_seed: stochastic rounding; sr_row_offset is this tensor's first row in the
     global tensor, so a shard draws the same bits as the full tensor would.
     """

@@ -1,4 +1,4 @@
-"""Reference dequantization (SPEC 2.6): x' = fp4value(q) * fp32(s_b) * S_dec."""
+"""Reference dequantization (docs/numerics.md §2.6): x' = fp4value(q) * fp32(s_b) * S_dec."""
 import torch
 
 from ..formats import BLOCK_SIZE, fp4_to_float

@@ -1,4 +1,4 @@
-"""Reference block-scaled GEMM (SPEC 8): per-16-block FP32 partial sums."""
+"""Reference block-scaled GEMM (docs/numerics.md §8): per-16-block FP32 partial sums."""
 import torch
 
 from ..formats import BLOCK_SIZE, fp4_to_float
@@ -18,7 +18,7 @@ def gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax) -> torch.Te
     """y = A . B^T in FP32 for A [M, K] and B [N, K], both quantized along K.
 
     y[m, n] = (sum over blocks of the FP32 block partial sums) * S_dec(A) * S_dec(B);
-    a_amax may be per row (M,) for row-scaled activations (SPEC 6).
+    a_amax may be per row (M,) for row-scaled activations (docs/numerics.md §6).
     """
     a_blocks = block_values(a_data, a_scale)
     b_blocks = block_values(b_data, b_scale)

@@ -1,4 +1,4 @@
-"""Philox4x32 counter-based generator in plain torch (SPEC section 7).
+"""Philox4x32 counter-based generator in plain torch (docs/numerics.md section 7).
 
 Stochastic rounding draws its bits from Philox4x32-7 (7 rounds, which pass TestU01's BigCrush
 in the Random123 paper; curand's Philox4_32_10 has 10). The CUDA kernels use the same generator,

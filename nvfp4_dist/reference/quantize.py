@@ -1,4 +1,4 @@
-"""Reference NVFP4 quantization in plain FP32 torch: SPEC sections 2, 4, 6 and 7.
+"""Reference NVFP4 quantization in plain FP32 torch: docs/numerics.md sections 2, 4, 6 and 7.
 
 Every CUDA quantization kernel has its twin here and must match it byte for byte.
 """
@@ -8,21 +8,21 @@ from ..formats import (BLOCK_SIZE, E4M3_MAX, FLT_MAX, FP4_MAX, GLOBAL_SCALE_NUME
                        fp4_neighbours, fp4_round_to_nearest_even, pack_fp4)
 from .philox import stochastic_rounding_bits_grid
 
-_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), SPEC 2.3
+_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), docs/numerics.md §2.3
 
 
 def compute_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over the tensor as FP32 of shape (1,) (SPEC 2.1)."""
+    """max |x| over the tensor as FP32 of shape (1,) (docs/numerics.md §2.1)."""
     return x.detach().abs().amax().to(torch.float32).reshape(1)
 
 
 def compute_row_amax(x2d: torch.Tensor) -> torch.Tensor:
-    """max |x| of each row, FP32 of shape (M,) (SPEC 6)."""
+    """max |x| of each row, FP32 of shape (M,) (docs/numerics.md §6)."""
     return x2d.detach().abs().amax(dim=1).to(torch.float32)
 
 
 def encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = min(2688 / A, FLT_MAX); 1.0 where that is 0 (A = inf) (SPEC 2.2).
+    """S_enc = min(2688 / A, FLT_MAX); 1.0 where that is 0 (A = inf) (docs/numerics.md §2.2).
 
     One correctly rounded FP32 division (torch.div of two tensors, not 2688.0 / t).
     """
@@ -38,7 +38,7 @@ def decode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scales s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)) (SPEC 2.3)."""
+    """E4M3 block scales s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)) (docs/numerics.md §2.3)."""
     factor = s_enc * _ONE_SIXTH.to(s_enc.device)
     return (block_amax * factor).clamp(max=FLT_MAX).clamp(-E4M3_MAX, E4M3_MAX).to(SCALE_DTYPE)
 
@@ -61,11 +61,11 @@ def _stochastic_codes(v: torch.Tensor, sr_seed: int, sr_offset, sr_stream: int) 
 
 def quantize_blocks(x2d: torch.Tensor, amax: torch.Tensor, *, block_2d: bool = False,
                     sr_seed: int | None = None, sr_offset=(0, 0), sr_stream: int = 0):
-    """Quantize a 2D tensor along its last dim with 1x16 (or 16x16) blocks (SPEC 2 and 4).
+    """Quantize a 2D tensor along its last dim with 1x16 (or 16x16) blocks (docs/numerics.md §2 and 4).
 
-    amax: shape (1,) for a per-tensor scale or (M,) for one per row (SPEC 6).
+    amax: shape (1,) for a per-tensor scale or (M,) for one per row (docs/numerics.md §6).
     sr_seed: stochastic rounding with Philox bits at global positions
-             (row + sr_offset[0], col + sr_offset[1]) of stream sr_stream (SPEC 7).
+             (row + sr_offset[0], col + sr_offset[1]) of stream sr_stream (docs/numerics.md §7).
     Returns (data uint8 [M, K/2], scale float8_e4m3fn [M, K/16]).
     """
     x = x2d.to(torch.float32)
@@ -80,7 +80,7 @@ def quantize_blocks(x2d: torch.Tensor, amax: torch.Tensor, *, block_2d: bool = F
     else:
         block_amax = blocks.abs().amax(dim=2)                     # [M, K/16]
     scale = block_scales(block_amax, s_enc)
-    # SPEC 2.4: e_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX)
+    # docs/numerics.md §2.4: e_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX)
     denominator = scale.to(torch.float32) * s_dec
     encode = torch.div(torch.ones_like(denominator), denominator).clamp(max=FLT_MAX)
     scaled = (blocks * encode[:, :, None]).clamp(-FP4_MAX, FP4_MAX).reshape(rows, cols)

@@ -1,4 +1,4 @@
-"""Random Hadamard transform of the wgrad operands (SPEC section 5)."""
+"""Random Hadamard transform of the wgrad operands (docs/numerics.md section 5)."""
 import torch
 
 from ..formats import BLOCK_SIZE
@@ -26,7 +26,7 @@ def hadamard_butterflies(t: torch.Tensor) -> torch.Tensor:
     """t . H16 on the last dim (16) of an FP32 tensor, by the fast Walsh-Hadamard transform: butterflies
     (a, b) -> (a + b, a - b) on the pairs (i, i + h), i & h == 0, for h = 1, 2, 4, 8 in turn.
 
-    This order of the FP32 additions defines the RHT's rounding (SPEC 5 fixes only FP32); the kernels
+    This order of the FP32 additions defines the RHT's rounding (docs/numerics.md §5 fixes only FP32); the kernels
     add in the same order (csrc/nvfp4_numerics.cuh), and elementwise additions round the same on any
     device, unlike a matmul, whose order depends on the BLAS.
     """
@@ -60,7 +60,7 @@ def inverse_rht_chunks(y: torch.Tensor, random_sign: bool = True) -> torch.Tenso
 def rht_transpose(x2d: torch.Tensor, random_sign: bool = True) -> torch.Tensor:
     """x [M, K] -> (x^T with each 16-chunk along M multiplied by H) [K, M], rounded to BF16.
 
-    Computed in FP32 from a BF16 input (SPEC 5) by rht_chunks; M must be a multiple of 16.
+    Computed in FP32 from a BF16 input (docs/numerics.md §5) by rht_chunks; M must be a multiple of 16.
     """
     if x2d.dtype != torch.bfloat16:
         raise ValueError(f"RHT input dtype={x2d.dtype}: the RHT path takes torch.bfloat16 only")

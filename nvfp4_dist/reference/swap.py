@@ -1,4 +1,4 @@
-"""swap_first_dims: reorder a gathered columnwise copy (SPEC 9)."""
+"""swap_first_dims: reorder a gathered columnwise copy (docs/numerics.md §9)."""
 import torch
 
 

@@ -1,4 +1,4 @@
-"""The 128x4 swizzled block-scale layout of Blackwell block-scaled GEMMs (SPEC 8)."""
+"""The 128x4 swizzled block-scale layout of Blackwell block-scaled GEMMs (docs/numerics.md §8)."""
 import torch
 
 from ..formats import SCALE_DTYPE
