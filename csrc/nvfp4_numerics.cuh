@@ -255,8 +255,7 @@ struct PhiloxWords {
   uint32_t w[4];
 };
 
-// The high and low words of a * b: on the GPU one IMAD.WIDE.U32 (__umulhi and a * b gave two instructions for 4
-// of a stochastic rounding block's 10 products; H100 driver: the SR casts 0.995-0.997x).
+// The high and low words of a * b: on the GPU one IMAD.WIDE.U32 (__umulhi and a * b give two instructions).
 NVFP4_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
   const uint64_t product = static_cast<uint64_t>(a) * b;
   hi = static_cast<uint32_t>(product >> 32);
@@ -324,9 +323,8 @@ NVFP4_HD StochasticRoundingKeys stochastic_rounding_keys(uint64_t seed) {
 // `stream` is (group, row, stream, 0) (reference/philox.py). A thread's blocks share their group and
 // stream and differ in the row, the counter word that enters round 0 through an XOR, not a multiply:
 // rounds 0-2 are then mostly the group's, computed once per thread (PhiloxGroupPrefix, the keys that
-// meet them folded in): a call skips round 0's two products and one of each of rounds 1 and 2 (H100:
-// the RHT SR cast issues 0.8% fewer instructions). Rounds count from 0, as in philox4x32_rounds;
-// "state r" is the state after round r.
+// meet them folded in): a call skips round 0's two products and one of each of rounds 1 and 2.
+// Rounds count from 0, as in philox4x32_rounds; "state r" is the state after round r.
 struct PhiloxGroupPrefix {
   uint32_t row_mask;     // state 0's c0 = row ^ row_mask
   uint32_t state1_mask;  // state 1's c2 = hi(M0 * state 0's c0) ^ state1_mask
@@ -489,15 +487,15 @@ NVFP4_HD float encode_block_factor(float e_b) { return kSR ? e_b : underflow_mar
 // underflows to -0.0 is made +0.0 by one more + 0 unless kSixteenBitValues (the values are BF16 or FP16
 // numbers) and encode >= kEncodeKeepingSixteenBitProductsNonzero rule that out. encode: encode_block_factor<kSR>
 // of e_b; for round to nearest as underflow_marked_encode gives it (its magnitude scales; a negative one marks
-// the underflow case), for stochastic rounding e_b itself (the SR casts ran 0.5-1% slower with marks, H200).
+// the underflow case), for stochastic rounding e_b itself (marks cost the SR casts time).
 // Round to nearest: both rare fixes share one branch, taken for 16-bit values where the bits of
 // block_amax * encode are at least 7's as unsigned integers (a marked encode, a NaN, or a product of 7 or
 // more): one compare; the + 0 changes no other value, and the clamp no code below 7.
 // Stochastic rounding skips the clamp when block_amax * encode < 8 (magnitudes in [6, 8) give index 7
 // or 8, and saturate_stochastic_codes makes 8 a 7), and otherwise clamps |scaled| to 6 in place, in
 // its own rare branch, so that one copy of the encoding serves both cases (one branch for both fixes,
-// as round to nearest has, made the 1D SR casts 0.4-1.9% slower on an H200: more register moves). The RHT
-// SR cast takes that one branch (kOneRareBranch: H100 0.984-0.994x, H200 0.982-0.985x).
+// as round to nearest has, costs the 1D SR casts register moves). The RHT SR cast, bound by compute,
+// takes that one branch (kOneRareBranch).
 // sr_row and sr_column are non-negative. sr_one_group: whether sr_column % 16 == 0, the block being
 // one Philox group, whose PhiloxGroupPrefix in `stream` is sr_group; otherwise each element takes its
 // own Philox call (a shard offset that is not a multiple of 16). A kernel passes a condition that is

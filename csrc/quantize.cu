@@ -22,7 +22,7 @@ constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
 // CTAs per multiprocessor the registers must allow: FP32 input (85 registers, so 3 tiles overlap load
 // and math); 16-bit input with two tiles per CTA (its registers also hold the next tile; shared memory allows
 // no more than 3; 4 made the SR casts spill); the other 16-bit casts, one tile per CTA (64 registers, no
-// spills; H200 driver against 3 CTAs of two tiles: 2D 0.97-0.98x, 1D 0.986-1.000x, but RHT 1.03-1.04x).
+// spills; faster for the 1D and 2D casts than 3 CTAs of two tiles, slower for the RHT cast).
 constexpr int kMinTilesPerMultiprocessor = 3;
 constexpr int kMinTilesPerMultiprocessorPaired = 3;
 constexpr int kMinTilesPerMultiprocessorNearest = 4;
@@ -254,7 +254,7 @@ constexpr int kTileBuffers = kPrefetchNextTile<T, kRHT, kSR> ? 2 : 1;
 // When that copy starts: before the wait for the current tile, so that it overlaps all of its encoding,
 // or, for the RHT cast, whose encoding takes longest, after the current tile's rowwise copy. The memory
 // system then holds fewer tiles that nobody waits for yet, and the last CTAs' copies come back sooner
-// (H100, 8192^2: 0.986x for the RHT cast; the memory-bound casts lose 1-3% with it).
+// (a gain for the compute-heavy RHT cast only; the memory-bound casts lose with it).
 template <bool kRHT>
 constexpr bool kNextCopyAfterRowwise = kRHT;
 
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
                          const TileOrder order, const int leading_singles, const int paired_ctas) {
   constexpr bool kPrefetch = kPrefetchNextTile<T, kRHT, kSR>;
   // kTileBuffers tiles, 128-byte aligned: TileLayout's conflict-free patterns assume rows that start on
-  // 128-byte lines (H200: with the tiles 16 bytes past a line, behind the static arrays, the casts took 2-8% longer)
+  // 128-byte lines (tiles 16 bytes past a line, behind the static arrays, make every cast slower)
   extern __shared__ __align__(128) uint8_t tiles_in_shared[];
   // a 16x16-block tile's block amaxes (the bits of non-negative floats, maxed atomically), and its rowwise
   // codes for its columnwise copy (transpose_codes below)
@@ -291,8 +291,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   //    give (block_scale_e4m3_of_nonnegative: 0x00..0x7E, 0x7F for NaN), once per CTA instead of one
   //    division per block (a per-row S_enc, for row-scaled copies, divides per block instead).
   // the tensor amaxes before the first tile's copies, so that their loads do not queue behind them (row-scaled:
-  // the rowwise ones are read per row below); after them for the 1D and 2D SR casts (H100 and H200 driver:
-  // 1.00-1.02x with the loads first there, 0.99-1.00x for the others; H100 RHT SR: 0.99x with them first)
+  // the rowwise ones are read per row below); after them for the 1D and 2D SR casts, which are slower with
+  // the loads first
   float rowwise_amax = 0.0f, columnwise_amax = 0.0f;
   const auto load_tensor_amaxes = [&] {
     const auto load = [](const float* amax) { return amax != nullptr ? *amax : 0.0f; };
@@ -551,7 +551,7 @@ cudaError_t launch_tiles(const QuantizeArgs& args, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
   }
   // one single-tile CTA per multiprocessor first (on grids of over 4 waves; two for the RHT cast that rounds
-  // to nearest, whose first wave is the longest: H100, 8192^2, 0.99x; the RHT SR cast: 0.99x with one),
+  // to nearest, whose first wave is the longest),
   // about one wave of them at the end (the CTAs per multiprocessor the registers allow), pairs between
   const int64_t multiprocessors = device_multiprocessors();
   const int band_shift = !kRHT && 5 * multiprocessors < 10 * column_tiles ? 4 : 0;  // see TileOrder

@@ -35,8 +35,7 @@ struct FastDivisor {
 // band_shift 0). launch_tiles (quantize.cu) picks bands of 16 tile rows where row-major tiles in flight
 // at once (about 5 per multiprocessor) would span fewer than 10 tile rows: then the columnwise
 // (transposed) copies of vertically adjacent tiles fill 16 x 64 contiguous bytes of each output row,
-// where row-major tiles of a wide x wrote 64-byte pieces (H100, 16384^2: 0.95x for the 1D and 2D casts;
-// the RHT cast stays row-major, which bands made 0.5-1% slower).
+// where row-major tiles of a wide x wrote 64-byte pieces; the RHT cast, bound by compute, stays row-major.
 struct TileOrder {
   FastDivisor band_tiles;       // tiles in a band
   FastDivisor last_band_rows;   // tile rows of the last band (fewer where the tile rows are no multiple)

@@ -2,9 +2,9 @@
 
 cublaslt: Blackwell cuBLASLt block-scaled NVFP4 (gemm_blackwell).
 emulated: Hopper exact-block emulation (gemm_hopper); NVFP4_HOPPER_GEMM picks "dequantize"
-          (exact BF16 operand copies feeding cuBLASLt, which applies alpha itself: the default, 0.97x
-          cuBLAS BF16 on H100, benchmarks/results/gemm_h100.json) or "fused" (dequantization inside a
-          Triton GEMM: 0.6x, far less extra memory).
+          (exact BF16 operand copies feeding cuBLASLt, which applies alpha itself: the default and
+          the faster, docs/performance.md) or "fused" (dequantization inside a Triton GEMM: slower,
+          far less extra memory).
 """
 from __future__ import annotations
 

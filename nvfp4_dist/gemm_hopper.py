@@ -221,10 +221,10 @@ class FusedConfig:
     dequantize_b_first: bool = False  # decode B to FP16 in a separate pass, only A inside the GEMM
 
 
-DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # fastest fused variant on H100 (benchmarks/gemm.py)
+DEFAULT_FUSED_CONFIG = FusedConfig(dequantize_b_first=True)  # the fastest fused variant (benchmarks/gemm.py)
 # gemm_dequantize_matmul's row chunks: at most this many bytes of BF16 A rows (and FP32 product rows) at once,
-# so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunking cost
-# ~2% at 8192^3 on H100 in `benchmarks/gemm.py --sweep` of the FP32-product path).
+# so a large GEMM's temporaries stay small next to the activations (one pass when they fit; chunks cost a
+# little time, `benchmarks/gemm.py --sweep` measures it).
 CHUNK_BYTES = 512 << 20
 
 
