@@ -20,7 +20,8 @@ import os
 import torch
 import triton
 
-from nvfp4_dist import gemm_hopper, reference
+from nvfp4_dist import reference
+from nvfp4_dist.gemm import hopper
 from nvfp4_dist.reference.quantize import decode_scale
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
@@ -31,7 +32,7 @@ SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
     (16384, 8192, 28672),
     (16384, 28672, 8192),
 ]
-FUSED = gemm_hopper.FusedConfig
+FUSED = hopper.FusedConfig
 # Candidates timed by --sweep; the fastest fused and dequantize-path ones run on all SHAPES.
 FUSED_CANDIDATES = {
     "fused_both_128x128x64": FUSED(),
@@ -78,19 +79,19 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_fused(a, b, config):
-    return lambda: gemm_hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=config)
+    return lambda: hopper.gemm_fused(*a, *b, out_dtype=torch.bfloat16, config=config)
 
 
 def run_dequantize(a, b, rows_per_chunk, via_fp32=False):
-    return lambda: gemm_hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16, rows_per_chunk=rows_per_chunk,
+    return lambda: hopper.gemm_dequantize_matmul(*a, *b, out_dtype=torch.bfloat16, rows_per_chunk=rows_per_chunk,
                                                       via_fp32=via_fp32)
 
 
 def measure_shape(m: int, n: int, k: int, fused_config, rows_per_chunk, device) -> dict:
     a = quantized_operand(m, k, 1.0, device)
     b = quantized_operand(n, k, 0.02, device)
-    a_bf16 = gemm_hopper.dequantize_to_bf16(a[0], a[1])
-    b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
+    a_bf16 = hopper.dequantize_to_bf16(a[0], a[1])
+    b_bf16 = hopper.dequantize_to_bf16(b[0], b[1])
     bf16_ms = time_ms(lambda: torch.matmul(a_bf16, b_bf16.t()))
     expected = torch.matmul(a_bf16, b_bf16.t()).float() * decode_scale(a[2]) * decode_scale(b[2])
     a_bf16 = b_bf16 = None  # free before the NVFP4 paths run
@@ -110,14 +111,14 @@ def sweep(m: int, n: int, k: int, device) -> dict:
     """Every candidate, and the parts of the dequantize path, timed on one shape."""
     a = quantized_operand(m, k, 1.0, device)
     b = quantized_operand(n, k, 0.02, device)
-    a_bf16 = gemm_hopper.dequantize_to_bf16(a[0], a[1])
-    b_bf16 = gemm_hopper.dequantize_to_bf16(b[0], b[1])
+    a_bf16 = hopper.dequantize_to_bf16(a[0], a[1])
+    b_bf16 = hopper.dequantize_to_bf16(b[0], b[1])
     acc = torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     parts = {"bf16_matmul": lambda: torch.matmul(a_bf16, b_bf16.t()),
              "bf16_matmul_fp32_out": lambda: torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32),
-             "dequantize_a": lambda: gemm_hopper.dequantize_to_bf16(a[0], a[1]),
-             "epilogue": lambda: gemm_hopper.apply_epilogue(acc, a[2], b[2], None, out, False)}
+             "dequantize_a": lambda: hopper.dequantize_to_bf16(a[0], a[1]),
+             "epilogue": lambda: hopper.apply_epilogue(acc, a[2], b[2], None, out, False)}
     results = {"parts_ms": {name: time_ms(fn) for name, fn in parts.items()}, "candidates": {}}
     print(results["parts_ms"], flush=True)
     a_bf16 = b_bf16 = acc = out = None  # free before the candidates run
@@ -148,7 +149,7 @@ def main() -> None:
     torch.manual_seed(0)
     report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
                   torch=torch.__version__, triton=triton.__version__)
-    config, rows_per_chunk = gemm_hopper.DEFAULT_FUSED_CONFIG, None  # None: gemm_hopper.CHUNK_BYTES
+    config, rows_per_chunk = hopper.DEFAULT_FUSED_CONFIG, None  # None: hopper.CHUNK_BYTES
     if args.sweep:
         report["sweep_8192"] = sweep(8192, 8192, 8192, device)
         config = FUSED_CANDIDATES[fastest(report["sweep_8192"], FUSED_CANDIDATES)]

@@ -153,7 +153,7 @@ class Pair:
 def comm_steps(tokens, hidden, ffn, group, recipe):
     """(forward, forward+backward) callables issuing the pair's communication alone, plain and ring."""
     from nvfp4_dist import ops
-    from nvfp4_dist.parallel import comm as C
+    from nvfp4_dist.parallel import collectives
     from nvfp4_dist.parallel import overlap as O
     world_size = dist.get_world_size(group)
     local = torch.randn(tokens // world_size, hidden, device="cuda").bfloat16()
@@ -164,26 +164,26 @@ def comm_steps(tokens, hidden, ffn, group, recipe):
     amaxes = [torch.ones(1, device="cuda") for _ in range(2)]
 
     def plain_forward():
-        C.all_reduce_amax(amaxes, group)
-        C.all_gather_nvfp4(xq.rowwise_only(), group)
-        C.reduce_scatter_bf16(partial, group)
+        collectives.all_reduce_amax(amaxes, group)
+        collectives.all_gather_nvfp4(xq.rowwise_only(), group)
+        collectives.reduce_scatter_bf16(partial, group)
 
     def plain_backward():
-        C.all_reduce_amax(amaxes, group)
-        finish_x = C.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
-        finish_dy = C.all_gather_nvfp4(dyq.columnwise_only(), group, async_op=True)[1]
-        C.all_gather_nvfp4(dyq.rowwise_only(), group)
-        C.reduce_scatter_bf16(partial, group)
+        collectives.all_reduce_amax(amaxes, group)
+        finish_x = collectives.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
+        finish_dy = collectives.all_gather_nvfp4(dyq.columnwise_only(), group, async_op=True)[1]
+        collectives.all_gather_nvfp4(dyq.rowwise_only(), group)
+        collectives.reduce_scatter_bf16(partial, group)
         finish_x(), finish_dy()
 
     def ring_forward():
-        C.all_reduce_amax(amaxes, group)
+        collectives.all_reduce_amax(amaxes, group)
         O.ring_all_gather_consume(O.rowwise_pieces(xq), lambda tensors, source: None, group)
         O.ring_reduce_scatter_produce(lambda destination: chunk, group)
 
     def ring_backward():
-        C.all_reduce_amax(amaxes, group)
-        finish_x = C.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
+        collectives.all_reduce_amax(amaxes, group)
+        finish_x = collectives.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
         carry = O.ColumnwiseCarry(dyq.columnwise_only(), group)
         carry.start(world_size)
         O.ring_all_gather_consume(O.rowwise_pieces(dyq) + carry.pieces(), lambda tensors, source: None, group)
@@ -395,7 +395,7 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
 
     import nvfp4_dist as nv
-    from nvfp4_dist.gemm_backends import hopper_path
+    from nvfp4_dist.gemm.gpu_backends import hopper_path
     rank, world_size = init_nccl()
     for tokens, hidden, ffn in shapes:
         if tokens % (16 * world_size) or ffn % (16 * world_size) or hidden % 16:

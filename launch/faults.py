@@ -29,7 +29,7 @@ STORE_FAILURES_TO_GIVE_UP = 3  # consecutive failed store calls: the host closed
 FAULT_KINDS = ("kill", "hang", "nan", "crash-in-save")
 # Frames from these paths mean a thread waits in communication.
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,
-                     os.path.join("parallel", "comm.py"), os.path.join("parallel", "overlap.py"))
+                     os.path.join("parallel", "collectives.py"), os.path.join("parallel", "overlap.py"))
 
 
 class NonFiniteError(RuntimeError):

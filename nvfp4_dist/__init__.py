@@ -1,14 +1,14 @@
 """nvfp4-dist: NVFP4 training under tensor and sequence parallelism."""
 import logging
 
-from . import formats, reference
-from .autocast import autocast
-from .finite_check import NonFiniteAmaxError, raise_pending_nonfinite
-from .gemm import gemm
-from .linear import Linear
-from .ops import compute_amaxes, dequantize, quantize, swap_first_dims, swizzle_scales
-from .recipe import NVFP4Recipe
-from .tensor import NVFP4Tensor
+from nvfp4_dist import formats, reference
+from nvfp4_dist.autocast import autocast
+from nvfp4_dist.finite_check import NonFiniteAmaxError, raise_pending_nonfinite
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.linear import Linear
+from nvfp4_dist.ops import compute_amaxes, dequantize, quantize, swap_first_dims, swizzle_scales
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.tensor import NVFP4Tensor
 
 logging.getLogger("nvfp4_dist").addHandler(logging.NullHandler())
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from .recipe import NVFP4Recipe
+from nvfp4_dist.recipe import NVFP4Recipe
 
 _ACTIVE = contextvars.ContextVar("nvfp4_dist_autocast", default=(True, None))
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from ._extension import load_extension, stream_handle
-from .formats import BLOCK_SIZE, SCALE_DTYPE
-from .reference.swizzle import padded_scale_shape
-from .tensor import NVFP4Tensor
+from nvfp4_dist._extension import load_extension, stream_handle
+from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.reference.swizzle import padded_scale_shape
+from nvfp4_dist.tensor import NVFP4Tensor
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _VECTOR_BYTES = 16  # the kernels read the input in 16-byte vectors

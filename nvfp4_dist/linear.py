@@ -24,12 +24,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import ops
-from .autocast import nvfp4_enabled, resolve_recipe
-from .formats import BLOCK_SIZE
-from .gemm import gemm
-from .recipe import NVFP4Recipe
-from .tensor import NVFP4Tensor
+from nvfp4_dist import ops
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.formats import BLOCK_SIZE
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.tensor import NVFP4Tensor
 
 logger = logging.getLogger("nvfp4_dist")
 

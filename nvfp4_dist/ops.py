@@ -4,15 +4,13 @@ Set NVFP4_FORCE_REFERENCE=1 to run the reference on every device.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import finite_check, reference
-from .finite_check import NonFiniteAmaxError  # noqa: F401 (part of this module's interface)
-from .formats import BLOCK_SIZE
-from .recipe import NVFP4Recipe
-from .tensor import NVFP4Tensor
+from nvfp4_dist import environment, finite_check, reference
+from nvfp4_dist.finite_check import NonFiniteAmaxError  # noqa: F401 (part of this module's interface)
+from nvfp4_dist.formats import BLOCK_SIZE
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.tensor import NVFP4Tensor
 
 ROLES = ("activation", "weight", "gradient")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -21,13 +19,13 @@ COPIES = ("rowwise", "columnwise")
 
 def use_kernels(tensor: torch.Tensor) -> bool:
     """True when `tensor` is on a GPU and the reference is not forced."""
-    return tensor.is_cuda and os.environ.get("NVFP4_FORCE_REFERENCE", "0") != "1"
+    return tensor.is_cuda and not environment.FORCE_REFERENCE.read()
 
 
 def backend_for(tensor: torch.Tensor):
     """The module that implements the operations for `tensor`: the kernels or the reference."""
     if use_kernels(tensor):
-        from . import kernels
+        from nvfp4_dist import kernels
         return kernels
     return reference
 

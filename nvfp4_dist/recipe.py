@@ -1,23 +1,25 @@
 """NVFP4Recipe: every option of docs/numerics.md section 10, with environment overrides."""
 import dataclasses
-import os
 
-GEMM_BACKENDS = ("auto", "cublaslt", "emulated", "reference")
+from nvfp4_dist import environment
+from nvfp4_dist.environment import GEMM_BACKENDS
 
-# Environment variable -> (field, value it sets when the variable is "1").
-_BOOLEAN_ENV_OVERRIDES = {
-    "NVFP4_DISABLE_RHT": ("rht", False),
-    "NVFP4_DISABLE_SR": ("stochastic_rounding", False),
-    "NVFP4_DISABLE_2D": ("weight_2d", False),
-    "NVFP4_ROW_SCALED_ACTIVATION": ("row_scaled_activation", True),
-    "NVFP4_RHT_NO_RANDOM_SIGN": ("rht_random_sign", False),
-}
-_INTEGER_ENV_OVERRIDES = {
-    "NVFP4_BF16_FIRST_LAYERS": "bf16_first_layers",
-    "NVFP4_BF16_LAST_LAYERS": "bf16_last_layers",
-    "NVFP4_OVERLAP_MIN_CHUNK_GFLOPS": "overlap_min_chunk_gflops",
-}
-_GEMM_BACKEND_ENV = "NVFP4_GEMM_BACKEND"
+# Flag variable -> (field, value it sets when the variable is 1).
+_FLAG_OVERRIDES = (
+    (environment.DISABLE_RHT, "rht", False),
+    (environment.DISABLE_SR, "stochastic_rounding", False),
+    (environment.DISABLE_2D, "weight_2d", False),
+    (environment.ROW_SCALED_ACTIVATION, "row_scaled_activation", True),
+    (environment.RHT_NO_RANDOM_SIGN, "rht_random_sign", False),
+    (environment.OVERLAP, "overlap", True),
+)
+# Variable -> the field it sets when given.
+_VALUE_OVERRIDES = (
+    (environment.BF16_FIRST_LAYERS, "bf16_first_layers"),
+    (environment.BF16_LAST_LAYERS, "bf16_last_layers"),
+    (environment.OVERLAP_MIN_CHUNK_GFLOPS, "overlap_min_chunk_gflops"),
+    (environment.GEMM_BACKEND, "gemm_backend"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +74,13 @@ class NVFP4Recipe:
     def from_env(cls, **overrides) -> "NVFP4Recipe":
         """Defaults, then environment variables, then explicit keyword overrides."""
         values = {}
-        for var, (field, value) in _BOOLEAN_ENV_OVERRIDES.items():
-            setting = os.environ.get(var)
-            if setting is None or setting == "":
-                continue
-            if setting not in ("0", "1"):
-                raise ValueError(f"environment variable {var}={setting!r}: allowed values are 0 and 1")
-            if setting == "1":
+        for variable, field, value in _FLAG_OVERRIDES:
+            if variable.read():
                 values[field] = value
-        for var, field in _INTEGER_ENV_OVERRIDES.items():
-            setting = os.environ.get(var)
-            if setting:
-                try:
-                    values[field] = int(setting)
-                except ValueError:
-                    raise ValueError(f"environment variable {var}={setting!r}: must be an integer >= 0") from None
-        if os.environ.get(_GEMM_BACKEND_ENV):
-            values["gemm_backend"] = os.environ[_GEMM_BACKEND_ENV]
-        if os.environ.get("NVFP4_OVERLAP") == "1":
-            values["overlap"] = True
+        for variable, field in _VALUE_OVERRIDES:
+            setting = variable.read()
+            if setting is not None:
+                values[field] = setting
         values.update(overrides)
         # Row-scaled activations imply the BF16 backward, so drop the defaults that conflict.
         if values.get("row_scaled_activation"):

@@ -22,13 +22,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..autocast import nvfp4_enabled, resolve_recipe
-from ..linear import (LinearComm, WeightCache, bf16_linear, check_activation, check_features, nvfp4_linear,
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.linear import (LinearComm, WeightCache, bf16_linear, check_activation, check_features, nvfp4_linear,
                       quantize_weight)
-from ..recipe import NVFP4Recipe
-from . import comm as C
-from .overlap import overlapped_comm
-from .tp_comm import ColumnParallelComm, RowParallelComm
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.parallel import collectives
+from nvfp4_dist.parallel.overlap import overlapped_comm
+from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
 
 
 def default_init_method(weight: torch.Tensor) -> None:
@@ -57,7 +57,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return C.all_reduce_bf16(dy.clone(), ctx.group), None
+        return collectives.all_reduce_bf16(dy.clone(), ctx.group), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -65,7 +65,7 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce_bf16(x.clone(), group)
+        return collectives.all_reduce_bf16(x.clone(), group)
 
     @staticmethod
     def backward(ctx, dy):
@@ -78,11 +78,11 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return C.all_gather_bf16(x, group)
+        return collectives.all_gather_bf16(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return C.reduce_scatter_bf16(dy, ctx.group), None
+        return collectives.reduce_scatter_bf16(dy, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -91,11 +91,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return C.reduce_scatter_bf16(x, group)
+        return collectives.reduce_scatter_bf16(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return C.all_gather_bf16(dy, ctx.group), None
+        return collectives.all_gather_bf16(dy, ctx.group), None
 
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
@@ -104,11 +104,11 @@ class _ScatterToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return C.split_last_dim(x, group)
+        return collectives.split_last_dim(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return C.all_gather_last_dim(dy, ctx.group), None
+        return collectives.all_gather_last_dim(dy, ctx.group), None
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
@@ -117,11 +117,11 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return C.all_gather_last_dim(x, group)
+        return collectives.all_gather_last_dim(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return C.split_last_dim(dy, ctx.group), None
+        return collectives.split_last_dim(dy, ctx.group), None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ class _ParallelLinear(torch.nn.Module):
         if recipe is not None and not isinstance(recipe, NVFP4Recipe):
             raise ValueError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
         self.tp_group = resolve_group(tp_group)
-        self.world_size, self.rank = C.group_size(self.tp_group), C.group_rank(self.tp_group)
+        self.world_size, self.rank = collectives.group_size(self.tp_group), collectives.group_rank(self.tp_group)
         partitioned = out_features if partition_dim == 0 else in_features
         name = "out_features" if partition_dim == 0 else "in_features"
         if partitioned % self.world_size:

@@ -35,12 +35,12 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..gemm import gemm, operand
-from ..linear import LinearComm
-from ..tensor import NVFP4Tensor
-from . import comm as C
-from . import symmetric
-from .tp_comm import ColumnParallelComm, RowParallelComm
+from nvfp4_dist.gemm import gemm, operand
+from nvfp4_dist.linear import LinearComm
+from nvfp4_dist.tensor import NVFP4Tensor
+from nvfp4_dist.parallel import collectives
+from nvfp4_dist.parallel import symmetric
+from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
 
 
 def all_gather_order(rank: int, world_size: int) -> list[int]:
@@ -165,7 +165,7 @@ class ColumnwiseCarry:
     def finish(self) -> NVFP4Tensor:
         """The gathered copy (gathered now by all_gather_nvfp4 when no ring carried it)."""
         if self.gathered is None:
-            self.gathered = C.all_gather_nvfp4(self.local, self.group)
+            self.gathered = collectives.all_gather_nvfp4(self.local, self.group)
         return self.gathered
 
 

@@ -4,30 +4,29 @@ One kernel (csrc/peer_gather.cu) copies this rank's shard into its own symmetric
 barrier over the ranks' signal pads; a second pulls every rank's shard straight into the final layout.
 Columnwise copies land already reordered, so swap_first_dims costs nothing. The amax MAX all-reduce is one
 single-block kernel (publish, barrier, reduce). No NCCL, two launches per gather and one per amax.
-The results are byte-identical to the NCCL path of parallel/comm.py (tests_multigpu/test_symmetric_gpu.py).
+The results are byte-identical to the NCCL path of parallel/collectives.py (tests_multigpu/test_symmetric_gpu.py).
 
 Each buffer has two halves that alternate from call to call: a rank can write its next shard while a peer
 still reads the previous one, because the barrier of the call in between orders them. All calls of a
 group must run on one CUDA stream per rank (the layers' current stream).
-Used when NVFP4_SYMMETRIC_MEMORY is not "0", the group is NCCL on CUDA with 2 to 8 ranks on one host, and
+Used when NVFP4_SYMMETRIC_MEMORY is not 0 or off, the group is NCCL on CUDA with 2 to 8 ranks on one host, and
 symmetric memory can be set up; every rank takes the same decision (otherwise NCCL, with a log line).
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from .._extension import load_extension, stream_handle
+from nvfp4_dist import environment
+from nvfp4_dist._extension import load_extension, stream_handle
 
 log = logging.getLogger("nvfp4_dist")
 
-ENV_SWITCH = "NVFP4_SYMMETRIC_MEMORY"
 MAX_RANKS, MAX_PIECES, MAX_AMAXES = 8, 8, 8  # csrc/nvfp4_kernels.h: kMaxPeers, kMaxPeerPieces, kMaxPeerAmaxes
 _ALIGN = 256                                  # bytes between pieces (keeps 16-byte vector access)
 _MIN_DATA_BYTES = 16 * 2 ** 20                # first data half; grows by doubling
@@ -103,11 +102,9 @@ def enabled(group=None) -> bool:
     if group in _enabled:
         return _enabled[group]
     key = group.group_name
-    switch = os.environ.get(ENV_SWITCH, "auto").strip().lower()
-    if switch not in ("auto", "1", "0", "on", "off"):
-        raise ValueError(f"{ENV_SWITCH}={switch!r}: expected auto, 1, on, 0 or off")
+    allowed = environment.SYMMETRIC_MEMORY.read()
     world_size = dist.get_world_size(group)
-    usable = (switch not in ("0", "off") and torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+    usable = (allowed and torch.cuda.is_available() and dist.get_backend(group) == "nccl"
               and 2 <= world_size <= MAX_RANKS and _same_host(group))
     if usable:
         try:

@@ -5,7 +5,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfp4_dist as nv
-from nvfp4_dist import gemm_backends, gemm_blackwell, reference
+from nvfp4_dist import reference
+from nvfp4_dist.gemm import blackwell, gpu_backends
 from nvfp4_dist.gemm import gemm, resolve_backend
 from nvfp4_dist.reference.gemm import block_values
 from nvfp4_dist.reference.quantize import decode_scale
@@ -136,11 +137,11 @@ def test_backend_resolution(monkeypatch):
     assert resolve_backend(None, cpu) == "reference"
     monkeypatch.setenv("NVFP4_HOPPER_GEMM", "fastest")
     with pytest.raises(ValueError, match="NVFP4_HOPPER_GEMM"):
-        gemm_backends.hopper_path()
+        gpu_backends.hopper_path()
     monkeypatch.setenv("NVFP4_HOPPER_GEMM", "fused")
-    assert gemm_backends.hopper_path() == "fused"
+    assert gpu_backends.hopper_path() == "fused"
     monkeypatch.delenv("NVFP4_HOPPER_GEMM")
-    assert gemm_backends.hopper_path() == "dequantize"
+    assert gpu_backends.hopper_path() == "dequantize"
 
 
 # Blackwell: argument building, padding and the emulated cuBLASLt block-scaled math.
@@ -155,7 +156,7 @@ def test_blackwell_arguments_and_emulation_match_reference(m, n, k, row_scaled):
     wq = nv.quantize(torch.randn(n, k, generator=generator).to(torch.bfloat16) * 0.1, "weight", recipe=RECIPE,
                      columnwise=False)
     args = operands(xq, "rowwise", wq, "rowwise")
-    call = gemm_blackwell.scaled_mm_arguments(*args)
+    call = blackwell.scaled_mm_arguments(*args)
     padded_m, padded_n, padded_k = (-(-m // 128) * 128, -(-n // 128) * 128, -(-k // 64) * 64)
     assert call.a.dtype == call.b.dtype == torch.float4_e2m1fn_x2
     assert tuple(call.a.shape) == (padded_m, padded_k // 2) and call.a.stride() == (padded_k // 2, 1)
@@ -173,14 +174,14 @@ def test_blackwell_arguments_and_emulation_match_reference(m, n, k, row_scaled):
     scale_b = wq.rowwise_scale.view(torch.uint8)
     for r, c in ((0, 0), (n - 1, k // 16 - 1), (min(33, n - 1), min(5, k // 16 - 1))):
         assert raw[swizzle_offset(r, c, padded_k // 16)] == scale_b[r, c]
-    emulated = gemm_blackwell.finish_scaled_mm(gemm_blackwell.emulate_scaled_mm(call), call)
+    emulated = blackwell.finish_scaled_mm(blackwell.emulate_scaled_mm(call), call)
     expected = reference.gemm_reference(*args)
     torch.testing.assert_close(emulated, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
 def test_blackwell_aligned_operands_are_not_copied():
     xq, wq, _ = layer(128, 128, 128)
-    call = gemm_blackwell.scaled_mm_arguments(*operands(xq, "rowwise", wq, "rowwise"))
+    call = blackwell.scaled_mm_arguments(*operands(xq, "rowwise", wq, "rowwise"))
     assert call.a.data_ptr() == xq.rowwise_data.data_ptr()
     assert call.b.data_ptr() == wq.rowwise_data.data_ptr()
 
@@ -189,7 +190,7 @@ def test_blackwell_aligned_operands_are_not_copied():
 def test_blackwell_arguments_pass_torch_scaled_mm_checks(m, n, k):
     """torch's own shape/stride/dtype checks of _scaled_mm for CUDA tensors accept the arguments."""
     xq, wq, _ = layer(m, n, k)
-    call = gemm_blackwell.scaled_mm_arguments(*operands(xq, "rowwise", wq, "rowwise"))
+    call = blackwell.scaled_mm_arguments(*operands(xq, "rowwise", wq, "rowwise"))
     short_scale_a = call.scale_a[:-4]
     with FakeTensorMode():
         to_cuda = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
@@ -206,13 +207,13 @@ def test_blackwell_argument_errors():
     data, scale, amax = xq.rowwise_data, xq.rowwise_scale, xq.amax_rowwise
     w_args = (wq.rowwise_data, wq.rowwise_scale, wq.amax_rowwise)
     with pytest.raises(ValueError, match="a_data"):
-        gemm_blackwell.scaled_mm_arguments(data.to(torch.int16), scale, amax, *w_args)
+        blackwell.scaled_mm_arguments(data.to(torch.int16), scale, amax, *w_args)
     with pytest.raises(ValueError, match="a_scale.shape"):
-        gemm_blackwell.scaled_mm_arguments(data, scale[:, :2], amax, *w_args)
+        blackwell.scaled_mm_arguments(data, scale[:, :2], amax, *w_args)
     with pytest.raises(ValueError, match="b_scale"):
-        gemm_blackwell.scaled_mm_arguments(data, scale, amax, wq.rowwise_data, wq.rowwise_scale.float(),
+        blackwell.scaled_mm_arguments(data, scale, amax, wq.rowwise_data, wq.rowwise_scale.float(),
                                            wq.amax_rowwise)
     with pytest.raises(ValueError, match="K mismatch"):
-        gemm_blackwell.scaled_mm_arguments(data[:, :16], scale[:, :2], amax, *w_args)
+        blackwell.scaled_mm_arguments(data[:, :16], scale[:, :2], amax, *w_args)
     with pytest.raises(ValueError, match="a_amax"):
-        gemm_blackwell.scaled_mm_arguments(data, scale, torch.ones(5), *w_args)
+        blackwell.scaled_mm_arguments(data, scale, torch.ones(5), *w_args)

@@ -19,7 +19,7 @@ from nvfp4_dist import ops
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.linear import operand_amaxes, quantize_operand
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, all_gather_nvfp4, all_reduce_amax
-from nvfp4_dist.parallel import comm as C
+from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import overlap as O
 from distributed_utils import run_distributed
 
@@ -53,8 +53,8 @@ def count_calls(*targets):
             setattr(module, name, original)
 
 
-SPIED = ((O, "ring_all_gather_consume"), (O, "ring_reduce_scatter_produce"), (C, "all_gather_nvfp4"),
-         (C, "reduce_scatter_bf16"))
+SPIED = ((O, "ring_all_gather_consume"), (O, "ring_reduce_scatter_produce"),
+         (collectives, "all_gather_nvfp4"), (collectives, "reduce_scatter_bf16"))
 
 
 def inputs(world_size, in_features, out_features, sequence_split):
@@ -308,7 +308,7 @@ def test_overlapped_layers_match_plain(which, world_size):
 
 def test_overlapped_comm_selects_twin_and_rejects_others():
     from nvfp4_dist.linear import LinearComm
-    from nvfp4_dist.parallel.tp_comm import ColumnParallelComm, RowParallelComm
+    from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
     column = O.overlapped_comm(ColumnParallelComm(None, True, True))
     assert isinstance(column, O.OverlappedColumnParallelComm) and column.keep_input_columnwise
     row = O.overlapped_comm(RowParallelComm(None, True))

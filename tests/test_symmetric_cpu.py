@@ -11,7 +11,7 @@ from nvfp4_dist.parallel import all_reduce_amax, symmetric
 
 def _gloo_group_is_not_symmetric(rank, world_size, monkeypatch_value):
     import os
-    os.environ[symmetric.ENV_SWITCH] = monkeypatch_value
+    os.environ["NVFP4_SYMMETRIC_MEMORY"] = monkeypatch_value
     assert symmetric.enabled() is False
     amax = torch.tensor([float(rank)])
     all_reduce_amax([amax])
@@ -27,7 +27,7 @@ def test_gloo_group_takes_the_plain_path(switch):
 
 def _bad_switch(rank, world_size):
     import os
-    os.environ[symmetric.ENV_SWITCH] = "sometimes"
+    os.environ["NVFP4_SYMMETRIC_MEMORY"] = "sometimes"
     with pytest.raises(ValueError, match="NVFP4_SYMMETRIC_MEMORY='sometimes'"):
         symmetric.enabled()
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import nvfp4_dist as nv
-from nvfp4_dist import gemm_hopper, reference
+from nvfp4_dist import reference
+from nvfp4_dist.gemm import hopper
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.reference.gemm import block_values
 
@@ -20,9 +21,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs a Hopper (sm_90) or newer GPU")
 
 TOLERANCE = dict(atol=8e-3, rtol=8e-3)
-PLAIN = gemm_hopper.FusedConfig(use_ptx=False)
-SMALL_TILES = gemm_hopper.FusedConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
-B_FIRST = gemm_hopper.FusedConfig(block_n=256, num_stages=3, dequantize_b_first=True)
+PLAIN = hopper.FusedConfig(use_ptx=False)
+SMALL_TILES = hopper.FusedConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+B_FIRST = hopper.FusedConfig(block_n=256, num_stages=3, dequantize_b_first=True)
 RECIPE = nv.NVFP4Recipe()
 ROW_SCALED = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
 
@@ -80,12 +81,12 @@ SHAPES = [(128, 128, 128), (112, 128, 96), (256, 384, 512), (1024, 768, 2048)]
 def test_fused_and_dequantize_paths_match_reference(m, n, k, name):
     args = operands(*layout(name, *layer_operands(m, n, k, seed=m + n + k)))
     ref = reference.gemm_reference(*args)
-    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
-    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=PLAIN), ref)
-    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=SMALL_TILES), ref)
-    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=B_FIRST), ref)
-    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
-    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=96), ref)
+    check_bf16(hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=PLAIN), ref)
+    check_bf16(hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=SMALL_TILES), ref)
+    check_bf16(hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=B_FIRST), ref)
+    check_bf16(hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=96), ref)
 
 
 @pytest.mark.parametrize("name", ["fprop", "wgrad"])
@@ -93,10 +94,10 @@ def test_largest_shape(name):
     m, n, k = 4096, 3072, 4096
     args = operands(*layout(name, *layer_operands(m, n, k, seed=7)))
     ref = reference.gemm_reference(*args)
-    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
-    check_bf16(gemm_hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=B_FIRST), ref)
-    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
-    check_bf16(gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=1024), ref)
+    check_bf16(hopper.gemm_fused(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(hopper.gemm_fused(*args, out_dtype=torch.bfloat16, config=B_FIRST), ref)
+    check_bf16(hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16), ref)
+    check_bf16(hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, rows_per_chunk=1024), ref)
 
 
 def test_dequantize_into_bf16_and_fp16_is_exact():
@@ -104,13 +105,13 @@ def test_dequantize_into_bf16_and_fp16_is_exact():
     x, w, _ = layer_operands(96, 80, 272, seed=3)
     for data, scale in ((x.rowwise_data, x.rowwise_scale), (w.columnwise_data, w.columnwise_scale)):
         expected = block_values(data, scale).reshape(data.shape[0], -1)
-        out = gemm_hopper.dequantize_to_bf16(data, scale)
+        out = hopper.dequantize_to_bf16(data, scale)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out.float(), expected)
         half = torch.empty(expected.shape, dtype=torch.float16, device="cuda")
-        assert torch.equal(gemm_hopper.dequantize_into(data, scale, half).float(), expected * 2.0 ** -6)
+        assert torch.equal(hopper.dequantize_into(data, scale, half).float(), expected * 2.0 ** -6)
     rows = x.rowwise_data[32:64]  # a row slice, as the chunked GEMM passes it
-    out = gemm_hopper.dequantize_to_bf16(rows, x.rowwise_scale[32:64])
+    out = hopper.dequantize_to_bf16(rows, x.rowwise_scale[32:64])
     assert torch.equal(out.float(), block_values(x.rowwise_data, x.rowwise_scale).reshape(96, -1)[32:64])
 
 
@@ -136,16 +137,16 @@ def test_epilogue_is_the_fp32_formula(out_dtype, bias_dtype, per_row):
             whole = torch.randn(rows, cols + 8, generator=generator).to(out_dtype).cuda()
             out = whole[:, offset:offset + cols]
             before = out.float().clone()
-            gemm_hopper.apply_epilogue(acc, a_amax, b_amax, bias, out, accumulate)
+            hopper.apply_epilogue(acc, a_amax, b_amax, bias, out, accumulate)
             want = (expected + before if accumulate else expected).to(out_dtype)
             assert torch.equal(out, want), (accumulate, offset, (out.float() - want.float()).abs().max().item())
 
 
-PATHS = {"fused": gemm_hopper.gemm_fused,
-         "fused_b_first": lambda *args, **kw: gemm_hopper.gemm_fused(*args, config=B_FIRST, **kw),
-         "dequantize": gemm_hopper.gemm_dequantize_matmul,
-         "dequantize_chunked": lambda *args, **kw: gemm_hopper.gemm_dequantize_matmul(*args, rows_per_chunk=160, **kw),
-         "dequantize_fp32": lambda *args, **kw: gemm_hopper.gemm_dequantize_matmul(*args, via_fp32=True, **kw)}
+PATHS = {"fused": hopper.gemm_fused,
+         "fused_b_first": lambda *args, **kw: hopper.gemm_fused(*args, config=B_FIRST, **kw),
+         "dequantize": hopper.gemm_dequantize_matmul,
+         "dequantize_chunked": lambda *args, **kw: hopper.gemm_dequantize_matmul(*args, rows_per_chunk=160, **kw),
+         "dequantize_fp32": lambda *args, **kw: hopper.gemm_dequantize_matmul(*args, via_fp32=True, **kw)}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -224,17 +225,17 @@ def test_cublaslt_scales_and_writes_the_output_itself(out_dtype, monkeypatch):
     """Per-tensor amaxes: cuBLASLt applies alpha and the bias and writes out (no FP32 product, no epilogue
     kernel), never reads the NaNs an output buffer may hold, and agrees with the FP32 path and the reference."""
     epilogues = []
-    monkeypatch.setattr(gemm_hopper, "apply_epilogue", lambda *args: epilogues.append(args))
+    monkeypatch.setattr(hopper, "apply_epilogue", lambda *args: epilogues.append(args))
     x, w, _ = layer_operands(320, 272, 224, seed=31)
     args = operands(x, "rowwise", w, "rowwise")
     bias = torch.randn(272, device="cuda").to(out_dtype)
     out = torch.full((320, 272), float("nan"), device="cuda", dtype=out_dtype)
-    gemm_hopper.gemm_dequantize_matmul(*args, out=out, bias=bias)
+    hopper.gemm_dequantize_matmul(*args, out=out, bias=bias)
     assert not epilogues
     expected = reference.gemm_reference(*args) + bias.float()
     torch.testing.assert_close(out.float(), expected.to(out_dtype).float(), **TOLERANCE)
     monkeypatch.undo()
-    via_fp32 = gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=out_dtype, bias=bias, via_fp32=True)
+    via_fp32 = hopper.gemm_dequantize_matmul(*args, out_dtype=out_dtype, bias=bias, via_fp32=True)
     close = dict(atol=1e-2, rtol=1e-2) if out_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), via_fp32.float(), **close)  # only the summation order may differ
 
@@ -243,26 +244,26 @@ def test_dequantized_b_is_reused_then_dropped_with_its_operand():
     """The dequantize path keeps B's BF16 copy while B lives and is unchanged, and frees it with B."""
     x, w, _ = layer_operands(128, 256, 192, seed=19)
     b_data, b_scale = w.rowwise_data.clone(), w.rowwise_scale.clone()
-    first = gemm_hopper._last_b.get(b_data, b_scale)
-    assert gemm_hopper._last_b.get(b_data, b_scale) is first
+    first = hopper._last_b.get(b_data, b_scale)
+    assert hopper._last_b.get(b_data, b_scale) is first
     b_data.add_(0)  # a new version: dequantized again
-    assert gemm_hopper._last_b.get(b_data, b_scale) is not first
+    assert hopper._last_b.get(b_data, b_scale) is not first
     del first, b_data
-    assert gemm_hopper._last_b.values is None and gemm_hopper._last_b.key is None
+    assert hopper._last_b.values is None and hopper._last_b.key is None
 
 
 def test_dequantize_path_chunks_rows_to_its_byte_budget(monkeypatch):
     """With the default rows_per_chunk, a GEMM whose temporaries (BF16 A rows, plus FP32 product rows on the
     FP32 path) exceed CHUNK_BYTES runs in row chunks."""
-    monkeypatch.setattr(gemm_hopper, "CHUNK_BYTES", 1 << 18)  # chunks of 256 rows for these shapes
+    monkeypatch.setattr(hopper, "CHUNK_BYTES", 1 << 18)  # chunks of 256 rows for these shapes
     x, w, dy = layer_operands(1024, 384, 512, seed=23)
     calls = []
-    original = gemm_hopper.dequantize_into
-    monkeypatch.setattr(gemm_hopper, "dequantize_into", lambda data, *rest: calls.append(data.shape[0]) or original(data, *rest))
+    original = hopper.dequantize_into
+    monkeypatch.setattr(hopper, "dequantize_into", lambda data, *rest: calls.append(data.shape[0]) or original(data, *rest))
     for via_fp32 in (False, True):
         for name in ("fprop", "wgrad"):
             args = operands(*layout(name, x, w, dy))
             calls.clear()
-            out = gemm_hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, via_fp32=via_fp32)
+            out = hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, via_fp32=via_fp32)
             check_bf16(out, reference.gemm_reference(*args))
             assert len([rows for rows in calls if rows <= 256]) >= 2, calls  # A in chunks of at most 256 rows

@@ -1,10 +1,10 @@
 """Reference rowwise/columnwise copies of a tensor (docs/numerics.md §3), with 2D, RHT, row scaling and SR."""
 import torch
 
-from ..tensor import NVFP4Tensor
-from .dequantize import dequantize_blocks
-from .quantize import compute_amax, compute_row_amax, quantize_blocks
-from .rht import inverse_rht_transpose, rht_transpose
+from nvfp4_dist.tensor import NVFP4Tensor
+from nvfp4_dist.reference.dequantize import dequantize_blocks
+from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax, quantize_blocks
+from nvfp4_dist.reference.rht import inverse_rht_transpose, rht_transpose
 
 ROWWISE_STREAM, COLUMNWISE_STREAM = 0, 1  # Philox counter word 2 of each copy's SR bits
 

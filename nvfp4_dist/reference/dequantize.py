@@ -1,8 +1,8 @@
 """Reference dequantization (docs/numerics.md §2.6): x' = fp4value(q) * fp32(s_b) * S_dec."""
 import torch
 
-from ..formats import BLOCK_SIZE, fp4_to_float
-from .quantize import decode_scale
+from nvfp4_dist.formats import BLOCK_SIZE, fp4_to_float
+from nvfp4_dist.reference.quantize import decode_scale
 
 
 def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,

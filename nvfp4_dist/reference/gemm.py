@@ -1,8 +1,8 @@
 """Reference block-scaled GEMM (docs/numerics.md §8): per-16-block FP32 partial sums."""
 import torch
 
-from ..formats import BLOCK_SIZE, fp4_to_float
-from .quantize import decode_scale
+from nvfp4_dist.formats import BLOCK_SIZE, fp4_to_float
+from nvfp4_dist.reference.quantize import decode_scale
 
 _ROWS_PER_CHUNK = 256  # bounds the [rows, N, K/16] partial-sum buffer
 

@@ -4,9 +4,9 @@ Every CUDA quantization kernel has its twin here and must match it byte for byte
 """
 import torch
 
-from ..formats import (BLOCK_SIZE, E4M3_MAX, FLT_MAX, FP4_MAX, GLOBAL_SCALE_NUMERATOR, SCALE_DTYPE,
+from nvfp4_dist.formats import (BLOCK_SIZE, E4M3_MAX, FLT_MAX, FP4_MAX, GLOBAL_SCALE_NUMERATOR, SCALE_DTYPE,
                        fp4_neighbours, fp4_round_to_nearest_even, pack_fp4)
-from .philox import stochastic_rounding_bits_grid
+from nvfp4_dist.reference.philox import stochastic_rounding_bits_grid
 
 _ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), docs/numerics.md §2.3
 

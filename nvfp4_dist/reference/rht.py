@@ -1,7 +1,7 @@
 """Random Hadamard transform of the wgrad operands (docs/numerics.md section 5)."""
 import torch
 
-from ..formats import BLOCK_SIZE
+from nvfp4_dist.formats import BLOCK_SIZE
 
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 

@@ -1,7 +1,7 @@
 """The 128x4 swizzled block-scale layout of Blackwell block-scaled GEMMs (docs/numerics.md §8)."""
 import torch
 
-from ..formats import SCALE_DTYPE
+from nvfp4_dist.formats import SCALE_DTYPE
 
 
 def padded_scale_shape(rows: int, cols: int):

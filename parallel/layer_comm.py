@@ -5,9 +5,9 @@ derives the ring-pipelined twins from them, and parallel/layers.py picks one per
 """
 from __future__ import annotations
 
-from ..gemm import gemm
-from ..linear import LinearComm, operand_amaxes, quantize_operand
-from . import comm as C
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.linear import LinearComm, operand_amaxes, quantize_operand
+from nvfp4_dist.parallel import collectives
 
 
 class ColumnParallelComm(LinearComm):
@@ -16,7 +16,7 @@ class ColumnParallelComm(LinearComm):
     def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.keep_input_columnwise = keep_input_columnwise
-        self.world_size = C.group_size(group)
+        self.world_size = collectives.group_size(group)
 
     def output_shape(self, input_shape, out_features):
         if not self.sequence_parallel:
@@ -27,29 +27,29 @@ class ColumnParallelComm(LinearComm):
         if not self.sequence_parallel or recipe.row_scaled_activation:
             return super().quantize_input(x2d, recipe, columnwise=columnwise)  # row-scaled: per-row amaxes travel
         amaxes = list(operand_amaxes(x2d, "activation", recipe, rowwise=True, columnwise=columnwise))
-        C.all_reduce_amax(amaxes, self.group)
+        collectives.all_reduce_amax(amaxes, self.group)
         return quantize_operand(x2d, "activation", recipe, rowwise=True, columnwise=columnwise,
                                 amax_rowwise=amaxes[0], amax_columnwise=amaxes[1])
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
         if self.sequence_parallel:
-            xq = C.all_gather_nvfp4(xq, self.group)
+            xq = collectives.all_gather_nvfp4(xq, self.group)
         return gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
 
     def input_to_save(self, xq):
         if self.sequence_parallel and self.keep_input_columnwise:
-            return C.all_gather_nvfp4(xq, self.group)
+            return collectives.all_gather_nvfp4(xq, self.group)
         return xq
 
     def input_for_wgrad(self, saved_input):
         if not self.sequence_parallel or self.keep_input_columnwise:
             return lambda: saved_input
-        return C.all_gather_nvfp4(saved_input, self.group, async_op=True)[1]
+        return collectives.all_gather_nvfp4(saved_input, self.group, async_op=True)[1]
 
     def reduce_partial(self, partial):
         if self.sequence_parallel:
-            return C.reduce_scatter_bf16(partial, self.group)
-        return C.all_reduce_bf16(partial, self.group)
+            return collectives.reduce_scatter_bf16(partial, self.group)
+        return collectives.all_reduce_bf16(partial, self.group)
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
         return self.reduce_partial(super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe))
@@ -63,7 +63,7 @@ class RowParallelComm(LinearComm):
 
     def __init__(self, group, sequence_parallel: bool):
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.world_size, self.rank = C.group_size(group), C.group_rank(group)
+        self.world_size, self.rank = collectives.group_size(group), collectives.group_rank(group)
 
     def output_shape(self, input_shape, out_features):
         if not self.sequence_parallel:
@@ -73,14 +73,14 @@ class RowParallelComm(LinearComm):
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
         partial = gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
         if self.sequence_parallel:
-            return C.reduce_scatter_bf16(partial, self.group)
-        return C.all_reduce_bf16(partial, self.group)
+            return collectives.reduce_scatter_bf16(partial, self.group)
+        return collectives.all_reduce_bf16(partial, self.group)
 
     def quantize_grad_output(self, dy2d, recipe, *, sr_seed, rowwise, columnwise):
         if not self.sequence_parallel:
             return super().quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=rowwise, columnwise=columnwise)
         amaxes = list(operand_amaxes(dy2d, "gradient", recipe, rowwise=rowwise, columnwise=columnwise))
-        C.all_reduce_amax(amaxes, self.group)
+        collectives.all_reduce_amax(amaxes, self.group)
         return quantize_operand(dy2d, "gradient", recipe, rowwise=rowwise, columnwise=columnwise,
                                 amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=sr_seed,
                                 sr_row_offset=self.rank * dy2d.shape[0])
@@ -88,12 +88,12 @@ class RowParallelComm(LinearComm):
     def grad_output_for_wgrad(self, dyq):
         if not self.sequence_parallel:
             return lambda: dyq
-        return C.all_gather_nvfp4(dyq, self.group, async_op=True)[1]
+        return collectives.all_gather_nvfp4(dyq, self.group, async_op=True)[1]
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
         if self.sequence_parallel:
-            dyq = C.all_gather_nvfp4(dyq, self.group)
+            dyq = collectives.all_gather_nvfp4(dyq, self.group)
         return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
 
     def grad_output_bf16(self, dy2d):
-        return C.all_gather_bf16(dy2d, self.group) if self.sequence_parallel else dy2d
+        return collectives.all_gather_bf16(dy2d, self.group) if self.sequence_parallel else dy2d

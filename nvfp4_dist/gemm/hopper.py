@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._extension import load_extension, stream_handle
+from nvfp4_dist._extension import load_extension, stream_handle
 
 
 # E4M3-packed FP4 values carry 2^-6 each; a product of two carries 2^-12.

@@ -1,19 +1,16 @@
-"""The two GPU GEMM backends behind nvfp4_dist.gemm (docs/numerics.md §8).
+"""The two GPU GEMM backends behind nvfp4_dist.gemm (docs/numerics.md §8), and the output epilogue all share.
 
-cublaslt: Blackwell cuBLASLt block-scaled NVFP4 (gemm_blackwell).
-emulated: Hopper exact-block emulation (gemm_hopper); NVFP4_HOPPER_GEMM picks "dequantize"
+cublaslt: Blackwell cuBLASLt block-scaled NVFP4 (nvfp4_dist.gemm.blackwell).
+emulated: Hopper exact-block emulation (nvfp4_dist.gemm.hopper); NVFP4_HOPPER_GEMM picks "dequantize"
           (exact BF16 operand copies feeding cuBLASLt, which applies alpha itself: the default and
           the faster, docs/performance.md) or "fused" (dequantization inside a Triton GEMM: slower,
           far less extra memory).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-HOPPER_PATHS = ("fused", "dequantize")
-_HOPPER_PATH_ENV = "NVFP4_HOPPER_GEMM"
+from nvfp4_dist import environment
 
 
 def finish_output(out: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
@@ -28,19 +25,16 @@ def finish_output(out: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor 
 
 def hopper_path() -> str:
     """The emulated backend's path: NVFP4_HOPPER_GEMM, default "dequantize"."""
-    path = os.environ.get(_HOPPER_PATH_ENV) or "dequantize"
-    if path not in HOPPER_PATHS:
-        raise ValueError(f"environment variable {_HOPPER_PATH_ENV}={path!r}: allowed are {HOPPER_PATHS}")
-    return path
+    return environment.HOPPER_GEMM.read()
 
 
 def import_hopper():
     try:
-        from . import gemm_hopper
+        from nvfp4_dist.gemm import hopper
     except ImportError as error:
         raise RuntimeError("the emulated NVFP4 GEMM backend needs Triton (pip install triton; it ships with "
                            "the CUDA builds of torch); or select backend='reference'") from error
-    return gemm_hopper
+    return hopper
 
 
 def run(backend: str, a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype: torch.dtype = torch.float32,
@@ -51,14 +45,14 @@ def run(backend: str, a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_d
     Returns y in out_dtype (written into `out` when given), or accumulate_into after adding y (+ bias) into it.
     """
     if backend == "cublaslt":
-        from . import gemm_blackwell
-        args = gemm_blackwell.scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
-        y = finish_output(gemm_blackwell.finish_scaled_mm(gemm_blackwell.run_scaled_mm(args), args), out_dtype,
-                          bias, accumulate_into)
+        from nvfp4_dist.gemm import blackwell
+        args = blackwell.scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
+        y = finish_output(blackwell.finish_scaled_mm(blackwell.run_scaled_mm(args), args), out_dtype, bias,
+                          accumulate_into)
         return y if out is None else out.copy_(y)
     if backend == "emulated":
-        gemm_hopper = import_hopper()
-        path = gemm_hopper.gemm_fused if hopper_path() == "fused" else gemm_hopper.gemm_dequantize_matmul
+        hopper = import_hopper()
+        path = hopper.gemm_fused if hopper_path() == "fused" else hopper.gemm_dequantize_matmul
         return path(a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype, bias=bias,
                     accumulate_into=accumulate_into, out=out)
     raise ValueError(f"backend={backend!r}: the GPU backends are 'cublaslt' and 'emulated'")

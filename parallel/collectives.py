@@ -9,9 +9,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from ..tensor import NVFP4Tensor
-from . import symmetric
+from nvfp4_dist import ops
+from nvfp4_dist.tensor import NVFP4Tensor
+from nvfp4_dist.parallel import symmetric
 
 # torch >= 2.13 renamed the single-tensor collectives; older releases only have the *_tensor names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -5,13 +5,13 @@ rowwise -> [M, K] of x, columnwise -> [K, M] of x^T.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import gemm_backends, reference
-from .recipe import GEMM_BACKENDS, NVFP4Recipe
-from .tensor import NVFP4Tensor
+from nvfp4_dist import environment, reference
+from nvfp4_dist.environment import GEMM_BACKENDS
+from nvfp4_dist.gemm import gpu_backends
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.tensor import NVFP4Tensor
 
 OUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -30,11 +30,11 @@ def operand(q: NVFP4Tensor, copy: str, name: str):
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The backend to run: explicit argument, else NVFP4_GEMM_BACKEND, else by device."""
-    backend = backend or os.environ.get("NVFP4_GEMM_BACKEND") or "auto"
+    backend = backend or environment.GEMM_BACKEND.read() or "auto"
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {GEMM_BACKENDS}")
     if backend == "auto":
-        if device.type != "cuda" or os.environ.get("NVFP4_FORCE_REFERENCE", "0") == "1":
+        if device.type != "cuda" or environment.FORCE_REFERENCE.read():
             return "reference"
         return "cublaslt" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"
     if backend in ("cublaslt", "emulated") and device.type != "cuda":
@@ -91,8 +91,8 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
     if bias is not None:
         bias = bias.contiguous()
     if chosen == "reference":
-        y = gemm_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax),
-                                        out_dtype, bias, accumulate_into)
+        y = gpu_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax),
+                                       out_dtype, bias, accumulate_into)
         return y if out is None else out.copy_(y)
-    return gemm_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype,
-                             bias=bias, accumulate_into=accumulate_into, out=out)
+    return gpu_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype,
+                            bias=bias, accumulate_into=accumulate_into, out=out)

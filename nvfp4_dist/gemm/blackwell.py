@@ -21,10 +21,10 @@ import dataclasses
 
 import torch
 
-from .formats import BLOCK_SIZE, SCALE_DTYPE
-from .reference.gemm import block_values
-from .reference.quantize import decode_scale
-from .reference.swizzle import swizzle_offset, swizzle_scales
+from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.reference.gemm import block_values
+from nvfp4_dist.reference.quantize import decode_scale
+from nvfp4_dist.reference.swizzle import swizzle_offset, swizzle_scales
 
 ROW_MULTIPLE = 128      # M and N padding: the 128-row tiles of the swizzled scale layout
 K_MULTIPLE = 64         # K padding: 4 scale columns of 16 elements

@@ -1,0 +1,114 @@
+"""The NVFP4_* environment variables: each one's name, meaning and allowed values, and the one place that reads them.
+
+Every variable is read when it is needed (not at import), so a change to os.environ takes effect at the next
+call. An unset or empty variable means its default; any other value outside the allowed ones raises a
+ValueError naming the variable, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+GEMM_BACKENDS = ("auto", "cublaslt", "emulated", "reference")
+HOPPER_GEMM_PATHS = ("fused", "dequantize")
+SYMMETRIC_MEMORY_SWITCHES = ("auto", "1", "on", "0", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One environment variable: `parse` turns its text into a value; unset or empty gives `default`."""
+
+    name: str
+    meaning: str
+    allowed: str
+    parse: Callable[["Variable", str], Any]
+    default: Any = None
+
+    def read(self) -> Any:
+        text = os.environ.get(self.name)
+        if text is None or text == "":
+            return self.default
+        return self.parse(self, text)
+
+    def reject(self, text: str):
+        raise ValueError(f"environment variable {self.name}={text!r}: allowed values are {self.allowed}")
+
+
+def _flag(variable: Variable, text: str) -> bool:
+    if text not in ("0", "1"):
+        variable.reject(text)
+    return text == "1"
+
+
+def _count(variable: Variable, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        variable.reject(text)
+    return value
+
+
+def _choice(choices: tuple) -> Callable[[Variable, str], str]:
+    def parse(variable: Variable, text: str) -> str:
+        if text not in choices:
+            variable.reject(text)
+        return text
+    return parse
+
+
+def _symmetric_switch(variable: Variable, text: str) -> bool:
+    """True unless the switch turns symmetric memory off (auto, 1 and on all let the group decide)."""
+    switch = text.strip().lower()
+    if switch not in SYMMETRIC_MEMORY_SWITCHES:
+        variable.reject(text)
+    return switch not in ("0", "off")
+
+
+def _path(variable: Variable, text: str) -> str:
+    return text
+
+
+FLAG = "0 or 1"
+COUNT = "an integer >= 0"
+
+# Recipe overrides, applied by NVFP4Recipe.from_env() (docs/numerics.md §10).
+DISABLE_RHT = Variable("NVFP4_DISABLE_RHT", "1: recipe rht=False (no random Hadamard transform on wgrad operands)",
+                       FLAG, _flag, False)
+DISABLE_SR = Variable("NVFP4_DISABLE_SR", "1: recipe stochastic_rounding=False (round-to-nearest gradients)",
+                      FLAG, _flag, False)
+DISABLE_2D = Variable("NVFP4_DISABLE_2D", "1: recipe weight_2d=False (1x16 instead of 16x16 weight blocks)",
+                      FLAG, _flag, False)
+ROW_SCALED_ACTIVATION = Variable("NVFP4_ROW_SCALED_ACTIVATION",
+                                 "1: recipe row_scaled_activation=True (one amax per activation row, forward only)",
+                                 FLAG, _flag, False)
+RHT_NO_RANDOM_SIGN = Variable("NVFP4_RHT_NO_RANDOM_SIGN", "1: recipe rht_random_sign=False (plain H16 / 4)",
+                              FLAG, _flag, False)
+BF16_FIRST_LAYERS = Variable("NVFP4_BF16_FIRST_LAYERS", "recipe bf16_first_layers: leading transformer layers kept "
+                             "in BF16", COUNT, _count)
+BF16_LAST_LAYERS = Variable("NVFP4_BF16_LAST_LAYERS", "recipe bf16_last_layers: trailing transformer layers kept "
+                            "in BF16", COUNT, _count)
+OVERLAP = Variable("NVFP4_OVERLAP", "1: recipe overlap=True (pipeline tensor-parallel communication with the GEMMs)",
+                   FLAG, _flag, False)
+OVERLAP_MIN_CHUNK_GFLOPS = Variable("NVFP4_OVERLAP_MIN_CHUNK_GFLOPS", "recipe overlap_min_chunk_gflops: the "
+                                    "smallest ring-step GEMM (GFLOP) that overlap pipelines", COUNT, _count)
+GEMM_BACKEND = Variable("NVFP4_GEMM_BACKEND", "the GEMM backend when neither the call nor the recipe names one "
+                        "(and recipe gemm_backend)", ", ".join(GEMM_BACKENDS), _choice(GEMM_BACKENDS))
+
+# Implementation switches.
+FORCE_REFERENCE = Variable("NVFP4_FORCE_REFERENCE", "1: run the pure-torch reference instead of the CUDA kernels, "
+                           "on every device", FLAG, _flag, False)
+HOPPER_GEMM = Variable("NVFP4_HOPPER_GEMM", "the emulated (Hopper) GEMM's path: dequantize (BF16 operand copies "
+                       "into cuBLASLt, faster) or fused (dequantization inside a Triton GEMM, less memory)",
+                       ", ".join(HOPPER_GEMM_PATHS), _choice(HOPPER_GEMM_PATHS), "dequantize")
+SYMMETRIC_MEMORY = Variable("NVFP4_SYMMETRIC_MEMORY", "0/off: tensor-parallel collectives never use NVLink peer "
+                            "memory; auto/1/on: they do where the group allows (NCCL on one host, 2 to 8 ranks)",
+                            ", ".join(SYMMETRIC_MEMORY_SWITCHES) + " (any case)", _symmetric_switch, True)
+BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build cache (default: a folder under "
+                     "~/.cache/nvfp4_dist keyed by the torch and CUDA versions)", "a directory path", _path)
+
+VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, BF16_FIRST_LAYERS,
+             BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FORCE_REFERENCE, HOPPER_GEMM,
+             SYMMETRIC_MEMORY, BUILD_DIR)

@@ -1,0 +1,168 @@
+"""Layer and decoder-block specs: Megatron's local GPT spec with its linears and norms swapped for NVFP4 ones."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import layers as megatron_layers
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from nvfp4_dist.parallel.megatron.adapters import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+from nvfp4_dist.parallel.megatron.attention import SDPACoreAttention
+from nvfp4_dist.parallel.megatron.norm import NVFP4Norm
+from nvfp4_dist.recipe import NVFP4Recipe
+
+logger = logging.getLogger("nvfp4_dist")
+
+_MEGATRON_NORMS: tuple = (WrappedTorchNorm,)
+try:  # Megatron's local spec picks apex's FusedLayerNorm when apex is installed.
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    _MEGATRON_NORMS += (FusedLayerNorm,)
+except ImportError:  # pragma: no cover
+    pass
+
+# Submodule fields of Megatron's attention / MLP submodule dataclasses that hold the linears.
+_LINEAR_FIELDS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _swap_submodules(spec, replacements: Callable[[str, Any], Any]):
+    """Copy of a Megatron spec tree with `replacements(field, value)` applied to every submodule field.
+
+    Handles the spec forms Megatron uses: ModuleSpec (0.16, 0.19), functools.partial with a
+    `submodules` keyword (0.19's MLP builders), the *Submodules dataclasses and lists of layer specs.
+    """
+    if isinstance(spec, list):
+        swapped = [_swap_submodules(item, replacements) for item in spec]
+        return spec if all(a is b for a, b in zip(swapped, spec)) else swapped
+    if isinstance(spec, ModuleSpec):
+        if spec.submodules is None:
+            return spec
+        return dataclasses.replace(spec, submodules=_swap_submodules(spec.submodules, replacements))
+    if isinstance(spec, functools.partial) and "submodules" in spec.keywords:
+        keywords = dict(spec.keywords, submodules=_swap_submodules(spec.keywords["submodules"], replacements))
+        return functools.partial(spec.func, *spec.args, **keywords)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {}
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            new_value = replacements(field.name, value)
+            if new_value is value:
+                new_value = _swap_submodules(value, replacements)
+            if new_value is not value:
+                changes[field.name] = new_value
+        return dataclasses.replace(spec, **changes) if changes else spec
+    return spec
+
+
+def _nvfp4_replacements(recipe: Optional[NVFP4Recipe], bf16: bool) -> Callable[[str, Any], Any]:
+    params = {"recipe": recipe, "bf16_fallback": bf16}
+    column = ModuleSpec(module=NVFP4ColumnParallelLinear, params=params)
+    row = ModuleSpec(module=NVFP4RowParallelLinear, params=params)
+
+    def replace(field: str, value):
+        if field in _LINEAR_FIELDS and value is megatron_layers.ColumnParallelLinear:
+            return column
+        if field in _LINEAR_FIELDS and value is megatron_layers.RowParallelLinear:
+            return row
+        if isinstance(value, type) and issubclass(value, _MEGATRON_NORMS):
+            return NVFP4Norm
+        return value
+
+    return replace
+
+
+def with_sdpa_attention(spec):
+    """Any Megatron spec (layer or block) with DotProductAttention replaced by SDPACoreAttention."""
+    def replace(field: str, value):
+        return SDPACoreAttention if field == "core_attention" and value is DotProductAttention else value
+    return _swap_submodules(spec, replace)
+
+
+def with_sequence_parallel_norm(spec):
+    """Any Megatron spec with its local norms replaced by NVFP4Norm (which supports sequence parallelism)."""
+    def replace(field: str, value):
+        return NVFP4Norm if isinstance(value, type) and issubclass(value, _MEGATRON_NORMS) else value
+    return _swap_submodules(spec, replace)
+
+
+def get_gpt_layer_nvfp4_spec(*, recipe: Optional[NVFP4Recipe] = None, bf16: bool = False,
+                             sdpa_attention: bool = False, **local_spec_kwargs) -> ModuleSpec:
+    """Megatron's local GPT layer spec with linear_qkv/proj/fc1/fc2 in NVFP4 and SP-capable norms.
+
+    local_spec_kwargs go to Megatron's get_gpt_layer_local_spec (num_experts, qk_layernorm,
+    normalization, ...). recipe: per-layer NVFP4Recipe (None: nvfp4_dist.autocast, then environment).
+    bf16: build the same layer with the adapters in their BF16 fallback.
+    sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
+    With sequence parallelism use get_gpt_decoder_block_nvfp4_spec: given a layer spec, GPTModel
+    builds the final norm from Megatron's local norm, which refuses sequence parallelism.
+    """
+    spec = _swap_submodules(get_gpt_layer_local_spec(**local_spec_kwargs), _nvfp4_replacements(recipe, bf16))
+    return with_sdpa_attention(spec) if sdpa_attention else spec
+
+
+def bf16_layer_counts(config, recipe: Optional[NVFP4Recipe] = None,
+                      bf16_first_layers: Optional[int] = None,
+                      bf16_last_layers: Optional[int] = None) -> tuple[int, int]:
+    """(first, last) transformer layers to keep in BF16.
+
+    Explicit arguments win; then Megatron's config.first_last_layers_bf16 with
+    num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16; then the recipe (or
+    NVFP4Recipe.from_env(), e.g. NVFP4_BF16_FIRST_LAYERS).
+    """
+    if getattr(config, "first_last_layers_bf16", False):
+        first, last = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
+    else:
+        resolved = recipe if recipe is not None else NVFP4Recipe.from_env()
+        first, last = resolved.bf16_first_layers, resolved.bf16_last_layers
+    first = first if bf16_first_layers is None else bf16_first_layers
+    last = last if bf16_last_layers is None else bf16_last_layers
+    for name, value in (("bf16_first_layers", first), ("bf16_last_layers", last)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be an integer >= 0")
+    return first, last
+
+
+def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = None,
+                                     bf16_first_layers: Optional[int] = None,
+                                     bf16_last_layers: Optional[int] = None,
+                                     sdpa_attention: bool = False, vp_stage: Optional[int] = None,
+                                     pp_rank: Optional[int] = None,
+                                     **local_spec_kwargs) -> TransformerBlockSubmodules:
+    """Decoder-block spec: NVFP4 layers except the first/last ones (see bf16_layer_counts) in BF16.
+
+    Pass it to GPTModel(transformer_layer_spec=...). Only this pipeline stage's layers are listed
+    (vp_stage / pp_rank as in Megatron's get_gpt_decoder_block_spec). local_spec_kwargs default to
+    the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention: see
+    get_gpt_layer_nvfp4_spec.
+    """
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError(f"config.num_moe_experts={config.num_moe_experts}: the block builder is for "
+                         "dense GPT models; build MoE layers with get_gpt_layer_nvfp4_spec(num_experts=...)")
+    first, last = bf16_layer_counts(config, recipe, bf16_first_layers, bf16_last_layers)
+    local_spec_kwargs.setdefault("normalization", config.normalization)
+    local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
+    local_spec_kwargs.setdefault("multi_latent_attention", config.multi_latent_attention)
+    nvfp4_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, sdpa_attention=sdpa_attention, **local_spec_kwargs)
+    bf16_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, bf16=True, sdpa_attention=sdpa_attention,
+                                          **local_spec_kwargs)
+    num_layers = config.num_layers
+    layer_specs = [bf16_layer if (index < first or index >= num_layers - last) else nvfp4_layer
+                   for index in range(num_layers)]
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+        local_ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = [layer_specs[index] for index in local_ids]
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = layer_specs[offset:offset + count]
+    logger.info("NVFP4 decoder block: %d layers, first %d and last %d in BF16", num_layers, first, last)
+    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=NVFP4Norm)
