@@ -36,7 +36,7 @@ class NVFP4Recipe:
     overlap: pipeline TP communication with the GEMMs (parallel layers only).
     overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
       many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
-      host time that small GEMMs cannot hide (the default: measured on H200, README "When to turn overlap on").
+      host time that small GEMMs cannot hide (docs/performance.md says where overlap pays).
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     """
@@ -72,7 +72,7 @@ class NVFP4Recipe:
 
     @classmethod
     def from_env(cls, **overrides) -> "NVFP4Recipe":
-        """Defaults, then environment variables, then explicit keyword overrides."""
+        """Defaults, then the NVFP4_* environment variables (nvfp4_dist.environment), then explicit keyword overrides."""
         values = {}
         for variable, field, value in _FLAG_OVERRIDES:
             if variable.read():

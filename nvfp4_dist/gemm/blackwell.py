@@ -100,7 +100,7 @@ def run_scaled_mm(args: ScaledMMArguments) -> torch.Tensor:
 
 
 def scales_from_swizzled(swizzled: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
-    """FP32 [rows, scale_cols] read out of the swizzled layout with the SPEC offset formula."""
+    """FP32 [rows, scale_cols] read out of the swizzled layout with the offset formula of docs/numerics.md §8."""
     r = torch.arange(rows, device=swizzled.device)[:, None]
     c = torch.arange(scale_cols, device=swizzled.device)[None, :]
     offsets = swizzle_offset(r, c, scale_cols)

@@ -33,5 +33,5 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tens
 
 
 def swizzle_offset(r: int, c: int, padded_cols: int) -> int:
-    """The SPEC formula for one scale's position, for spot checks."""
+    """The docs/numerics.md §8 formula for one scale's position, for spot checks."""
     return ((r // 128) * (padded_cols // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
