@@ -1,4 +1,4 @@
-// The cuBLAS step of the Hopper GEMM's dequantize path (nvfp4_dist/gemm_hopper.py) through cuBLASLt:
+// The cuBLAS step of the Hopper GEMM's dequantize path (nvfp4_dist/gemm/hopper.py) through cuBLASLt:
 // out = alpha * (A . B^T) with alpha = S_dec(a) * S_dec(b) read from device memory (docs/numerics.md §8), written in
 // the output type by cuBLAS itself, so no FP32 product goes through memory and no epilogue pass or host
 // sync is needed. A [M, K] and B [N, K] hold the exact BF16 block values (fp4 * block scale); the FP32

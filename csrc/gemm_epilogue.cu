@@ -1,4 +1,4 @@
-// The epilogue of the Hopper GEMM's dequantize path (nvfp4_dist/gemm_hopper.py): cuBLAS leaves the
+// The epilogue of the Hopper GEMM's dequantize path (nvfp4_dist/gemm/hopper.py): cuBLAS leaves the
 // FP32 product of the exact block values; this applies alpha = S_dec(a) * S_dec(b) (docs/numerics.md §8), the bias
 // and the accumulation, in FP32 in that order, with one rounding to the output type. A C++ launch
 // instead of a Triton one: the per-chunk GEMMs of the overlapped layers are host-bound on small shapes.

@@ -1,5 +1,5 @@
 // One-shot collectives over NVLink peer memory (torch symmetric memory), used by
-// nvfp4_dist/parallel/symmetric.py. The reference twin is the NCCL path of parallel/comm.py.
+// parallel/symmetric.py. The reference twin is the NCCL path of parallel/collectives.py.
 //  - peer_publish: copy this rank's pieces into its own symmetric buffer, then (the last block to
 //    finish) a cross-rank barrier, so that every rank's shard is readable when the next kernel starts.
 //  - peer_gather: every piece's W shards (read through peer pointers) into one output, rank blocks
