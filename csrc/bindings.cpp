@@ -187,6 +187,10 @@ bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a
 void swizzle_scales(const at::Tensor& scale, at::Tensor& out, int64_t stream) {
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
+  TORCH_CHECK(scale.dim() == 2 && scale.element_size() == 1 && out.element_size() == 1,
+              "nvfp4_dist._C.swizzle_scales: scale must be 2D and both tensors of 1-byte elements");
+  TORCH_CHECK(out.numel() == (scale.size(0) + 127) / 128 * 128 * ((scale.size(1) + 3) / 4 * 4),
+              "nvfp4_dist._C.swizzle_scales: out needs rows rounded up to 128 times columns rounded up to 4 bytes");
   check_launch(nvfp4::launch_swizzle_scales(bytes(scale), scale.size(0), scale.size(1), bytes(out),
                                             as_stream(stream)),
                "swizzle_scales");

@@ -1,16 +1,16 @@
-"""NVFP4 GEMM on the CPU: the reference vs float64, gemm() options and validation, and the
-Blackwell scaled_mm argument logic checked by emulating cuBLASLt's block-scaled math."""
+"""NVFP4 GEMM on the CPU: the reference vs float64, gemm() options and validation, and the backend choice
+per device (the Blackwell backend's arguments: tests/test_blackwell_arguments.py)."""
+import logging
+
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfp4_dist as nv
 from nvfp4_dist import reference
-from nvfp4_dist.gemm import blackwell, gpu_backends
+from nvfp4_dist.gemm import dispatch, gpu_backends
 from nvfp4_dist.gemm import gemm, resolve_backend
 from nvfp4_dist.reference.gemm import block_values
 from nvfp4_dist.reference.quantize import decode_scale
-from nvfp4_dist.reference.swizzle import swizzle_offset
 
 RECIPE = nv.NVFP4Recipe(rht=False, stochastic_rounding=False)
 ROW_SCALED = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
@@ -144,76 +144,45 @@ def test_backend_resolution(monkeypatch):
     assert gpu_backends.hopper_path() == "dequantize"
 
 
-# Blackwell: argument building, padding and the emulated cuBLASLt block-scaled math.
-
-@pytest.mark.parametrize("m,n,k", [(128, 256, 128), (112, 128, 96), (200, 48, 272)])
-@pytest.mark.parametrize("row_scaled", [False, True])
-def test_blackwell_arguments_and_emulation_match_reference(m, n, k, row_scaled):
-    generator = torch.Generator().manual_seed(m + n + k)
-    x = random_matrix(m, k, 1.0, m)
-    recipe = ROW_SCALED if row_scaled else RECIPE
-    xq = nv.quantize(x, "activation", recipe=recipe, columnwise=False)
-    wq = nv.quantize(torch.randn(n, k, generator=generator).to(torch.bfloat16) * 0.1, "weight", recipe=RECIPE,
-                     columnwise=False)
-    args = operands(xq, "rowwise", wq, "rowwise")
-    call = blackwell.scaled_mm_arguments(*args)
-    padded_m, padded_n, padded_k = (-(-m // 128) * 128, -(-n // 128) * 128, -(-k // 64) * 64)
-    assert call.a.dtype == call.b.dtype == torch.float4_e2m1fn_x2
-    assert tuple(call.a.shape) == (padded_m, padded_k // 2) and call.a.stride() == (padded_k // 2, 1)
-    assert tuple(call.b.shape) == (padded_k // 2, padded_n) and call.b.stride() == (1, padded_k // 2)
-    assert call.scale_a.dtype == call.scale_b.dtype == torch.float8_e4m3fn
-    assert call.scale_a.shape == (padded_m * padded_k // 16,) and call.scale_b.shape == (padded_n * padded_k // 16,)
-    assert (call.rows, call.cols) == (m, n)
-    assert call.alpha.shape == ((m, 1) if row_scaled else (1, 1))
-    # padding holds zero codes and zero scales; the data is unchanged
-    codes = call.a.view(torch.uint8)
-    assert torch.equal(codes[:m, :k // 2], xq.rowwise_data)
-    assert not codes[m:].any() and not codes[:, k // 2:].any()
-    # spot-check the swizzled positions with the SPEC formula
-    raw = call.scale_b.view(torch.uint8)
-    scale_b = wq.rowwise_scale.view(torch.uint8)
-    for r, c in ((0, 0), (n - 1, k // 16 - 1), (min(33, n - 1), min(5, k // 16 - 1))):
-        assert raw[swizzle_offset(r, c, padded_k // 16)] == scale_b[r, c]
-    emulated = blackwell.finish_scaled_mm(blackwell.emulate_scaled_mm(call), call)
-    expected = reference.gemm_reference(*args)
-    torch.testing.assert_close(emulated, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+@pytest.mark.parametrize("capability,backend,named", [
+    ((10, 0), "cublaslt", "B200"), ((10, 3), "cublaslt", "B300"), ((12, 0), "cublaslt", "RTX PRO 6000"),
+    ((12, 1), "cublaslt", "not listed"), ((9, 0), "emulated", "no FP4 tensor cores"),
+    ((8, 9), "reference", "emulation needs sm_90")], ids=str)
+def test_auto_backend_by_capability(capability, backend, named, monkeypatch, caplog):
+    """auto picks cuBLASLt on every Blackwell, the emulation on Hopper, the reference below; logged once."""
+    monkeypatch.delenv("NVFP4_GEMM_BACKEND", raising=False)
+    monkeypatch.delenv("NVFP4_FORCE_REFERENCE", raising=False)
+    monkeypatch.setattr(dispatch, "_logged_decisions", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    device = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="nvfp4_dist"):
+        assert resolve_backend(None, device) == backend
+        assert resolve_backend("auto", device) == backend
+    records = [r for r in caplog.records if r.name == "nvfp4_dist" and "NVFP4 GEMM on cuda:0" in r.getMessage()]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert f"backend {backend!r}" in message and f"sm_{capability[0]}{capability[1]}" in message and named in message
+    monkeypatch.setenv("NVFP4_FORCE_REFERENCE", "1")
+    with caplog.at_level(logging.INFO, logger="nvfp4_dist"):
+        assert resolve_backend(None, device) == "reference"
+    assert "NVFP4_FORCE_REFERENCE" in caplog.records[-1].getMessage()
 
 
-def test_blackwell_aligned_operands_are_not_copied():
-    xq, wq, _ = layer(128, 128, 128)
-    call = blackwell.scaled_mm_arguments(*operands(xq, "rowwise", wq, "rowwise"))
-    assert call.a.data_ptr() == xq.rowwise_data.data_ptr()
-    assert call.b.data_ptr() == wq.rowwise_data.data_ptr()
+@pytest.mark.parametrize("capability,refused", [((9, 0), "cublaslt"), ((8, 0), "cublaslt"), ((8, 6), "emulated")],
+                         ids=str)
+def test_explicit_backend_the_gpu_cannot_run(capability, refused, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    sm = f"sm_{capability[0]}{capability[1]}"
+    with pytest.raises(ValueError, match=f"backend='{refused}' needs sm_.*; cuda:1 is {sm}"):
+        resolve_backend(refused, torch.device("cuda", 1))
+    assert resolve_backend("reference", torch.device("cuda", 1)) == "reference"
 
 
-@pytest.mark.parametrize("m,n,k", [(256, 128, 192), (112, 128, 96)])
-def test_blackwell_arguments_pass_torch_scaled_mm_checks(m, n, k):
-    """torch's own shape/stride/dtype checks of _scaled_mm for CUDA tensors accept the arguments."""
-    xq, wq, _ = layer(m, n, k)
-    call = blackwell.scaled_mm_arguments(*operands(xq, "rowwise", wq, "rowwise"))
-    short_scale_a = call.scale_a[:-4]
-    with FakeTensorMode():
-        to_cuda = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
-        raw = torch._scaled_mm(to_cuda(call.a), to_cuda(call.b), to_cuda(call.scale_a), to_cuda(call.scale_b),
-                               out_dtype=torch.float32)
-        assert tuple(raw.shape) == (-(-m // 128) * 128, -(-n // 128) * 128) and raw.dtype == torch.float32
-        with pytest.raises(RuntimeError):
-            torch._scaled_mm(to_cuda(call.a), to_cuda(call.b), to_cuda(short_scale_a), to_cuda(call.scale_b),
-                             out_dtype=torch.float32)
-
-
-def test_blackwell_argument_errors():
-    xq, wq, _ = layer(32, 48, 64)
-    data, scale, amax = xq.rowwise_data, xq.rowwise_scale, xq.amax_rowwise
-    w_args = (wq.rowwise_data, wq.rowwise_scale, wq.amax_rowwise)
-    with pytest.raises(ValueError, match="a_data"):
-        blackwell.scaled_mm_arguments(data.to(torch.int16), scale, amax, *w_args)
-    with pytest.raises(ValueError, match="a_scale.shape"):
-        blackwell.scaled_mm_arguments(data, scale[:, :2], amax, *w_args)
-    with pytest.raises(ValueError, match="b_scale"):
-        blackwell.scaled_mm_arguments(data, scale, amax, wq.rowwise_data, wq.rowwise_scale.float(),
-                                           wq.amax_rowwise)
-    with pytest.raises(ValueError, match="K mismatch"):
-        blackwell.scaled_mm_arguments(data[:, :16], scale[:, :2], amax, *w_args)
-    with pytest.raises(ValueError, match="a_amax"):
-        blackwell.scaled_mm_arguments(data, scale, torch.ones(5), *w_args)
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3), (12, 0), (9, 0)], ids=str)
+def test_explicit_backends_each_gpu_runs(capability, monkeypatch):
+    """The emulation also runs on Blackwell (the b200 matrix compares it with cuBLASLt)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    device = torch.device("cuda", 0)
+    assert resolve_backend("emulated", device) == "emulated"
+    if capability >= (10, 0):
+        assert resolve_backend("cublaslt", device) == "cublaslt"

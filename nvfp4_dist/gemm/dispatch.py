@@ -5,6 +5,8 @@ rowwise -> [M, K] of x, columnwise -> [K, M] of x^T.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from nvfp4_dist import environment, reference
@@ -14,6 +16,13 @@ from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.tensor import NVFP4Tensor
 
 OUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+CUBLASLT_MIN_CAPABILITY = (10, 0)  # block-scaled FP4 tensor cores (Blackwell)
+EMULATED_MIN_CAPABILITY = (9, 0)   # the emulation's E4M3 conversions and kernels (Hopper)
+BLACKWELL_GPUS = {(10, 0): "B200, GB200", (10, 3): "B300, GB300",
+                  (12, 0): "RTX PRO 6000 Blackwell, GeForce RTX 50 series"}
+
+logger = logging.getLogger("nvfp4_dist")
+_logged_decisions: set = set()
 
 
 def operand(q: NVFP4Tensor, copy: str, name: str):
@@ -28,17 +37,60 @@ def operand(q: NVFP4Tensor, copy: str, name: str):
     return data, getattr(q, f"{copy}_scale"), getattr(q, f"amax_{copy}")
 
 
+def backend_for_capability(capability: tuple[int, int]) -> tuple[str, str]:
+    """The backend "auto" picks on a CUDA device of this compute capability, and why."""
+    major, minor = capability
+    arch = f"sm_{major}{minor}"
+    if tuple(capability) >= CUBLASLT_MIN_CAPABILITY:
+        gpus = BLACKWELL_GPUS.get(tuple(capability))
+        what = f"{arch} ({gpus})" if gpus else f"{arch} (a Blackwell-generation GPU not listed in docs/blackwell.md)"
+        return "cublaslt", f"{what} has block-scaled FP4 tensor cores: cuBLASLt NVFP4 through torch._scaled_mm"
+    if tuple(capability) >= EMULATED_MIN_CAPABILITY:
+        return "emulated", (f"{arch} has no FP4 tensor cores: exact block emulation on its 16-bit tensor cores "
+                            "(docs/numerics.md §8)")
+    return "reference", (f"{arch} has no FP4 tensor cores and the emulation needs sm_90: the pure-torch reference "
+                         "GEMM (slow)")
+
+
+def log_decision(device: torch.device, backend: str, reason: str) -> None:
+    """Log the automatic backend choice for a device once per process (and again only if it changes)."""
+    key = (str(device), backend, reason)
+    if key not in _logged_decisions:
+        _logged_decisions.add(key)
+        logger.info("NVFP4 GEMM on %s: backend %r, because %s", device, backend, reason)
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The backend to run: explicit argument, else NVFP4_GEMM_BACKEND, else by device."""
+    """The backend to run: explicit argument, else NVFP4_GEMM_BACKEND, else by device ("auto").
+
+    auto: reference for CPU tensors or under NVFP4_FORCE_REFERENCE, else by compute capability
+    (backend_for_capability); the choice and its reason are logged once. An explicit GPU backend the
+    device cannot run is a ValueError naming the device and its capability.
+    """
     backend = backend or environment.GEMM_BACKEND.read() or "auto"
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {GEMM_BACKENDS}")
+    if device.type != "cuda":
+        if backend in ("cublaslt", "emulated"):
+            raise ValueError(f"backend={backend!r} needs CUDA tensors; operands are on {device}")
+        if backend == "auto":
+            log_decision(device, "reference", f"the operands are on {device.type}")
+        return "reference"
+    if backend == "reference":
+        return backend
+    if backend == "auto" and environment.FORCE_REFERENCE.read():
+        log_decision(device, "reference", "NVFP4_FORCE_REFERENCE is set")
+        return "reference"
+    capability = tuple(torch.cuda.get_device_capability(device))
     if backend == "auto":
-        if device.type != "cuda" or environment.FORCE_REFERENCE.read():
-            return "reference"
-        return "cublaslt" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"
-    if backend in ("cublaslt", "emulated") and device.type != "cuda":
-        raise ValueError(f"backend={backend!r} needs CUDA tensors; operands are on {device}")
+        chosen, reason = backend_for_capability(capability)
+        log_decision(device, chosen, reason)
+        return chosen
+    needed = CUBLASLT_MIN_CAPABILITY if backend == "cublaslt" else EMULATED_MIN_CAPABILITY
+    if capability < needed:
+        _, reason = backend_for_capability(capability)
+        raise ValueError(f"backend={backend!r} needs sm_{needed[0]}{needed[1]} or newer; {device} is "
+                         f"sm_{capability[0]}{capability[1]} ({reason})")
     return backend
 
 
