@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
 
 _ACTIVE = contextvars.ContextVar("nvfp4_dist_autocast", default=(True, None))
 
@@ -20,10 +20,9 @@ _ACTIVE = contextvars.ContextVar("nvfp4_dist_autocast", default=(True, None))
 @contextlib.contextmanager
 def autocast(recipe: NVFP4Recipe | None = None, enabled: bool = True):
     """Within the block, layers without their own recipe use `recipe`; enabled=False runs all in BF16."""
-    if recipe is not None and not isinstance(recipe, NVFP4Recipe):
-        raise ValueError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
+    check_recipe(recipe)
     if not isinstance(enabled, bool):
-        raise ValueError(f"enabled={enabled!r}: must be True or False")
+        raise TypeError(f"enabled={enabled!r} ({type(enabled).__name__}): must be True or False")
     token = _ACTIVE.set((enabled, recipe))
     try:
         yield

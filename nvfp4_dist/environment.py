@@ -106,9 +106,15 @@ HOPPER_GEMM = Variable("NVFP4_HOPPER_GEMM", "the emulated (Hopper) GEMM's path: 
 SYMMETRIC_MEMORY = Variable("NVFP4_SYMMETRIC_MEMORY", "0/off: tensor-parallel collectives never use NVLink peer "
                             "memory; auto/1/on: they do where the group allows (NCCL on one host, 2 to 8 ranks)",
                             ", ".join(SYMMETRIC_MEMORY_SWITCHES) + " (any case)", _symmetric_switch, True)
+VERIFY_WEIGHT_CACHE = Variable("NVFP4_VERIFY_WEIGHT_CACHE", "1: before reusing a CUDA weight's cached NVFP4 copies, "
+                                "compare the weight with its values when quantized (a host sync per layer call; CPU "
+                                "weights are always compared)", FLAG, _flag, False)
+CHECK_TP_CONSISTENCY = Variable("NVFP4_CHECK_TP_CONSISTENCY", "1: every call of a tensor-parallel layer compares its "
+                                "configuration, recipe and input shape across the group (default: its first call "
+                                "only)", FLAG, _flag, False)
 BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build cache (default: a folder under "
                      "~/.cache/nvfp4_dist keyed by the torch and CUDA versions)", "a directory path", _path)
 
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, BF16_FIRST_LAYERS,
              BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FORCE_REFERENCE, HOPPER_GEMM,
-             SYMMETRIC_MEMORY, BUILD_DIR)
+             SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)

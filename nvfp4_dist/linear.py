@@ -8,7 +8,9 @@ Backward keeps only the quantized copies it needs (x columnwise, W columnwise), 
 requantize_weight_in_backward it keeps no weight copy at all and quantizes W's columnwise copy again.
 
 Communication is a LinearComm object (this module's base class is TP=1: none); the tensor-parallel
-layers of nvfp4_dist.parallel subclass it. Row-scaled activations (docs/numerics.md §6) run fprop in NVFP4 and
+layers of nvfp4_dist.parallel subclass it. With recipe.check_finite, the Function checks the amaxes of what it
+quantizes (input and weight in forward, the output gradient in backward) through comm.check_finite, which the
+tensor-parallel comms do across their group, so that a NaN on any rank stops every rank. Row-scaled activations (docs/numerics.md §6) run fprop in NVFP4 and
 backward in BF16 on the dequantized forward operands.
 
 RHT with FP16/FP32 activations: the RHT path takes BF16 only, so the columnwise (wgrad) copy of such a
@@ -19,16 +21,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from nvfp4_dist import ops
+from nvfp4_dist import environment, finite_check, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm
-from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
 from nvfp4_dist.tensor import NVFP4Tensor
 
 logger = logging.getLogger("nvfp4_dist")
@@ -56,8 +60,9 @@ def quantize_operand(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwi
                      columnwise: bool = True, amax_rowwise: torch.Tensor | None = None,
                      amax_columnwise: torch.Tensor | None = None, sr_seed: int | None = None,
                      sr_row_offset: int = 0) -> NVFP4Tensor:
-    """ops.quantize, except that an RHT columnwise copy of a non-BF16 tensor is taken from its BF16 cast."""
-    common = dict(recipe=recipe, sr_seed=sr_seed, sr_row_offset=sr_row_offset)
+    """ops.quantize, except that an RHT columnwise copy of a non-BF16 tensor is taken from its BF16 cast.
+    No NaN/Inf check: the layers check their operands with LinearComm.check_finite."""
+    common = dict(recipe=recipe, sr_seed=sr_seed, sr_row_offset=sr_row_offset, check_finite=False)
     if not (columnwise and needs_bf16_columnwise_source(role, recipe, x2d.dtype)):
         return ops.quantize(x2d, role, rowwise=rowwise, columnwise=columnwise, amax_rowwise=amax_rowwise,
                             amax_columnwise=amax_columnwise, **common)
@@ -76,39 +81,107 @@ def check_features(name: str, value: int) -> None:
                          f"(1x16 / 16x16 blocks); use bf16_fallback=True (or torch.nn.Linear) for other sizes")
 
 
+def check_weight_dtype(weight: torch.Tensor) -> None:
+    if weight.dtype not in ops.INPUT_DTYPES:
+        raise ValueError(f"weight.dtype={weight.dtype} (the layer's parameters): NVFP4 layers take {ops.INPUT_DTYPES}; "
+                         f"build the layer with one of them (dtype=/params_dtype=), or use bf16_fallback=True")
+
+
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, rowwise: bool = True,
                     columnwise: bool = True, amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """The weight's NVFP4 copies (16x16 blocks when recipe.weight_2d); each copy's bytes do not depend on
     whether the other one is made in the same call. amax: the weight's amax when known (both copies share it:
-    no RHT on weights), which saves its pass over the weight."""
+    no RHT on weights), which saves its pass over the weight. No NaN/Inf check (LinearComm.check_finite)."""
+    check_weight_dtype(weight)
     return ops.quantize(weight.detach(), "weight", rowwise=rowwise, columnwise=columnwise, recipe=recipe,
-                        amax_rowwise=amax if rowwise else None, amax_columnwise=amax if columnwise else None)
+                        amax_rowwise=amax if rowwise else None, amax_columnwise=amax if columnwise else None,
+                        check_finite=False)
+
+
+_TENSOR_DATA = torch.Tensor.data  # the `.data` attribute of every tensor
+_optimizer_steps = 0               # torch.optim optimizer steps taken by this process (see optimizer_steps())
+_optimizer_step_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def optimizer_steps() -> int:
+    """How many torch.optim optimizer steps (any optimizer, fused ones included) this process has taken since
+    the first call; counted by a global post-step hook that the first call registers."""
+    global _optimizer_step_hook
+    if _optimizer_step_hook is None:
+        _optimizer_step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+    return _optimizer_steps
+
+
+class WeightParameter(torch.nn.Parameter):
+    """The weight parameter of the NVFP4 layers: an nn.Parameter that counts the accesses to its `.data`.
+
+    Writes through `.data` (`weight.data.mul_(0)`, `weight.data = t`, optimizers that update `p.data`) bypass
+    the autograd version counter; WeightCache treats each access as a possible write.
+    """
+
+    data_accesses = 0
+
+    @property
+    def data(self):
+        self.data_accesses += 1
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        self.data_accesses += 1
+        _TENSOR_DATA.__set__(self, value)
+
+
+def weight_signature(weight: torch.Tensor) -> tuple:
+    """What changes whenever the weight may have been written, short of reading its values: storage address and
+    view, dtype, device, the autograd version counter (in-place ops on it or its views), the `.data` accesses of
+    a WeightParameter, and the optimizer steps taken (fused optimizers do not bump the version counter)."""
+    return (weight.data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype,
+            weight.device, weight._version, getattr(weight, "data_accesses", 0), optimizer_steps())
 
 
 class WeightCache:
-    """The quantized copies of one weight, reused (across micro-batches) until the parameter changes.
+    """The quantized copies of one weight, reused (across micro-batches) while the weight is unchanged.
 
-    A change is seen through the parameter's storage pointer and its autograd version counter, which
-    every in-place update (optimizer.step(), `with torch.no_grad(): w.copy_(...)`) bumps. Writes through
-    `weight.data` bypass the version counter: call invalidate() after such writes.
+    A copy is reused only when the same parameter object, with the same storage, has the same
+    weight_signature() as when it was quantized: any in-place op on it, `.data` access (WeightParameter),
+    load_state_dict, re-assignment or torch.optim step (fused ones included) requantizes. CPU weights are
+    also compared with a copy of their values at each reuse, which catches every other write (for example
+    through a `.data` alias taken before the forward, or another tensor sharing the storage); on CUDA that
+    comparison waits for the GPU, so it runs only with NVFP4_VERIFY_WEIGHT_CACHE=1 (else call invalidate()
+    after such writes).
     """
 
     def __init__(self):
-        self.key = None
-        self.quantized: NVFP4Tensor | None = None
+        self.invalidate()
         self.quantizations = 0  # how many times the weight was (re)quantized, for tests and logs
 
     def invalidate(self) -> None:
         self.key = None
-        self.quantized = None
+        self.quantized: NVFP4Tensor | None = None
+        self.weight_ref = self.storage_ref = None
+        self.values: torch.Tensor | None = None  # the weight's values when quantized (verified reuse)
+
+    def _current(self, weight: torch.Tensor, key: tuple) -> bool:
+        if self.key != key or self.weight_ref() is not weight or self.storage_ref() is not weight.untyped_storage():
+            return False
+        return self.values is None or torch.equal(self.values, weight.detach())
 
     def get(self, weight: torch.Tensor, recipe: NVFP4Recipe, *, columnwise: bool = True) -> NVFP4Tensor:
         """The weight quantized with `recipe` (rowwise, and columnwise when asked), from the cache if current."""
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape),
-               recipe.weight_2d, columnwise)
-        if key != self.key:
+        key = (weight_signature(weight), recipe, columnwise)
+        if self.key is None or not self._current(weight, key):
+            self.invalidate()
             self.quantized = quantize_weight(weight, recipe, columnwise=columnwise)
             self.key = key
+            self.weight_ref, self.storage_ref = weakref.ref(weight), weakref.ref(weight.untyped_storage())
+            if not weight.is_cuda or environment.VERIFY_WEIGHT_CACHE.read():
+                self.values = weight.detach().clone()
             self.quantizations += 1
             logger.debug("quantized weight %s (version %d)", tuple(weight.shape), weight._version)
         return self.quantized
@@ -127,6 +200,11 @@ class LinearComm:
     def quantize_input(self, x2d: torch.Tensor, recipe: NVFP4Recipe, *, columnwise: bool) -> NVFP4Tensor:
         """This rank's input, quantized (rowwise for fprop, columnwise for wgrad when asked)."""
         return quantize_operand(x2d, "activation", recipe, rowwise=True, columnwise=columnwise)
+
+    def check_finite(self, operands: dict, layer_name: str) -> None:
+        """Raise NonFiniteAmaxError if an operand ({"input" | "weight" | "gradient": NVFP4Tensor}) has a NaN/Inf
+        amax, naming the operand and the layer (recipe.check_finite; docs/numerics.md §2)."""
+        finite_check.check_operands({f"the {role} of {layer_name}": q for role, q in operands.items()})
 
     def fprop(self, xq: NVFP4Tensor, wq: NVFP4Tensor, *, bias: torch.Tensor | None, out_dtype: torch.dtype,
               recipe: NVFP4Recipe) -> torch.Tensor:
@@ -176,6 +254,7 @@ class LinearOptions:
     # Keep no weight copy between forward and backward: backward quantizes the (unchanged) weight again, only
     # the copy it needs. Less memory for layers that requantize every forward anyway (no WeightCache reuse).
     requantize_weight_in_backward: bool = False
+    layer_name: str = "Linear"  # the layer, in error messages
 
 
 def deliver_weight_grad(weight: torch.Tensor, compute: Callable, accumulate_into_main_grad: bool,
@@ -223,6 +302,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] and options.grad_enabled
         row_scaled = recipe.row_scaled_activation
         xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad and not row_scaled)
+        if recipe.check_finite:
+            comm.check_finite({"input": xq, "weight": weight_q}, options.layer_name)
         y2d = comm.fprop(xq.rowwise_only(), weight_q, bias=bias, out_dtype=x.dtype, recipe=recipe)
         # Backward needs x's columnwise copy (wgrad), or for row-scaled layers its rowwise copy (BF16 wgrad),
         # and W's copy for dgrad: columnwise (rowwise for the BF16 backward of row-scaled layers).
@@ -233,7 +314,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             saved_w = NVFP4Tensor(shape=weight_q.shape, dtype=weight_q.dtype)
         ctx.save_for_backward(*saved_x.tensors(), *saved_w.tensors())
         ctx.x_meta, ctx.w_meta = saved_x.metadata(), saved_w.metadata()
-        ctx.weight_version = (weight.data_ptr(), weight._version)
+        ctx.weight_version = written_version(weight)
         ctx.weight_amax = weight_q.amax_rowwise if options.requantize_weight_in_backward else None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.options, ctx.weight = options, weight
@@ -257,29 +338,37 @@ class NVFP4LinearFunction(torch.autograd.Function):
                                               need_dgrad, need_wgrad)
         else:
             dx2d, wgrad = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
-                                         need_dgrad, need_wgrad)
+                                         need_dgrad, need_wgrad, options.layer_name)
         grad_x = dx2d.reshape(ctx.x_shape) if need_dgrad else None
         grad_weight = schedule_weight_grad(weight, wgrad, options) if need_wgrad else None
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def written_version(weight: torch.Tensor) -> tuple:
+    """What an in-place write or re-assignment of the weight changes (storage, view, version counter)."""
+    return weight.data_ptr(), weight.storage_offset(), weight.stride(), weight._version
 
 
 def requantized_weight(weight: torch.Tensor, forward_version: tuple, forward_amax: torch.Tensor,
                        recipe: NVFP4Recipe) -> NVFP4Tensor:
     """The weight copy backward needs, quantized again with forward's amax: the same bytes as forward's, the
     weight being unchanged."""
-    if (weight.data_ptr(), weight._version) != forward_version:
+    if written_version(weight) != forward_version:
         raise RuntimeError("the weight was modified in place between forward and backward; with "
                            "requantize_weight_in_backward the backward GEMM would use the new values")
     row_scaled = recipe.row_scaled_activation
     return quantize_weight(weight, recipe, rowwise=row_scaled, columnwise=not row_scaled, amax=forward_amax)
 
 
-def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
+def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad,
+                   layer_name: str = "Linear"):
     """(dx [tokens, in] or None, wgrad compute function or None) with dgrad and wgrad in NVFP4."""
     if not (need_dgrad or need_wgrad):
         return None, None
     sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
     dyq = comm.quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=need_dgrad, columnwise=need_wgrad)
+    if recipe.check_finite:
+        comm.check_finite({"gradient": dyq}, layer_name)
     if need_wgrad:  # start the wgrad operands' gathers now, so they overlap the dgrad GEMM
         finish_x = comm.input_for_wgrad(saved_x)
         finish_dy = comm.grad_output_for_wgrad(dyq.columnwise_only())
@@ -344,9 +433,11 @@ class BF16LinearFunction(torch.autograd.Function):
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe, *,
                  weight_q: NVFP4Tensor, comm: LinearComm | None = None, accumulate_into_main_grad: bool = False,
-                 wgrad_store: list | None = None, requantize_weight_in_backward: bool = False) -> torch.Tensor:
+                 wgrad_store: list | None = None, requantize_weight_in_backward: bool = False,
+                 layer_name: str = "Linear") -> torch.Tensor:
     """y = x W^T (+ bias) in NVFP4 for x [..., in]; weight_q is `weight` quantized (see WeightCache), at least
-    its rowwise copy, and its columnwise copy too unless requantize_weight_in_backward (LinearOptions)."""
+    its rowwise copy, and its columnwise copy too unless requantize_weight_in_backward (LinearOptions).
+    layer_name: the layer in error messages."""
     grad_enabled = torch.is_grad_enabled()
     tokens = x.numel() // x.shape[-1]
     if grad_enabled and weight.requires_grad and not recipe.row_scaled_activation and tokens % BLOCK_SIZE:
@@ -355,7 +446,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"explicitly or run under torch.no_grad()")
     options = LinearOptions(recipe=recipe, comm=comm or LinearComm(),
                             accumulate_into_main_grad=accumulate_into_main_grad, wgrad_store=wgrad_store,
-                            grad_enabled=grad_enabled, requantize_weight_in_backward=requantize_weight_in_backward)
+                            grad_enabled=grad_enabled, requantize_weight_in_backward=requantize_weight_in_backward,
+                            layer_name=layer_name)
     return NVFP4LinearFunction.apply(x, weight, bias, weight_q, options)
 
 
@@ -367,13 +459,36 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return BF16LinearFunction.apply(x, weight, bias, options)
 
 
-def check_activation(x: torch.Tensor, in_features: int) -> None:
+def check_activation(x: torch.Tensor, in_features: int, weight: torch.Tensor | None = None) -> None:
+    """ValueError naming the problem when x cannot be the input of a layer with in_features (and `weight`)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in ops.INPUT_DTYPES:
         raise ValueError(f"input.dtype={x.dtype}: allowed are {ops.INPUT_DTYPES}")
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"input.shape={tuple(x.shape)}: the last dim must be in_features={in_features}")
+    if weight is not None and x.device != weight.device:
+        raise ValueError(f"input.device={x.device}: the layer's weight is on {weight.device}; move one of them")
+
+
+def check_parameter_dtype(dtype) -> None:
+    """The dtype= of an NVFP4 layer's parameters: None (torch's default) or one that NVFP4 quantizes."""
+    if dtype is not None and dtype not in ops.INPUT_DTYPES:
+        raise ValueError(f"dtype={dtype}: NVFP4 layers take parameters in {ops.INPUT_DTYPES}; use bf16_fallback=True "
+                         f"for other dtypes")
+
+
+def name_layers(model: torch.nn.Module) -> None:
+    """Set every NVFP4 layer's `layer_name` (used in its error messages) to its qualified name in `model`."""
+    for qualified, module in model.named_modules():
+        if isinstance(getattr(module, "weight_cache", None), WeightCache):
+            module.layer_name = qualified or type(module).__name__
+
+
+def describe_layer(module: torch.nn.Module) -> str:
+    """The layer in error messages: its layer_name (name_layers) else its class and sizes."""
+    return getattr(module, "layer_name", None) or (f"{type(module).__name__}(in_features={module.in_features}, "
+                                                   f"out_features={module.out_features})")
 
 
 class Linear(torch.nn.Module):
@@ -385,7 +500,9 @@ class Linear(torch.nn.Module):
     accumulate_into_main_grad: add wgrad into weight.main_grad (FP32) in the GEMM (Megatron).
     delay_wgrad: backward skips wgrad; backward_dw() runs it later (Megatron delay_wgrad_compute).
     The quantized weight is cached until the parameter changes (see WeightCache).
-    Token count (product of the leading dims) must be a multiple of 16 for backward (wgrad copies).
+    Token count (product of the leading dims) must be a multiple of 16 for backward (wgrad copies); an empty
+    batch (no tokens) gives an empty output and zero weight gradients, as torch.nn.Linear does.
+    layer_name: the layer in error messages (name_layers sets it; default: class and sizes).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -395,13 +512,14 @@ class Linear(torch.nn.Module):
         if not bf16_fallback:
             check_features("in_features", in_features)
             check_features("out_features", out_features)
-        if recipe is not None and not isinstance(recipe, NVFP4Recipe):
-            raise ValueError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
+            check_parameter_dtype(dtype)
+        check_recipe(recipe)
         self.in_features, self.out_features = in_features, out_features
+        self.layer_name: str | None = None
         self.recipe, self.bf16_fallback = recipe, bf16_fallback
         self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
         factory = dict(device=device, dtype=dtype)
-        self.weight = torch.nn.Parameter(torch.empty((out_features, in_features), **factory))
+        self.weight = WeightParameter(torch.empty((out_features, in_features), **factory))
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
         else:
@@ -422,15 +540,19 @@ class Linear(torch.nn.Module):
         self.weight_cache.invalidate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_activation(x, self.in_features)
+        nvfp4 = not self.bf16_fallback and nvfp4_enabled()
+        if nvfp4:
+            check_weight_dtype(self.weight)
+        check_activation(x, self.in_features, self.weight)
         store = self.wgrad_store if self.delay_wgrad else None
-        if self.bf16_fallback or not nvfp4_enabled():
+        if not nvfp4 or x.numel() == 0:
             return bf16_linear(x, self.weight, self.bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
         weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
         return nvfp4_linear(x, self.weight, self.bias, recipe, weight_q=weight_q,
-                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
+                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
+                            layer_name=describe_layer(self))
 
     def backward_dw(self) -> None:
         """Run the wgrad GEMMs that backward deferred (delay_wgrad=True), oldest first."""

@@ -4,17 +4,20 @@ Set NVFP4_FORCE_REFERENCE=1 to run the reference on every device.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nvfp4_dist import environment, finite_check, reference
-from nvfp4_dist.finite_check import NonFiniteAmaxError  # noqa: F401 (part of this module's interface)
-from nvfp4_dist.formats import BLOCK_SIZE
-from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.finite_check import NonFiniteAmaxError
+from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
 from nvfp4_dist.tensor import NVFP4Tensor
 
 ROLES = ("activation", "weight", "gradient")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 COPIES = ("rowwise", "columnwise")
+SR_SEED_LIMIT = 2 ** 64
 
 
 def use_kernels(tensor: torch.Tensor) -> bool:
@@ -50,35 +53,78 @@ def validate_input(x: torch.Tensor, *, name: str = "x", columnwise: bool = False
         raise ValueError(f"{name}.dtype={x.dtype}: allowed are {INPUT_DTYPES}")
     if x.dim() < 2:
         raise ValueError(f"{name}.shape={tuple(x.shape)}: need at least 2 dims ([..., K])")
-    rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
     if cols == 0 or cols % BLOCK_SIZE:
         raise ValueError(f"{name}.shape={tuple(x.shape)}: the last dim ({cols}) must be a positive multiple of {BLOCK_SIZE}")
-    if (columnwise or block_2d) and (rows == 0 or rows % BLOCK_SIZE):
+    if (columnwise or block_2d) and rows % BLOCK_SIZE:
         what = "a 2D (16x16) quantization" if block_2d else "a columnwise copy"
         raise ValueError(f"{name}.shape={tuple(x.shape)}: {what} needs the leading dims' product ({rows}) "
-                         f"to be a positive multiple of {BLOCK_SIZE}")
+                         f"to be a multiple of {BLOCK_SIZE}")
     if rht and columnwise and x.dtype != torch.bfloat16:
         raise ValueError(f"{name}.dtype={x.dtype}: the RHT columnwise copy takes torch.bfloat16 input (docs/numerics.md §5)")
 
 
-def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, device: torch.device) -> None:
+def check_flag(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}): must be True or False")
+
+
+def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, device: torch.device, *,
+               check_finite: bool) -> None:
+    """A given amax must be a float32 tensor of one dim (or none) with an expected number of values on `device`,
+    non-negative, and finite unless check_finite is off (CUDA: checked without a host sync, see finite_check)."""
     if amax is None:
         return
     if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
         raise ValueError(f"{name} must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
-    if amax.numel() not in expected_numel:
-        raise ValueError(f"{name}.shape={tuple(amax.shape)}: expected {' or '.join(map(str, expected_numel))} elements")
+    if amax.dim() > 1 or amax.numel() not in expected_numel:
+        raise ValueError(f"{name}.shape={tuple(amax.shape)}: expected one dim of "
+                         f"{' or '.join(map(str, expected_numel))} values")
     if amax.device != device:
         raise ValueError(f"{name}.device={amax.device} differs from the input's device {device}")
+    if amax.numel() == 0:
+        return
+
+    def problem(values):
+        """(error class, message) for a bad given amax, or None."""
+        maximum, minimum = values
+        if check_finite and not (math.isfinite(maximum) and math.isfinite(minimum)):
+            return NonFiniteAmaxError, f"{name}: the given amax is not finite (max {maximum}, min {minimum})"
+        if minimum < 0:
+            return ValueError, f"{name}: the given amax has a negative value ({minimum}); an amax is a maximum of |x|"
+        return None
+    extremes = torch.stack([amax.detach().max(), amax.detach().min()])
+    if amax.is_cuda:
+        finite_check.check(extremes, lambda values: (problem(values) or (None, None))[1])
+        return
+    found = problem(extremes.tolist())
+    if found is not None:
+        raise found[0](found[1])
+
+
+def check_sr_seed(sr_seed) -> None:
+    if sr_seed is None:
+        return
+    if not isinstance(sr_seed, int) or isinstance(sr_seed, bool):
+        raise TypeError(f"sr_seed={sr_seed!r} ({type(sr_seed).__name__}): must be an int or None")
+    if not 0 <= sr_seed < SR_SEED_LIMIT:
+        raise ValueError(f"sr_seed={sr_seed}: must be in [0, 2**64)")
 
 
 def compute_amaxes(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True, columnwise: bool = True,
                    recipe: NVFP4Recipe | None = None):
     """(amax_rowwise, amax_columnwise) that quantize() would use, for reducing across ranks first."""
+    check_recipe(recipe)
     recipe = recipe or NVFP4Recipe()
     options = quantize_options(role, recipe)
+    check_flag(rowwise, "rowwise")
+    check_flag(columnwise, "columnwise")
     validate_input(x, columnwise=columnwise, block_2d=options["block_2d"], rht=options["rht"])
-    return backend_for(x).compute_amaxes(x.reshape(-1, x.shape[-1]), rowwise=rowwise, columnwise=columnwise,
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    if x2d.shape[0] == 0:
+        empty = empty_quantized(x, rowwise=rowwise, columnwise=columnwise, **options)
+        return empty.amax_rowwise, empty.amax_columnwise
+    return backend_for(x).compute_amaxes(x2d, rowwise=rowwise, columnwise=columnwise,
                                          rht=options["rht"], rht_random_sign=options["rht_random_sign"],
                                          row_scaled=options["row_scaled"])
 
@@ -88,39 +134,80 @@ def draw_sr_seed() -> int:
     return int(torch.randint(0, 2 ** 62, (1,)).item())
 
 
+def empty_quantized(x: torch.Tensor, *, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool,
+                    rht_random_sign: bool, row_scaled: bool, amax_rowwise: torch.Tensor | None = None,
+                    amax_columnwise: torch.Tensor | None = None, **_) -> NVFP4Tensor:
+    """The NVFP4Tensor of an x with no rows ([..., 0, ..., K]): empty data and scales, zero amaxes (the max over
+    nothing of |x|), as torch.nn.Linear takes empty batches."""
+    cols, device = x.shape[-1], x.device
+
+    def amax(given, count):
+        return given if given is not None else torch.zeros(count, dtype=torch.float32, device=device)
+    q = NVFP4Tensor(shape=x.shape, dtype=x.dtype, block_2d=block_2d, rht=rht and columnwise,
+                    rht_random_sign=rht_random_sign, row_scaled=row_scaled)
+    if rowwise:
+        q.rowwise_data = torch.empty((0, cols // 2), dtype=torch.uint8, device=device)
+        q.rowwise_scale = torch.empty((0, cols // BLOCK_SIZE), dtype=SCALE_DTYPE, device=device)
+        q.amax_rowwise = amax(amax_rowwise, 0 if row_scaled else 1)
+    if columnwise:
+        q.columnwise_data = torch.empty((cols, 0), dtype=torch.uint8, device=device)
+        q.columnwise_scale = torch.empty((cols, 0), dtype=SCALE_DTYPE, device=device)
+        q.amax_columnwise = amax(amax_columnwise, 1)
+    return q
+
+
 def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True, columnwise: bool = True,
              recipe: NVFP4Recipe | None = None, amax_rowwise: torch.Tensor | None = None,
              amax_columnwise: torch.Tensor | None = None, sr_seed: int | None = None,
-             sr_row_offset: int = 0) -> NVFP4Tensor:
+             sr_row_offset: int = 0, check_finite: bool | None = None) -> NVFP4Tensor:
     """Quantize x [..., K] to NVFP4 with the recipe's treatment of `role`.
 
     role: "activation" (RHT on the columnwise copy; row-scaled when the recipe says),
           "weight" (2D blocks when the recipe says) or "gradient" (RHT and SR).
-    amax_*: precomputed (for example all-reduced across ranks) amaxes.
+    amax_*: precomputed (for example all-reduced across ranks) amaxes: float32, one dim, non-negative (and
+          finite when checked).
     sr_seed / sr_row_offset: the stochastic-rounding stream (drawn from torch's generator when None)
           and this shard's first row in the global tensor.
+    check_finite: raise NonFiniteAmaxError for a NaN/Inf amax (None: the recipe's check_finite; the layers pass
+          False and check their operands themselves, across their tensor-parallel group).
+    The result holds no autograd history (x's gradient does not flow through quantization). An x with no rows
+    gives an NVFP4Tensor with empty data and scales.
     """
+    check_recipe(recipe)
     recipe = recipe or NVFP4Recipe()
     options = quantize_options(role, recipe)
+    check_flag(rowwise, "rowwise")
+    check_flag(columnwise, "columnwise")
+    if check_finite is None:
+        check_finite = recipe.check_finite
+    check_flag(check_finite, "check_finite")
     if not (rowwise or columnwise):
         raise ValueError("rowwise=False and columnwise=False: ask for at least one copy")
     if options["row_scaled"] and columnwise:
         raise ValueError("columnwise=True with row-scaled activations: row scaling is forward-only (docs/numerics.md §6); "
                          "the backward of such a layer runs in BF16")
     validate_input(x, columnwise=columnwise, block_2d=options["block_2d"], rht=options["rht"])
-    rows = x.numel() // x.shape[-1]
-    check_amax(amax_rowwise, "amax_rowwise", (rows,) if options["row_scaled"] else (1,), x.device)
-    check_amax(amax_columnwise, "amax_columnwise", (1,), x.device)
-    if not isinstance(sr_row_offset, int) or sr_row_offset < 0:
+    rows = math.prod(x.shape[:-1])
+    check_amax(amax_rowwise, "amax_rowwise", (rows,) if options["row_scaled"] else (1,), x.device,
+               check_finite=check_finite)
+    check_amax(amax_columnwise, "amax_columnwise", (1,), x.device, check_finite=check_finite)
+    if not isinstance(sr_row_offset, int) or isinstance(sr_row_offset, bool) or sr_row_offset < 0:
         raise ValueError(f"sr_row_offset={sr_row_offset!r}: must be an integer >= 0")
+    check_sr_seed(sr_seed)
     stochastic = options.pop("stochastic_rounding")
+    x = x.detach()
+    amax_rowwise = None if amax_rowwise is None else amax_rowwise.detach()
+    amax_columnwise = None if amax_columnwise is None else amax_columnwise.detach()
+    if rows == 0:
+        return empty_quantized(x, rowwise=rowwise, columnwise=columnwise, amax_rowwise=amax_rowwise,
+                               amax_columnwise=amax_columnwise, **options)
     if stochastic and sr_seed is None:
         sr_seed = draw_sr_seed()
     q = backend_for(x).quantize_tensor(
         x, rowwise=rowwise, columnwise=columnwise, sr_seed=sr_seed if stochastic else None,
         sr_row_offset=sr_row_offset, amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise, **options)
-    if recipe.check_finite:
-        finite_check.check_amaxes({"amax_rowwise": q.amax_rowwise, "amax_columnwise": q.amax_columnwise})
+    if check_finite:
+        finite_check.check_operands({"x": q})
     return q
 
 
@@ -133,6 +220,8 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype | None = None, copy: str | Non
         raise ValueError(f"copy={copy!r} is not one of {COPIES}")
     if getattr(q, f"{copy}_data") is None:
         raise ValueError(f"copy={copy!r}: this NVFP4Tensor holds no {copy} copy")
+    if q.rows == 0:
+        return torch.empty(q.shape, dtype=dtype or q.dtype, device=q.device)
     return backend_for(q.device_tensor()).dequantize_tensor(q, dtype or q.dtype, copy)
 
 

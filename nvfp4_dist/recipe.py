@@ -1,5 +1,9 @@
 """NVFP4Recipe: every option of docs/numerics.md section 10, with environment overrides."""
 import dataclasses
+import functools
+import hashlib
+import types
+import typing
 
 from nvfp4_dist import environment
 from nvfp4_dist.environment import GEMM_BACKENDS
@@ -22,6 +26,53 @@ _VALUE_OVERRIDES = (
 )
 
 
+class RecipeTypeError(TypeError, ValueError):
+    """A recipe, or one of its fields, of the wrong type (a ValueError too, the package's error for bad arguments)."""
+
+
+def _matches(value, hint) -> bool:
+    """Whether value has the annotated type: bool only for bool, int excludes bool, float takes int too."""
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is typing.Literal:
+        return value in typing.get_args(hint)
+    origin = typing.get_origin(hint) or hint
+    return not isinstance(origin, type) or isinstance(value, origin)
+
+
+@functools.cache
+def _field_types(cls) -> dict:
+    """The annotated type of each field of the dataclass cls (resolved once)."""
+    return typing.get_type_hints(cls)
+
+
+def _canonical(value) -> str:
+    """A text for value that is the same on every process (dict entries sorted)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_canonical(k)}:{_canonical(v)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_canonical(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__name__ + _canonical(dataclasses.asdict(value))
+    return repr(value)
+
+
+def check_recipe(recipe, name: str = "recipe") -> None:
+    """Raise RecipeTypeError unless `recipe` is an NVFP4Recipe or None (a dict of fields is not accepted)."""
+    if recipe is None or isinstance(recipe, NVFP4Recipe):
+        return
+    hint = f"; build one with NVFP4Recipe(**{name})" if isinstance(recipe, dict) else ""
+    raise RecipeTypeError(f"{name}={recipe!r} ({type(recipe).__name__}): must be an NVFP4Recipe or None{hint}")
+
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4Recipe:
     """How a layer quantizes. Defaults follow NVIDIA's NVFP4 training recipe.
@@ -37,6 +88,7 @@ class NVFP4Recipe:
     overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
       many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
       host time that small GEMMs cannot hide (docs/performance.md says where overlap pays).
+    Every field must have its annotated type (rht=True, not rht="False"): RecipeTypeError names the field otherwise.
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     """
@@ -54,6 +106,13 @@ class NVFP4Recipe:
     check_finite: bool = True
 
     def __post_init__(self):
+        hints = _field_types(type(self))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            hint = hints.get(field.name)
+            if hint is not None and not _matches(value, hint):
+                raise RecipeTypeError(f"{field.name}={value!r} ({type(value).__name__}): must be of type "
+                                      f"{getattr(hint, '__name__', hint)}")
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend={self.gemm_backend!r} is not one of {GEMM_BACKENDS}")
         for name in ("bf16_first_layers", "bf16_last_layers", "overlap_min_chunk_gflops"):
@@ -87,6 +146,11 @@ class NVFP4Recipe:
             values.setdefault("rht", False)
             values.setdefault("stochastic_rounding", False)
         return cls(**values)
+
+    def fingerprint(self) -> int:
+        """A signed 64-bit hash of every field, equal on every process for equal recipes (to compare ranks)."""
+        text = ";".join(f"{field.name}={_canonical(getattr(self, field.name))}" for field in dataclasses.fields(self))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
     def replace(self, **changes) -> "NVFP4Recipe":
         return dataclasses.replace(self, **changes)
