@@ -102,7 +102,8 @@ def explain_operands(specs: list, values: list, local: list | None = None, group
 
     specs: (label, rht, has_rowwise, has_columnwise) per operand (see spec()), in the order of values: two per
     operand, its rowwise and columnwise amax maxima. local: this rank's own values where `values` were reduced
-    (MAX) over a group, which `group` names in messages ("tensor-parallel rank").
+    (MAX) over a group, which `group` names in messages ("tensor-parallel rank"); None entries for operands
+    whose own values are not known (amaxes reduced before quantizing).
     """
     for index, (label, rht, has_row, has_col) in enumerate(specs):
         row, col = values[2 * index], values[2 * index + 1]
@@ -111,8 +112,8 @@ def explain_operands(specs: list, values: list, local: list | None = None, group
                if present and not math.isfinite(value)]
         if not bad:
             continue
-        where = ""
-        if local is not None:
+        where = f" on some {group}" if local is not None else ""
+        if local is not None and local[2 * index] is not None:
             own_row, own_col = local[2 * index], local[2 * index + 1]
             if math.isfinite(own_row) and math.isfinite(own_col):
                 where = f" on another {group} (this rank's shard is finite)"

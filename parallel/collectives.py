@@ -5,6 +5,7 @@ NCCL on GPUs, gloo on CPUs; no autograd inside. `group=None` is the default (wor
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,16 @@ def all_reduce_amax(amaxes: list, group=None, *, peer_memory: bool | None = None
     """MAX-reduce the given amaxes (None entries skipped) across the group in place, as one collective.
 
     Issued before quantizing a tensor that will be gathered, so that every shard shares one global scale.
+    NaN is sent as +inf (a MAX that drops NaN, as gloo's and fmax-based ones do, would hide a NaN shard):
+    a non-finite amax on any rank gives +inf on every rank, which recipe.check_finite then reports.
     By default through NVLink peer memory when parallel/symmetric.py is enabled for the group and the
     amaxes fit its one-shot kernel (peer_memory=False forces NCCL; gloo on CPU).
     """
     present = [amax for amax in amaxes if amax is not None]
     if not present or group_size(group) == 1:
         return amaxes
+    for amax in present:
+        amax.nan_to_num_(nan=math.inf, posinf=math.inf)
     if peer_memory is None:
         peer_memory = (all(a.is_cuda and a.is_contiguous() for a in present)
                        and sum(a.numel() for a in present) <= symmetric.MAX_AMAXES and symmetric.enabled(group))
@@ -161,6 +166,16 @@ def all_gather_bf16(x: torch.Tensor, group=None, async_op: bool = False):
         work.wait()
         return out
     return work, finish
+
+
+def all_gather_stacked(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's x (the same shape and dtype on every rank) stacked as [W, *x.shape]."""
+    x = x.contiguous()
+    out = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
+    if group_size(group) == 1:
+        return out.copy_(x.unsqueeze(0))
+    _all_gather_single(out.view(-1), x.view(-1), group=group)
+    return out
 
 
 def reduce_scatter_bf16(x: torch.Tensor, group=None) -> torch.Tensor:

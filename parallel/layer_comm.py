@@ -2,12 +2,23 @@
 
 ColumnParallelComm and RowParallelComm are the plain (not pipelined) paths; parallel/overlap.py
 derives the ring-pipelined twins from them, and parallel/layers.py picks one per forward.
+Their NaN/Inf checks run across the group (parallel/group_checks.py): an operand that differs between ranks
+(a weight shard, a row-parallel input, a column-parallel output gradient) is exchanged in one small MAX
+all-reduce; one whose amaxes were already reduced (sequence-parallel gathers) or that every rank holds whole
+(a row-parallel output gradient) needs no exchange.
 """
 from __future__ import annotations
 
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.linear import LinearComm, operand_amaxes, quantize_operand
 from nvfp4_dist.parallel import collectives
+from nvfp4_dist.parallel.group_checks import check_finite_across_group
+
+
+def _check_finite(operands: dict, layer_name: str, group, agreed: set) -> None:
+    """check_finite_across_group of {role: NVFP4Tensor}; roles in `agreed` are equal on every rank."""
+    labels = {f"the {role} of {layer_name}": q for role, q in operands.items()}
+    check_finite_across_group(labels, group, reduced=frozenset(f"the {role} of {layer_name}" for role in agreed))
 
 
 class ColumnParallelComm(LinearComm):
@@ -30,6 +41,11 @@ class ColumnParallelComm(LinearComm):
         collectives.all_reduce_amax(amaxes, self.group)
         return quantize_operand(x2d, "activation", recipe, rowwise=True, columnwise=columnwise,
                                 amax_rowwise=amaxes[0], amax_columnwise=amaxes[1])
+
+    def check_finite(self, operands, layer_name):
+        source = operands.get("input")
+        reduced = self.sequence_parallel and source is not None and not source.row_scaled
+        _check_finite(operands, layer_name, self.group, {"input"} if reduced else set())
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
         if self.sequence_parallel:
@@ -69,6 +85,9 @@ class RowParallelComm(LinearComm):
         if not self.sequence_parallel:
             return super().output_shape(input_shape, out_features)
         return (input_shape[0] // self.world_size, *input_shape[1:-1], out_features)
+
+    def check_finite(self, operands, layer_name):
+        _check_finite(operands, layer_name, self.group, {"gradient"})
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
         partial = gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)

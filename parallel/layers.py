@@ -14,6 +14,11 @@ Row-parallel, weight [out, in/tp]:
 Stochastic rounding of a sharded gradient uses the same seed on every rank (drawn from torch's CPU
 generator: ranks must share torch.manual_seed) and this rank's row offset, so the gathered gradient
 equals quantizing the full gradient byte for byte.
+
+The first call of each layer (every call with NVFP4_CHECK_TP_CONSISTENCY=1) compares its configuration, recipe
+and input across the group (parallel/group_checks.py), so that ranks that disagree raise on every rank instead
+of hanging or aborting in a collective. An empty input (no tokens, as MoE routing makes) runs the BF16 path:
+an empty output and zero weight gradients, as torch.nn.Linear gives.
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from nvfp4_dist import environment
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
-from nvfp4_dist.linear import (LinearComm, WeightCache, bf16_linear, check_activation, check_features, nvfp4_linear,
-                      quantize_weight)
-from nvfp4_dist.recipe import NVFP4Recipe
-from nvfp4_dist.parallel import collectives
+from nvfp4_dist.linear import (LinearComm, WeightCache, WeightParameter, bf16_linear, check_activation,
+                               check_features, check_parameter_dtype, check_weight_dtype, describe_layer, nvfp4_linear,
+                               quantize_weight)
+from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
+from nvfp4_dist.parallel import collectives, group_checks
 from nvfp4_dist.parallel.overlap import overlapped_comm
 from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
 
@@ -132,6 +139,7 @@ class _ParallelLinear(torch.nn.Module):
     keep_quantized_weight: reuse the quantized weight across forwards while the parameter is unchanged
     (WeightCache). False: quantize its rowwise copy at each forward and its columnwise copy in backward,
     holding no copy in between (less memory; for callers that requantize every forward anyway).
+    layer_name: the layer in error messages (nvfp4_dist.linear.name_layers sets it; default: class and sizes).
     """
 
     keep_quantized_weight = True
@@ -140,8 +148,7 @@ class _ParallelLinear(torch.nn.Module):
                  init_method, recipe, params_dtype, device, bf16_fallback, accumulate_into_main_grad, delay_wgrad,
                  partition_dim):
         super().__init__()
-        if recipe is not None and not isinstance(recipe, NVFP4Recipe):
-            raise ValueError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
+        check_recipe(recipe)
         self.tp_group = resolve_group(tp_group)
         self.world_size, self.rank = collectives.group_size(self.tp_group), collectives.group_rank(self.tp_group)
         partitioned = out_features if partition_dim == 0 else in_features
@@ -154,10 +161,13 @@ class _ParallelLinear(torch.nn.Module):
         if not bf16_fallback:
             check_features("in_features per rank" if partition_dim else "in_features", local_shape[1])
             check_features("out_features per rank" if partition_dim == 0 else "out_features", local_shape[0])
+            check_parameter_dtype(params_dtype)
+        self.layer_name: str | None = None
+        self.consistency_checked = False  # whether the group compared this layer (check_group_consistency)
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.recipe, self.bf16_fallback = recipe, bf16_fallback
         self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
-        self.weight = torch.nn.Parameter(self._weight_shard(init_method or default_init_method, params_dtype, device,
+        self.weight = WeightParameter(self._weight_shard(init_method or default_init_method, params_dtype, device,
                                                             partition_dim))
         for attribute, value in (("tensor_model_parallel", True), ("partition_dim", partition_dim),
                                  ("partition_stride", 1)):
@@ -183,7 +193,7 @@ class _ParallelLinear(torch.nn.Module):
     def _linear(self, x, bias, comm: LinearComm):
         """The local NVFP4 (or BF16 fallback) linear; comm is used on the NVFP4 path only."""
         store = self.wgrad_store if self.delay_wgrad else None
-        if self.bf16_fallback or not nvfp4_enabled():
+        if not self._uses_nvfp4(x):
             return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
@@ -196,7 +206,8 @@ class _ParallelLinear(torch.nn.Module):
             weight_q = quantize_weight(self.weight, recipe, columnwise=False)
         return nvfp4_linear(x, self.weight, bias, recipe, weight_q=weight_q, comm=comm,
                             accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
-                            requantize_weight_in_backward=not self.keep_quantized_weight)
+                            requantize_weight_in_backward=not self.keep_quantized_weight,
+                            layer_name=describe_layer(self))
 
     def _overlapped(self, comm: LinearComm, min_chunk_gflops: int) -> LinearComm:
         """The ring-pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum ring-step
@@ -204,8 +215,52 @@ class _ParallelLinear(torch.nn.Module):
         self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops)
         return self._overlapped_comm
 
-    def _uses_nvfp4(self) -> bool:
-        return not self.bf16_fallback and nvfp4_enabled()
+    def _uses_nvfp4(self, x: torch.Tensor) -> bool:
+        """NVFP4 unless the layer or the enclosing autocast says BF16, or x has no tokens (empty batch)."""
+        return not self.bf16_fallback and nvfp4_enabled() and x.numel() > 0
+
+    def _local_input_problem(self, x, in_features: int) -> str | None:
+        """Why this rank cannot run x (wrong type, dtype, shape or device; an unsupported weight dtype), or None."""
+        try:
+            if not self.bf16_fallback and nvfp4_enabled():
+                check_weight_dtype(self.weight)
+            check_activation(x, in_features, self.weight)
+            self._check_input_shape(x)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _check_input_shape(self, x: torch.Tensor) -> None:
+        """ValueError for an input shape this layer kind cannot take (beyond its last dim)."""
+
+    def _options(self) -> list:
+        """(name, kind, value) of the options, besides the common ones, that the ranks must share."""
+        return []
+
+    def check_group_consistency(self, x, in_features: int) -> None:
+        """Validate x; at the first call (every call with NVFP4_CHECK_TP_CONSISTENCY=1) also compare this layer's
+        configuration, recipe and input across the group, raising on every rank when they differ."""
+        problem = self._local_input_problem(x, in_features)
+        compare = self.world_size > 1 and (not self.consistency_checked or environment.CHECK_TP_CONSISTENCY.read())
+        if compare:
+            self.consistency_checked = True
+            is_tensor = isinstance(x, torch.Tensor)
+            fields = [("layer", "text", describe_layer(self)), ("tensor-parallel size", "int", self.world_size),
+                      ("in_features", "int", self.in_features), ("out_features", "int", self.out_features),
+                      ("local weight shape", "shape", tuple(self.weight.shape)),
+                      ("weight dtype", "dtype", self.weight.dtype), ("bias", "int", self.bias is not None),
+                      ("sequence_parallel", "int", self.sequence_parallel), *self._options(),
+                      ("NVFP4 (not bf16_fallback or autocast(enabled=False))", "int",
+                       not self.bf16_fallback and nvfp4_enabled()),
+                      ("grad enabled", "int", torch.is_grad_enabled()),
+                      ("weight.requires_grad", "int", self.weight.requires_grad),
+                      ("input shape", "shape", tuple(x.shape) if is_tensor else ()),
+                      ("input dtype", "dtype", x.dtype if is_tensor else None),
+                      ("input.requires_grad", "int", is_tensor and x.requires_grad)]
+            fields += group_checks.recipe_fields(resolve_recipe(self.recipe))
+            group_checks.check_consistency(describe_layer(self), fields, self.tp_group, problem)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -237,10 +292,14 @@ class ColumnParallelLinear(_ParallelLinear):
             self.register_parameter("bias", None)
         self.comm = ColumnParallelComm(self.tp_group, sequence_parallel, keep_input_columnwise)
 
+    def _options(self):
+        return [("gather_output", "int", self.gather_output),
+                ("keep_input_columnwise", "int", self.comm.keep_input_columnwise)]
+
     def forward(self, x: torch.Tensor):
-        check_activation(x, self.in_features)
+        self.check_group_consistency(x, self.in_features)
         bias = None if self.skip_bias_add else self.bias
-        if not self._uses_nvfp4():  # the NVFP4 path communicates inside its autograd Function
+        if not self._uses_nvfp4(x):  # the NVFP4 path communicates inside its autograd Function
             if self.sequence_parallel:
                 x = _GatherFromSequenceParallelRegion.apply(x, self.tp_group)
             elif self.world_size > 1:
@@ -278,16 +337,20 @@ class RowParallelLinear(_ParallelLinear):
             self.register_parameter("bias", None)
         self.comm = RowParallelComm(self.tp_group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor):
-        if not self.input_is_parallel and self.world_size > 1:
-            check_activation(x, self.in_features)
-            x = _ScatterToTensorParallelRegion.apply(x, self.tp_group)
-        else:
-            check_activation(x, self.in_features // self.world_size)
+    def _options(self):
+        return [("input_is_parallel", "int", self.input_is_parallel)]
+
+    def _check_input_shape(self, x):
         if self.sequence_parallel and x.dim() >= 2 and x.shape[0] % self.world_size:
             raise ValueError(f"input.shape={tuple(x.shape)}: with sequence_parallel the first dim must be divisible "
                              f"by the tensor-parallel size {self.world_size}")
-        nvfp4 = self._uses_nvfp4()
+
+    def forward(self, x: torch.Tensor):
+        scatter = not self.input_is_parallel and self.world_size > 1
+        self.check_group_consistency(x, self.in_features if scatter else self.in_features // self.world_size)
+        if scatter:
+            x = _ScatterToTensorParallelRegion.apply(x, self.tp_group)
+        nvfp4 = self._uses_nvfp4(x)
         y = self._linear(x, None, self.comm)
         if not nvfp4:  # the NVFP4 path reduces inside its autograd Function
             if self.sequence_parallel:

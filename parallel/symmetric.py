@@ -90,10 +90,19 @@ class SymmetricWorkspace:
         return self.signal_pads, _CHANNEL, self.rank
 
 
+_HOST_NAME_BYTES = 256  # a fixed-size record per rank: host names are at most 255 bytes (POSIX HOST_NAME_MAX)
+
+
 def _same_host(group) -> bool:
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    """Whether every rank runs on this host: each rank's host name as a fixed-size byte record (no pickles)."""
+    name = socket.gethostname().encode()[:_HOST_NAME_BYTES]
+    record = torch.zeros(_HOST_NAME_BYTES, dtype=torch.uint8)
+    record[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    gathered = torch.empty((dist.get_world_size(group), _HOST_NAME_BYTES), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered.view(-1), record.to(device), group=group)
+    return bool((gathered == gathered[0]).all())
 
 
 def enabled(group=None) -> bool:
