@@ -107,10 +107,7 @@ def explain_operands(specs: list, values: list, local: list | None = None, group
     """
     for index, (label, rht, has_row, has_col) in enumerate(specs):
         row, col = values[2 * index], values[2 * index + 1]
-        bad = [f"{name}={value}" for name, value, present in (("amax_rowwise", row, has_row),
-                                                               ("amax_columnwise", col, has_col))
-               if present and not math.isfinite(value)]
-        if not bad:
+        if all(math.isfinite(value) for value, present in ((row, has_row), (col, has_col)) if present):
             continue
         where = f" on some {group}" if local is not None else ""
         if local is not None and local[2 * index] is not None:
@@ -118,8 +115,12 @@ def explain_operands(specs: list, values: list, local: list | None = None, group
             if math.isfinite(own_row) and math.isfinite(own_col):
                 where = f" on another {group} (this rank's shard is finite)"
             else:
-                row, where = own_row, f" on this {group}"
-        return f"{label}: {', '.join(bad)} is not finite{where}: {_cause(row, rht, has_row)}"
+                row, col, where = own_row, own_col, f" on this {group}"
+        present = [(name, value) for name, value, has in (("amax_rowwise", row, has_row),
+                                                          ("amax_columnwise", col, has_col)) if has]
+        first = next(name for name, value in present if not math.isfinite(value))
+        amaxes = ", ".join(f"{name}={value}" for name, value in present)
+        return f"{label}: {first} is not finite ({amaxes}){where}: {_cause(row, rht, has_row)}"
     return None
 
 
@@ -148,5 +149,6 @@ def check_amaxes(amaxes: dict, label: str = "the input") -> None:
 
     def explain(host):
         bad = [f"{name}={value}" for name, value in zip(names, host) if not math.isfinite(value)]
-        return f"{label}: {', '.join(bad)} is not finite: the tensor holds NaN or Inf" if bad else None
+        return f"{label}: {bad[0].split('=')[0]} is not finite ({', '.join(bad)}): the tensor holds NaN or Inf" if bad \
+            else None
     check(values, explain)
