@@ -486,9 +486,12 @@ def name_layers(model: torch.nn.Module) -> None:
 
 
 def describe_layer(module: torch.nn.Module) -> str:
-    """The layer in error messages: its layer_name (name_layers) else its class and sizes."""
-    return getattr(module, "layer_name", None) or (f"{type(module).__name__}(in_features={module.in_features}, "
-                                                   f"out_features={module.out_features})")
+    """The layer in error messages: its layer_name (name_layers), else the name Megatron-Core gave it, else its
+    class and sizes."""
+    for name in (getattr(module, "layer_name", None), getattr(module, "name", None)):
+        if isinstance(name, str) and name:
+            return name
+    return f"{type(module).__name__}(in_features={module.in_features}, out_features={module.out_features})"
 
 
 class Linear(torch.nn.Module):

@@ -94,12 +94,13 @@ def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, devi
             return ValueError, f"{name}: the given amax has a negative value ({minimum}); an amax is a maximum of |x|"
         return None
     extremes = torch.stack([amax.detach().max(), amax.detach().min()])
-    if amax.is_cuda:
-        finite_check.check(extremes, lambda values: (problem(values) or (None, None))[1])
+    if amax.is_cuda:  # raised later, as a NonFiniteAmaxError (a ValueError)
+        finite_check.check(extremes, lambda values: None if problem(values) is None else problem(values)[1])
         return
     found = problem(extremes.tolist())
     if found is not None:
-        raise found[0](found[1])
+        error, message = found
+        raise error(message)
 
 
 def check_sr_seed(sr_seed) -> None:

@@ -73,7 +73,7 @@ def _encode(kind: str, value) -> list:
         head = dims[:SHAPE_DIMS - 1] + ([_text_code(repr(dims[SHAPE_DIMS - 1:]))] if len(dims) >= SHAPE_DIMS else [])
         return [len(dims)] + head + [-1] * (SHAPE_DIMS - len(head))
     if kind == "text":
-        return [_text_code(str(value))]
+        return [_text_code(repr(value))]
     raise ValueError(f"kind={kind!r}: not one of int, dtype, shape, text")
 
 
@@ -95,7 +95,7 @@ def recipe_fields(recipe) -> list:
     for field in dataclasses.fields(recipe):
         value = getattr(recipe, field.name)
         kind = "int" if isinstance(value, int) and -2 ** 63 <= value < 2 ** 63 else "text"
-        fields.append((f"recipe.{field.name}", kind, value if kind == "int" else repr(value)))
+        fields.append((f"recipe.{field.name}", kind, value))
     return fields
 
 

@@ -210,6 +210,18 @@ def _empty_and_stale_cases(rank, world_size):
         assert layer.weight_cache.quantizations == 3
         layer(x)
         assert layer.weight_cache.quantizations == 3  # unchanged: reused
+    # Non-contiguous inputs give the contiguous result.
+    for layer in (column(True), row(False)):
+        x = local_input(layer, rank)
+        strided = x.t().contiguous().t()
+        assert not strided.is_contiguous() and torch.equal(layer(strided)[0], layer(x)[0])
+    # Sizes that are not multiples of 16 per rank, and token counts that cannot train: the same error on each rank.
+    expect(ValueError, r"out_features per rank=24", lambda: ColumnParallelLinear(64, 48))
+    expect(ValueError, r"in_features per rank=8", lambda: RowParallelLinear(16, 64))
+    expect(ValueError, r"out_features=65: must be divisible by the tensor-parallel size 2",
+           lambda: ColumnParallelLinear(64, 64 + 1))
+    layer = column(True)
+    expect(ValueError, r"training needs the token count", lambda: layer(tokens(rank, 8, 64).requires_grad_()))
     # The amax all-reduce carries a NaN of either rank to both (gloo's MAX alone would drop it).
     for bad_rank in range(world_size):
         amaxes = [torch.tensor([1.0 + rank]), torch.tensor([NAN if rank == bad_rank else 2.0])]
