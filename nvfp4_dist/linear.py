@@ -10,8 +10,8 @@ requantize_weight_in_backward it keeps no weight copy at all and quantizes W's c
 Communication is a LinearComm object (this module's base class is TP=1: none); the tensor-parallel
 layers of nvfp4_dist.parallel subclass it. With recipe.check_finite, the Function checks the amaxes of what it
 quantizes (input and weight in forward, the output gradient in backward) through comm.check_finite, which the
-tensor-parallel comms do across their group, so that a NaN on any rank stops every rank. Row-scaled activations (docs/numerics.md §6) run fprop in NVFP4 and
-backward in BF16 on the dequantized forward operands.
+tensor-parallel comms do across their group, so that a NaN on any rank stops every rank. Row-scaled activations
+(docs/numerics.md §6) run fprop in NVFP4 and backward in BF16 on the dequantized forward operands.
 
 RHT with FP16/FP32 activations: the RHT path takes BF16 only, so the columnwise (wgrad) copy of such a
 tensor is quantized from its BF16 cast; its rowwise copy is quantized from the tensor as given.

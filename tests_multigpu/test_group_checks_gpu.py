@@ -176,8 +176,9 @@ def test_verified_cache_sees_writes_through_a_held_alias(groups):
     os.environ["NVFP4_VERIFY_WEIGHT_CACHE"] = "1"
     try:
         module = layer("column", groups["nccl"], bias=False)
-        alias = torch.empty(0, device="cuda", dtype=module.weight.dtype).set_(
-            module.weight.untyped_storage(), module.weight.storage_offset(), module.weight.shape, module.weight.stride())
+        weight = module.weight
+        alias = torch.empty(0, device="cuda", dtype=weight.dtype).set_(
+            weight.untyped_storage(), weight.storage_offset(), weight.shape, weight.stride())
         x = local_input(module, rank)
         module(x)
         alias.zero_()  # a write that no version counter or .data access records
