@@ -380,3 +380,12 @@ def test_dtype_change_of_the_weight_is_seen():
     layer(x)
     layer.to(torch.float16)
     assert torch.equal(layer(x), _fresh_output(layer, x))
+
+
+def test_gemm_of_empty_operands_gives_empty_or_zero_results():
+    empty = nv.quantize(torch.empty(0, 64, dtype=torch.bfloat16))
+    weight = nv.quantize(bf16(32, 64), "weight")
+    assert nv.gemm(empty, weight).shape == (0, 32)
+    gradient = nv.quantize(torch.empty(0, 32, dtype=torch.bfloat16), "gradient")
+    wgrad = nv.gemm(gradient, empty, a_copy="columnwise", b_copy="columnwise")  # a sum over no tokens
+    assert wgrad.shape == (32, 64) and not wgrad.any()
