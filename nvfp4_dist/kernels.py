@@ -9,6 +9,8 @@ import torch
 
 from nvfp4_dist._extension import load_extension, stream_handle
 from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.reference.copies import check_copy_options
+from nvfp4_dist.reference.fourover6 import FourOverSix
 from nvfp4_dist.reference.swizzle import padded_scale_shape
 from nvfp4_dist.tensor import NVFP4Tensor
 
@@ -88,8 +90,14 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
                     block_2d: bool = False, rht: bool = False, rht_random_sign: bool = True,
                     row_scaled: bool = False, sr_seed: int | None = None, sr_row_offset: int = 0,
                     amax_rowwise: torch.Tensor | None = None,
-                    amax_columnwise: torch.Tensor | None = None) -> NVFP4Tensor:
+                    amax_columnwise: torch.Tensor | None = None,
+                    four_over_six: FourOverSix | None = None) -> NVFP4Tensor:
     """Quantize x (viewed as [M, K]) into an NVFP4Tensor with the CUDA kernels (same contract as the reference)."""
+    check_copy_options(columnwise=columnwise, block_2d=block_2d, rht=rht, row_scaled=row_scaled,
+                       stochastic=sr_seed is not None, four_over_six=four_over_six)
+    if four_over_six is not None or (row_scaled and columnwise):
+        raise ValueError("the CUDA kernels do not yet quantize 4over6 or the columnwise copy of a row-scaled tensor; "
+                         "set NVFP4_FORCE_REFERENCE=1")
     if not (rowwise or columnwise):
         raise ValueError("rowwise=False and columnwise=False: ask for at least one copy")
     if x.dim() < 1:

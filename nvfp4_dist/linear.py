@@ -105,7 +105,7 @@ class WeightCache:
     def get(self, weight: torch.Tensor, recipe: NVFP4Recipe, *, columnwise: bool = True) -> NVFP4Tensor:
         """The weight quantized with `recipe` (rowwise, and columnwise when asked), from the cache if current."""
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape),
-               recipe.weight_2d, columnwise)
+               recipe.weight_2d, ops.four_over_six_options("weight", recipe), columnwise)
         if key != self.key:
             self.quantized = quantize_weight(weight, recipe, columnwise=columnwise)
             self.key = key

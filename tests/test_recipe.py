@@ -61,3 +61,50 @@ def test_environment_errors_name_the_variable(monkeypatch):
 def test_explicit_overrides_win_over_environment(monkeypatch):
     monkeypatch.setenv("NVFP4_DISABLE_SR", "1")
     assert NVFP4Recipe.from_env(stochastic_rounding=True).stochastic_rounding
+
+
+def test_4over6_fields_follow_transformer_engine():
+    r = NVFP4Recipe()
+    assert (r.nvfp4_4over6, r.nvfp4_4over6_e4m3_use_256, r.nvfp4_4over6_err_mode,
+            r.nvfp4_4over6_err_use_fast_math) == ("none", "all", "MAE", False)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(nvfp4_4over6="gradients", rht=False), "nvfp4_4over6"),
+    (dict(nvfp4_4over6_e4m3_use_256="some"), "nvfp4_4over6_e4m3_use_256"),
+    (dict(nvfp4_4over6_err_mode="mae"), "nvfp4_4over6_err_mode"),
+    (dict(nvfp4_4over6_err_use_fast_math="1"), "nvfp4_4over6_err_use_fast_math"),
+    (dict(nvfp4_4over6="activations"), "rht"),
+    (dict(nvfp4_4over6="all"), "rht"),
+])
+def test_bad_4over6_settings_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NVFP4Recipe(**kwargs)
+
+
+def test_4over6_on_weights_keeps_the_rht():
+    assert NVFP4Recipe(nvfp4_4over6="weights").rht
+
+
+def test_4over6_environment(monkeypatch):
+    monkeypatch.setenv("NVFP4_4OVER6", "all")
+    monkeypatch.setenv("NVFP4_DISABLE_RHT", "1")
+    monkeypatch.setenv("NVFP4_4OVER6_E4M3_USE_256", "weights")
+    monkeypatch.setenv("NVFP4_4OVER6_ERR_MODE", "mse")
+    monkeypatch.setenv("NVFP4_4OVER6_ERR_USE_FAST_MATH", "1")
+    r = NVFP4Recipe.from_env()
+    assert (r.nvfp4_4over6, r.nvfp4_4over6_e4m3_use_256, r.nvfp4_4over6_err_mode,
+            r.nvfp4_4over6_err_use_fast_math) == ("all", "weights", "MSE", True)
+    monkeypatch.setenv("NVFP4_4OVER6", "everything")
+    with pytest.raises(ValueError, match="NVFP4_4OVER6"):
+        NVFP4Recipe.from_env()
+
+
+def test_4over6_reaches_weights_and_activations_never_gradients():
+    from nvfp4_dist.ops import four_over_six_options
+    r = NVFP4Recipe(rht=False, nvfp4_4over6="all", nvfp4_4over6_e4m3_use_256="weights", nvfp4_4over6_err_mode="MSE")
+    assert four_over_six_options("weight", r).e4m3_bound == 256
+    assert four_over_six_options("activation", r).e4m3_bound == 448
+    assert four_over_six_options("activation", r).err_mode == "MSE"
+    assert four_over_six_options("gradient", r) is None
+    assert four_over_six_options("activation", NVFP4Recipe(nvfp4_4over6="weights")) is None

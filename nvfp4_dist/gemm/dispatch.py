@@ -11,6 +11,7 @@ import torch
 
 from nvfp4_dist import environment, reference
 from nvfp4_dist.environment import GEMM_BACKENDS
+from nvfp4_dist.formats import E4M3_BOUND
 from nvfp4_dist.gemm import gpu_backends
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.tensor import NVFP4Tensor
@@ -143,8 +144,13 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
     if bias is not None:
         bias = bias.contiguous()
     if chosen == "reference":
-        y = gpu_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax),
+        y = gpu_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax,
+                                                                a_e4m3_bound=a.e4m3_bound, b_e4m3_bound=b.e4m3_bound),
                                        out_dtype, bias, accumulate_into)
         return y if out is None else out.copy_(y)
+    if a.e4m3_bound != E4M3_BOUND or b.e4m3_bound != E4M3_BOUND:
+        raise ValueError(f"backend={chosen!r} takes operands quantized with the global-scale bound {E4M3_BOUND}; got "
+                         f"a.e4m3_bound={a.e4m3_bound}, b.e4m3_bound={b.e4m3_bound} (4over6 with bound 256): "
+                         f"use backend='reference' or nvfp4_4over6_e4m3_use_256='none'")
     return gpu_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype,
                             bias=bias, accumulate_into=accumulate_into, out=out)
