@@ -58,6 +58,15 @@ void amax_rows(const at::Tensor& x, at::Tensor& amax, int64_t stream) {
                "amax_rows");
 }
 
+void amax_columns(const at::Tensor& x, bool rht, bool random_sign, at::Tensor& amax, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(amax.numel() == x.size(1), "nvfp4_dist._C.amax_columns: amax needs one element per column");
+  TORCH_CHECK(!rht || x.scalar_type() == at::kBFloat16, "nvfp4_dist._C.amax_columns: the RHT takes bfloat16 x");
+  check_launch(nvfp4::launch_amax_columns(x.data_ptr(), input_type(x), x.size(0), x.size(1), rht, random_sign,
+                                          amax.data_ptr<float>(), as_stream(stream)),
+               "amax_columns");
+}
+
 void amax_rht(const at::Tensor& x, bool random_sign, const std::optional<at::Tensor>& amax_plain, at::Tensor& amax_rht, int64_t stream) {
   check_input(x);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "nvfp4_dist._C.amax_rht: x must be bfloat16");
@@ -71,7 +80,9 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
               const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
               const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
               const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool block_2d, bool rht,
-              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed, int64_t sr_row_offset, int64_t stream) {
+              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed, int64_t sr_row_offset,
+              bool four_over_six, int64_t e4m3_bound, bool four_over_six_mse, bool four_over_six_fast_math,
+              int64_t stream) {
   check_input(x);
   TORCH_CHECK(rowwise_data.has_value() == amax_rowwise.has_value() && rowwise_data.has_value() == rowwise_scale.has_value(),
               "nvfp4_dist._C.quantize: the rowwise copy needs its data, scale and amax");
@@ -96,15 +107,20 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   args.stochastic_rounding = stochastic_rounding;
   args.sr_seed = static_cast<uint64_t>(sr_seed);
   args.sr_row_offset = sr_row_offset;
+  args.four_over_six = four_over_six;
+  args.e4m3_bound = static_cast<int>(e4m3_bound);
+  args.four_over_six_mse = four_over_six_mse;
+  args.four_over_six_fast_math = four_over_six_fast_math;
   check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize");
 }
 
 void dequantize_rowwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
-                        at::Tensor& out, int64_t stream) {
+                        int64_t e4m3_bound, at::Tensor& out, int64_t stream) {
   check_device_tensor(data, "data");
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
-  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax, 1.0f,
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax,
+                                                static_cast<int>(e4m3_bound), 1.0f,
                                                 out.size(0), out.size(1), out.data_ptr(), input_type(out),
                                                 as_stream(stream)),
                "dequantize_rowwise");
@@ -121,7 +137,7 @@ void dequantize_block_values(const at::Tensor& data, const at::Tensor& scale, do
               "nvfp4_dist._C.dequantize_block_values: data [rows, K/2], scale [rows, K/16], out [rows, K]");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(data.data_ptr()) % 8 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
               "nvfp4_dist._C.dequantize_block_values: data must be 8-byte and out 16-byte aligned");
-  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), nullptr, false, static_cast<float>(factor),
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), nullptr, false, 448, static_cast<float>(factor),
                                                 out.size(0), out.size(1), out.data_ptr(), input_type(out),
                                                 as_stream(stream)),
                "dequantize_block_values");
@@ -148,14 +164,16 @@ void gemm_epilogue(const at::Tensor& acc, const at::Tensor& a_amax, const at::Te
                "gemm_epilogue");
 }
 
-void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool rht,
-                           bool rht_random_sign, at::Tensor& out, int64_t stream) {
+void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
+                           int64_t e4m3_bound, bool rht, bool rht_random_sign, at::Tensor& out, int64_t stream) {
   check_device_tensor(data, "data");
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
-  check_launch(nvfp4::launch_dequantize_columnwise(bytes(data), bytes(scale), amax.data_ptr<float>(), out.size(0),
-                                                   out.size(1), rht, rht_random_sign, out.data_ptr(), input_type(out),
-                                                   as_stream(stream)),
+  TORCH_CHECK(!per_row_amax || amax.numel() == out.size(1),
+              "nvfp4_dist._C.dequantize_columnwise: a per-row amax has one element per row of x^T");
+  check_launch(nvfp4::launch_dequantize_columnwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax,
+                                                   static_cast<int>(e4m3_bound), out.size(0), out.size(1), rht,
+                                                   rht_random_sign, out.data_ptr(), input_type(out), as_stream(stream)),
                "dequantize_columnwise");
 }
 
@@ -287,6 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amax_tensor", &amax_tensor, "max |x| into amax (1,)");
   m.def("amax_rows", &amax_rows, "max |x| of each row into amax (rows,)");
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
+  m.def("amax_columns", &amax_columns, "max |x| of each column (after the RHT of its 16-row chunks) into amax (cols,)");
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
   m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");
