@@ -144,7 +144,8 @@ void dequantize_block_values(const at::Tensor& data, const at::Tensor& scale, do
 }
 
 void gemm_epilogue(const at::Tensor& acc, const at::Tensor& a_amax, const at::Tensor& b_amax,
-                   const std::optional<at::Tensor>& bias, bool accumulate, at::Tensor& out, int64_t stream) {
+                   const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound, int64_t b_e4m3_bound,
+                   at::Tensor& out, int64_t stream) {
   TORCH_CHECK(acc.is_cuda() && acc.dim() == 2 && acc.scalar_type() == at::kFloat && acc.stride(1) == 1 &&
                   out.is_cuda() && out.dim() == 2 && out.stride(1) == 1 && out.sizes() == acc.sizes(),
               "nvfp4_dist._C.gemm_epilogue: acc FP32 and out of the same [rows, cols], rows of unit stride");
@@ -152,12 +153,17 @@ void gemm_epilogue(const at::Tensor& acc, const at::Tensor& a_amax, const at::Te
   check_device_tensor(b_amax, "b_amax");
   const bool a_per_row = a_amax.numel() != 1;
   TORCH_CHECK(!a_per_row || a_amax.numel() == acc.size(0), "nvfp4_dist._C.gemm_epilogue: a_amax has 1 or rows elements");
+  const bool b_per_column = b_amax.numel() != 1;
+  TORCH_CHECK(!b_per_column || b_amax.numel() == acc.size(1),
+              "nvfp4_dist._C.gemm_epilogue: b_amax has 1 or cols elements");
   if (bias.has_value()) {
     check_device_tensor(*bias, "bias");
     TORCH_CHECK(bias->numel() == acc.size(1), "nvfp4_dist._C.gemm_epilogue: bias has cols elements");
   }
   check_launch(nvfp4::launch_gemm_epilogue(acc.data_ptr<float>(), acc.stride(0), a_amax.data_ptr<float>(), a_per_row,
-                                           b_amax.data_ptr<float>(), bias.has_value() ? bias->data_ptr() : nullptr,
+                                           b_amax.data_ptr<float>(), b_per_column, static_cast<int>(a_e4m3_bound),
+                                           static_cast<int>(b_e4m3_bound),
+                                           bias.has_value() ? bias->data_ptr() : nullptr,
                                            bias.has_value() ? input_type(*bias) : nvfp4::InputType::kFloat32,
                                            accumulate, acc.size(0), acc.size(1), out.data_ptr(), input_type(out),
                                            out.stride(0), as_stream(stream)),
@@ -179,7 +185,8 @@ void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, cons
 
 // False when cuBLASLt has no algorithm for the problem (nothing launched): the caller takes another path.
 bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
-                   const std::optional<at::Tensor>& bias, bool accumulate, at::Tensor& out, int64_t stream) {
+                   const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound, int64_t b_e4m3_bound,
+                   at::Tensor& out, int64_t stream) {
   constexpr int64_t kWorkspaceBytes = 32 << 20;
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && out.is_cuda() && a.dim() == 2 && b.dim() == 2 && out.dim() == 2 &&
                   a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.stride(1) == 1 &&
@@ -194,7 +201,8 @@ bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a
   at::Tensor workspace = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
   const cudaError_t status = nvfp4::launch_cublaslt_gemm(
       a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1), a_amax.data_ptr<float>(),
-      b_amax.data_ptr<float>(), bias.has_value() ? bias->data_ptr() : nullptr,
+      b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound),
+      bias.has_value() ? bias->data_ptr() : nullptr,
       bias.has_value() ? input_type(*bias) : input_type(out), accumulate, out.data_ptr(), input_type(out), out.stride(0),
       scalars.data_ptr<float>(), workspace.data_ptr(), kWorkspaceBytes, as_stream(stream));
   if (status == cudaErrorNotSupported) return false;

@@ -68,23 +68,26 @@ cudaError_t launch_dequantize_columnwise(const uint8_t* data, const uint8_t* sca
                                          bool rht_random_sign, void* out, InputType out_type, cudaStream_t stream);
 
 // gemm_epilogue.cu --------------------------------------------------------------------------------
-// out[r, c] (+)= acc[r, c] * S_dec(a_amax) * S_dec(b_amax) (+ bias[c]) in FP32, rounded once to out_type.
-// a_amax: one value, or one per row when a_per_row; bias (bias_type) may be null; row strides in elements.
+// out[r, c] (+)= acc[r, c] * (S_dec(a_amax) * S_dec(b_amax)) (+ bias[c]) in FP32, rounded once to out_type.
+// a_amax: one value, or one per row when a_per_row; b_amax: one value, or one per column when b_per_column (B's
+// rows: the columnwise copy of a row-scaled activation, docs/numerics.md §6b); S_dec = amax / (6 B) with each
+// operand's bound B (448, or 256 for some 4over6 tensors); bias (bias_type) may be null; row strides in elements.
 cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const float* a_amax, bool a_per_row,
-                                 const float* b_amax, const void* bias, InputType bias_type, bool accumulate,
-                                 int64_t rows, int64_t cols, void* out, InputType out_type, int64_t out_stride,
-                                 cudaStream_t stream);
+                                 const float* b_amax, bool b_per_column, int a_e4m3_bound, int b_e4m3_bound,
+                                 const void* bias, InputType bias_type, bool accumulate, int64_t rows, int64_t cols,
+                                 void* out, InputType out_type, int64_t out_stride, cudaStream_t stream);
 
 // cublaslt_gemm.cu --------------------------------------------------------------------------------
-// out[M, N] (row stride out_stride) = S_dec(a_amax) * S_dec(b_amax) * A[M, K] . B[N, K]^T (+ bias[N]), or
+// out[M, N] (row stride out_stride) = S_dec(a_amax) * S_dec(b_amax) * A[M, K] . B[N, K]^T (+ bias[N]) (S_dec with
+// each operand's bound B, as launch_gemm_epilogue), or
 // out += that when accumulate (then no bias); A, B BF16 with row strides lda, ldb; bias of out_type; one
 // rounding to out_type by cuBLASLt. scalars: 2 floats of device memory. cudaErrorNotSupported: cuBLASLt has
 // no algorithm for this problem (nothing was launched).
 cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t m, int64_t n,
-                                 int64_t k, const float* a_amax, const float* b_amax, const void* bias,
-                                 InputType bias_type, bool accumulate, void* out, InputType out_type,
-                                 int64_t out_stride, float* scalars, void* workspace, size_t workspace_bytes,
-                                 cudaStream_t stream);
+                                 int64_t k, const float* a_amax, const float* b_amax, int a_e4m3_bound,
+                                 int b_e4m3_bound, const void* bias, InputType bias_type, bool accumulate, void* out,
+                                 InputType out_type, int64_t out_stride, float* scalars, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream);
 
 // swizzle.cu --------------------------------------------------------------------------------------
 // [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (docs/numerics.md §8).

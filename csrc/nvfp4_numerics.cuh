@@ -50,9 +50,11 @@ NVFP4_HD float encode_scale(float amax, float numerator = kGlobalScaleNumerator)
 
 NVFP4_HD float decode_scale(float s_enc) { return 1.0f / s_enc; }
 
-// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (docs/numerics.md §8), one FP32 product.
-NVFP4_HD float gemm_alpha(float a_amax, float b_amax) {
-  return decode_scale(encode_scale(a_amax)) * decode_scale(encode_scale(b_amax));
+// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (docs/numerics.md §8), one FP32 product; each
+// operand's numerator 6 B (2688, or 1536 for 4over6 tensors with the bound 256, docs/numerics.md §12.7).
+NVFP4_HD float gemm_alpha(float a_amax, float b_amax, float a_numerator = kGlobalScaleNumerator,
+                          float b_numerator = kGlobalScaleNumerator) {
+  return decode_scale(encode_scale(a_amax, a_numerator)) * decode_scale(encode_scale(b_amax, b_numerator));
 }
 
 // E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (docs/numerics.md §2.3), for

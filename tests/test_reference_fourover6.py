@@ -312,3 +312,21 @@ def test_numpy_transcription_tells_the_options_apart():
         tree = _np_quantize(x, amax_rows, FourOverSix(mode, 256), True)[2]
         sequential = _np_quantize(x, amax_rows, FourOverSix(mode, 256), True, tree=False)[2]
         assert (tree != sequential).any(), mode
+
+
+@pytest.mark.parametrize("bounds", [(256, 448), (448, 256), (256, 256)], ids=str)
+def test_gemm_uses_each_operands_bound(bounds):
+    """S_dec = amax / (6 B) per operand (docs/numerics.md §12.7): the GEMM of 4over6 tensors equals the float64
+    product of their dequantized values, through nvfp4_dist.gemm and the cuBLASLt path's arguments."""
+    from nvfp4_dist.gemm import blackwell
+    a = quantize_tensor(_random_bf16_input(64, 128, seed=1), columnwise=False, four_over_six=FourOverSix("MAE", bounds[0]))
+    b = quantize_tensor(_random_bf16_input(48, 128, seed=2), columnwise=False, block_2d=True,
+                        four_over_six=FourOverSix("MSE", bounds[1]))
+    expected = dequantize_tensor(a, torch.float64, "rowwise") @ dequantize_tensor(b, torch.float64, "rowwise").t()
+    y = nv.gemm(a, b, out_dtype=torch.float32)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    call = blackwell.scaled_mm_arguments(a.rowwise_data, a.rowwise_scale, a.amax_rowwise, b.rowwise_data,
+                                         b.rowwise_scale, b.amax_rowwise, a_e4m3_bound=bounds[0],
+                                         b_e4m3_bound=bounds[1])
+    emulated = blackwell.finish_scaled_mm(blackwell.emulate_scaled_mm(call), call)
+    torch.testing.assert_close(emulated, y, rtol=1e-6, atol=1e-6 * y.abs().max().item())

@@ -118,3 +118,21 @@ def test_row_scaled_combinations_that_stay_refused():
     q = nv.quantize(x, recipe=recipe, amax_columnwise=torch.full((32,), 4.0))
     assert torch.equal(q.amax_columnwise, torch.full((32,), 4.0))
     assert torch.equal(q.rowwise_data, quantize_tensor(x, columnwise=False, row_scaled=True).rowwise_data)
+
+
+def test_wgrad_through_gemm_and_the_blackwell_arguments():
+    """nvfp4_dist.gemm takes B with one amax per row (the reference backend here), and the cuBLASLt path's
+    arguments give the same product through its emulation: alpha is a [1, N] row of per-column factors."""
+    from nvfp4_dist.gemm import blackwell
+    x = (torch.randn(128, 64) * torch.logspace(-2, 2, 64)).bfloat16()
+    dy = torch.randn(128, 48).bfloat16()
+    xq = quantize_tensor(x, rowwise=False, row_scaled=True)
+    dyq = quantize_tensor(dy, rowwise=False)
+    args = (dyq.columnwise_data, dyq.columnwise_scale, dyq.amax_columnwise,
+            xq.columnwise_data, xq.columnwise_scale, xq.amax_columnwise)
+    expected = gemm_reference(*args)
+    assert torch.equal(nv.gemm(dyq, xq, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32), expected)
+    call = blackwell.scaled_mm_arguments(*args)
+    assert call.alpha.shape == (1, 64)
+    emulated = blackwell.finish_scaled_mm(blackwell.emulate_scaled_mm(call), call)
+    torch.testing.assert_close(emulated, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
