@@ -92,7 +92,8 @@ DISABLE_SR = Variable("NVFP4_DISABLE_SR", "1: recipe stochastic_rounding=False (
 DISABLE_2D = Variable("NVFP4_DISABLE_2D", "1: recipe weight_2d=False (1x16 instead of 16x16 weight blocks)",
                       FLAG, _flag, False)
 ROW_SCALED_ACTIVATION = Variable("NVFP4_ROW_SCALED_ACTIVATION",
-                                 "1: recipe row_scaled_activation=True (one amax per activation row, forward only)",
+                                 "1: recipe row_scaled_activation=True (one amax per activation row; per column for "
+                                 "its wgrad copy)",
                                  FLAG, _flag, False)
 RHT_NO_RANDOM_SIGN = Variable("NVFP4_RHT_NO_RANDOM_SIGN", "1: recipe rht_random_sign=False (plain H16 / 4)",
                               FLAG, _flag, False)

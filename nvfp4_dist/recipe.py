@@ -34,7 +34,8 @@ class NVFP4Recipe:
     rht_random_sign: H = diag(s) H16 / 4 (True) or plain H16 / 4.
     stochastic_rounding: SR on output gradients (docs/numerics.md §7).
     weight_2d: 16x16 block scales for weights (docs/numerics.md §4).
-    row_scaled_activation: one amax per activation row, forward only (docs/numerics.md §6).
+    row_scaled_activation: one amax per activation row (docs/numerics.md §6), and one per column for the
+      activation's columnwise (wgrad) copy (§6b).
     bf16_first_layers / bf16_last_layers: transformer layers kept in BF16.
     gemm_backend: auto | cublaslt | emulated | reference (docs/numerics.md §8).
     overlap: pipeline TP communication with the GEMMs (parallel layers only).
@@ -74,15 +75,6 @@ class NVFP4Recipe:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 0")
-        if self.row_scaled_activation and self.rht:
-            raise ValueError(
-                "row_scaled_activation=True cannot be combined with rht=True: row-scaled "
-                "activations run backward in BF16 (docs/numerics.md §6); set rht=False (or NVFP4_DISABLE_RHT=1)")
-        if self.row_scaled_activation and self.stochastic_rounding:
-            raise ValueError(
-                "row_scaled_activation=True cannot be combined with stochastic_rounding=True: "
-                "row-scaled layers keep gradients in BF16 (docs/numerics.md §6); set stochastic_rounding=False "
-                "(or NVFP4_DISABLE_SR=1)")
         for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
             if getattr(self, name) not in FOUR_OVER_SIX_SCOPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {FOUR_OVER_SIX_SCOPES}")
@@ -96,6 +88,11 @@ class NVFP4Recipe:
                 f"nvfp4_4over6={self.nvfp4_4over6!r} cannot be combined with rht=True: 4over6 is not combined with "
                 "the RHT of the activations' columnwise copy (docs/numerics.md §12); set rht=False "
                 "(or NVFP4_DISABLE_RHT=1), or nvfp4_4over6='weights'")
+        if self.nvfp4_4over6 in ("activations", "all") and self.row_scaled_activation:
+            raise ValueError(
+                f"nvfp4_4over6={self.nvfp4_4over6!r} cannot be combined with row_scaled_activation=True: the "
+                "columnwise (wgrad) copy of a row-scaled activation takes no 4over6 (docs/numerics.md §6); set "
+                "nvfp4_4over6='weights' or 'none'")
 
     @classmethod
     def from_env(cls, **overrides) -> "NVFP4Recipe":
@@ -109,10 +106,6 @@ class NVFP4Recipe:
             if setting is not None:
                 values[field] = setting
         values.update(overrides)
-        # Row-scaled activations imply the BF16 backward, so drop the defaults that conflict.
-        if values.get("row_scaled_activation"):
-            values.setdefault("rht", False)
-            values.setdefault("stochastic_rounding", False)
         return cls(**values)
 
     def replace(self, **changes) -> "NVFP4Recipe":

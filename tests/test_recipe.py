@@ -11,8 +11,7 @@ def test_defaults_follow_the_nvidia_recipe():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(row_scaled_activation=True), "rht"),
-    (dict(row_scaled_activation=True, rht=False), "stochastic_rounding"),
+    (dict(row_scaled_activation=True, rht=False, nvfp4_4over6="activations"), "row_scaled_activation"),
     (dict(gemm_backend="cutlass"), "gemm_backend"),
     (dict(bf16_first_layers=-1), "bf16_first_layers"),
     (dict(bf16_last_layers=1.5), "bf16_last_layers"),
@@ -23,9 +22,11 @@ def test_bad_combinations_are_rejected(kwargs, message):
         NVFP4Recipe(**kwargs)
 
 
-def test_row_scaled_with_rht_and_sr_off_is_accepted():
-    r = NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
-    assert r.row_scaled_activation
+def test_row_scaled_keeps_the_rht_and_sr_of_the_nvfp4_backward():
+    """Row-scaled layers run backward in NVFP4 (docs/numerics.md §6b), so the recipe's RHT and SR stay on."""
+    r = NVFP4Recipe(row_scaled_activation=True)
+    assert r.row_scaled_activation and r.rht and r.stochastic_rounding
+    assert NVFP4Recipe(row_scaled_activation=True, rht=False, nvfp4_4over6="weights").nvfp4_4over6 == "weights"
 
 
 @pytest.mark.parametrize("var,field,value", [
