@@ -31,6 +31,7 @@ import torch
 
 from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
+from nvfp4_dist.reference.fourover6 import FourOverSix
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 BLOCK = 16
@@ -71,7 +72,8 @@ def run_shape(rows: int, cols: int) -> list[dict]:
 
     amax = kernels.compute_amaxes(x)[0]
     _, amax_rht = kernels.compute_amaxes(x, rht=True)
-    row_amax = kernels.compute_amaxes(x, columnwise=False, row_scaled=True)[0]
+    row_amax, column_amax = kernels.compute_amaxes(x, row_scaled=True)
+    _, column_amax_rht = kernels.compute_amaxes(x, rowwise=False, row_scaled=True, rht=True)
     row_data = torch.empty(rows, cols // 2, dtype=torch.uint8, device="cuda")
     row_scale = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device="cuda")
     col_data = torch.empty(cols, rows // 2, dtype=torch.uint8, device="cuda")
@@ -80,19 +82,27 @@ def run_shape(rows: int, cols: int) -> list[dict]:
     scratch2 = torch.empty(1, dtype=torch.float32, device="cuda")
 
     def cast(inp, *, rowwise=True, columnwise=True, block_2d=False, rht=False, sr=False, row_scaled=False,
-             amax_col=None):
+             amax_col=None, four_over_six=None):
         a_row = row_amax if row_scaled else amax
         a_col = amax_col if amax_col is not None else amax
+        bound = four_over_six.e4m3_bound if four_over_six is not None else 448
+        mse = four_over_six is not None and four_over_six.err_mode == "MSE"
+        fast = four_over_six is not None and four_over_six.fast_math
         return lambda: extension.quantize(
             inp, a_row if rowwise else None, a_col if columnwise else None, row_data if rowwise else None,
             row_scale if rowwise else None, col_data if columnwise else None, col_scale if columnwise else None,
-            row_scaled, block_2d, rht, True, sr, 12345, 0, stream)
+            row_scaled, block_2d, rht, True, sr, 12345, 0, four_over_six is not None, bound, mse, fast, stream)
 
     def amax_pass(inp):
         return lambda: extension.amax_tensor(inp, scratch, stream)
 
     def rht_amax_pass(inp):
         return lambda: extension.amax_rht(inp, True, scratch2, scratch, stream)
+
+    column_amax_scratch = torch.empty(cols, dtype=torch.float32, device="cuda")
+
+    def column_amax_pass(inp, rht):
+        return lambda: extension.amax_columns(inp, rht, True, column_amax_scratch, stream)
 
     def chain(*fns):
         def run():
@@ -117,8 +127,21 @@ def run_shape(rows: int, cols: int) -> list[dict]:
         ("RHT cast (rowwise + RHT columnwise)", cast(x, rht=True, amax_col=amax_rht), in_bytes + both),
         ("RHT amax+cast", chain(rht_amax_pass(x), cast(x, rht=True, amax_col=amax_rht)), in_bytes + both),
         ("RHT SR cast", cast(x, rht=True, sr=True, amax_col=amax_rht), in_bytes + both),
+        ("4over6 cast 1D MAE exact, both copies", cast(x, four_over_six=FourOverSix("MAE", 256)), in_bytes + both),
+        ("4over6 cast 1D MSE exact, both copies", cast(x, four_over_six=FourOverSix("MSE", 256)), in_bytes + both),
+        ("4over6 cast 1D MAE fast-math, both copies", cast(x, four_over_six=FourOverSix("MAE", 256, True)),
+         in_bytes + both),
+        ("4over6 cast 2D MAE exact, both copies", cast(x, block_2d=True, four_over_six=FourOverSix("MAE", 256)),
+         in_bytes + both),
+        ("4over6 cast 1D MAE exact, rowwise only", cast(x, columnwise=False, four_over_six=FourOverSix("MAE", 256)),
+         in_bytes + one),
+        ("amax per column (row-scaled columnwise)", column_amax_pass(x, False), in_bytes),
+        ("amax per column after the RHT", column_amax_pass(x, True), in_bytes),
+        ("row-scaled cast, both copies", cast(x, row_scaled=True, amax_col=column_amax), in_bytes + both),
+        ("row-scaled RHT cast, both copies", cast(x, row_scaled=True, rht=True, amax_col=column_amax_rht),
+         in_bytes + both),
         ("dequantize rowwise -> bf16", lambda: extension.dequantize_rowwise(
-            q.rowwise_data, q.rowwise_scale.view(torch.uint8), q.amax_rowwise, False, dequant_out, stream),
+            q.rowwise_data, q.rowwise_scale.view(torch.uint8), q.amax_rowwise, False, 448, dequant_out, stream),
          one + in_bytes),
     ]
     if x32 is not None:

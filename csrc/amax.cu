@@ -101,6 +101,46 @@ __global__ void __launch_bounds__(kAmaxThreads) amax_rht_kernel(const uint32_t* 
   }
 }
 
+// One amax per column of x (per row of x^T, docs/numerics.md §6b), after the RHT of each 16-row chunk of the column
+// (rounded to BF16) with kRHT: a thread takes a column pair (lanes consecutive pairs: coalesced rows) over the
+// CTA's rows (a multiple of 16 with kRHT), and maxes its two results into amax atomically (amax zeroed first).
+template <typename T, bool kRHT, bool kRandomSign>
+__global__ void __launch_bounds__(kAmaxThreads) amax_columns_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                                                    int64_t rows_per_cta, float* __restrict__ amax) {
+  const int64_t column = (static_cast<int64_t>(blockIdx.x) * kAmaxThreads + threadIdx.x) * 2;
+  if (column >= cols) return;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.y) * rows_per_cta;
+  const int64_t end_row = first_row + rows_per_cta < rows ? first_row + rows_per_cta : rows;
+  uint32_t running[2] = {0u, 0u};
+  if constexpr (kRHT) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x) + column / 2;
+    for (int64_t row = first_row; row < end_row; row += kBlockSize) {
+      float chunk[2][kBlockSize];
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) {
+        const float2 both = bf16_pair_to_float2(__ldcs(pairs + (row + i) * (cols / 2)));
+        chunk[0][i] = both.x;
+        chunk[1][i] = both.y;
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float transformed[kBlockSize];  // odd elements negated: the same |.|
+        rht_chunk_odd_negated<kRandomSign>(chunk[j], transformed);
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) running[j] = max(running[j], abs_bits(round_to_bf16(transformed[i])));
+      }
+    }
+  } else {
+    for (int64_t row = first_row; row < end_row; ++row) {
+      const T* pair = x + row * cols + column;
+      running[0] = max(running[0], abs_bits(to_float(pair[0])));
+      running[1] = max(running[1], abs_bits(to_float(pair[1])));
+    }
+  }
+  atomic_max_bits(amax + column, running[0]);
+  atomic_max_bits(amax + column + 1, running[1]);
+}
+
 int64_t grid_for(int64_t work_per_thread_units) {
   const int64_t wanted = (work_per_thread_units + kAmaxThreads - 1) / kAmaxThreads;
   return std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(device_multiprocessors()) * 8));
@@ -149,6 +189,31 @@ cudaError_t launch_amax_rht(const void* x, int64_t rows, int64_t cols, bool rand
   } else {
     amax_rht_kernel<false><<<grid, kAmaxThreads, 0, stream>>>(words, row_blocks, pairs_per_row, amax_plain, amax_rht);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_amax_columns(const void* x, InputType type, int64_t rows, int64_t cols, bool rht, bool random_sign,
+                                float* amax, cudaStream_t stream) {
+  if (cols % 2 != 0 || (rht && (type != InputType::kBFloat16 || rows % kBlockSize != 0))) return cudaErrorInvalidValue;
+  cudaError_t status = cudaMemsetAsync(amax, 0, cols * sizeof(float), stream);
+  if (status != cudaSuccess || rows == 0 || cols == 0) return status;
+  // x: one thread per column pair; y: enough row ranges (multiples of 16 rows) for 8 CTAs per multiprocessor
+  const int64_t column_ctas = (cols / 2 + kAmaxThreads - 1) / kAmaxThreads;
+  const int64_t row_ranges = std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(device_multiprocessors()) * 8 / column_ctas, rows / kBlockSize, 65535}));
+  const int64_t rows_per_cta = (rows / row_ranges + kBlockSize - 1) / kBlockSize * kBlockSize;
+  const dim3 grid(static_cast<unsigned>(column_ctas), static_cast<unsigned>((rows + rows_per_cta - 1) / rows_per_cta));
+  if (rht) {
+    const auto* bf16 = static_cast<const __nv_bfloat16*>(x);
+    if (random_sign) {
+      amax_columns_kernel<__nv_bfloat16, true, true><<<grid, kAmaxThreads, 0, stream>>>(bf16, rows, cols, rows_per_cta, amax);
+    } else {
+      amax_columns_kernel<__nv_bfloat16, true, false><<<grid, kAmaxThreads, 0, stream>>>(bf16, rows, cols, rows_per_cta, amax);
+    }
+    return cudaGetLastError();
+  }
+  NVFP4_DISPATCH_INPUT_TYPE(type, T, amax_columns_kernel<T, false, false><<<grid, kAmaxThreads, 0, stream>>>(
+                                         static_cast<const T*>(x), rows, cols, rows_per_cta, amax));
   return cudaGetLastError();
 }
 

@@ -58,6 +58,15 @@ void amax_rows(const at::Tensor& x, at::Tensor& amax, int64_t stream) {
                "amax_rows");
 }
 
+void amax_columns(const at::Tensor& x, bool rht, bool random_sign, at::Tensor& amax, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(amax.numel() == x.size(1), "nvfp4_dist._C.amax_columns: amax needs one element per column");
+  TORCH_CHECK(!rht || x.scalar_type() == at::kBFloat16, "nvfp4_dist._C.amax_columns: the RHT takes bfloat16 x");
+  check_launch(nvfp4::launch_amax_columns(x.data_ptr(), input_type(x), x.size(0), x.size(1), rht, random_sign,
+                                          amax.data_ptr<float>(), as_stream(stream)),
+               "amax_columns");
+}
+
 void amax_rht(const at::Tensor& x, bool random_sign, const std::optional<at::Tensor>& amax_plain, at::Tensor& amax_rht, int64_t stream) {
   check_input(x);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "nvfp4_dist._C.amax_rht: x must be bfloat16");
@@ -71,7 +80,9 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
               const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
               const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
               const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool block_2d, bool rht,
-              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed, int64_t sr_row_offset, int64_t stream) {
+              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed, int64_t sr_row_offset,
+              bool four_over_six, int64_t e4m3_bound, bool four_over_six_mse, bool four_over_six_fast_math,
+              int64_t stream) {
   check_input(x);
   TORCH_CHECK(rowwise_data.has_value() == amax_rowwise.has_value() && rowwise_data.has_value() == rowwise_scale.has_value(),
               "nvfp4_dist._C.quantize: the rowwise copy needs its data, scale and amax");
@@ -96,15 +107,20 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   args.stochastic_rounding = stochastic_rounding;
   args.sr_seed = static_cast<uint64_t>(sr_seed);
   args.sr_row_offset = sr_row_offset;
+  args.four_over_six = four_over_six;
+  args.e4m3_bound = static_cast<int>(e4m3_bound);
+  args.four_over_six_mse = four_over_six_mse;
+  args.four_over_six_fast_math = four_over_six_fast_math;
   check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize");
 }
 
 void dequantize_rowwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
-                        at::Tensor& out, int64_t stream) {
+                        int64_t e4m3_bound, at::Tensor& out, int64_t stream) {
   check_device_tensor(data, "data");
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
-  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax, 1.0f,
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax,
+                                                static_cast<int>(e4m3_bound), 1.0f,
                                                 out.size(0), out.size(1), out.data_ptr(), input_type(out),
                                                 as_stream(stream)),
                "dequantize_rowwise");
@@ -121,14 +137,15 @@ void dequantize_block_values(const at::Tensor& data, const at::Tensor& scale, do
               "nvfp4_dist._C.dequantize_block_values: data [rows, K/2], scale [rows, K/16], out [rows, K]");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(data.data_ptr()) % 8 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
               "nvfp4_dist._C.dequantize_block_values: data must be 8-byte and out 16-byte aligned");
-  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), nullptr, false, static_cast<float>(factor),
+  check_launch(nvfp4::launch_dequantize_rowwise(bytes(data), bytes(scale), nullptr, false, 448, static_cast<float>(factor),
                                                 out.size(0), out.size(1), out.data_ptr(), input_type(out),
                                                 as_stream(stream)),
                "dequantize_block_values");
 }
 
 void gemm_epilogue(const at::Tensor& acc, const at::Tensor& a_amax, const at::Tensor& b_amax,
-                   const std::optional<at::Tensor>& bias, bool accumulate, at::Tensor& out, int64_t stream) {
+                   const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound, int64_t b_e4m3_bound,
+                   at::Tensor& out, int64_t stream) {
   TORCH_CHECK(acc.is_cuda() && acc.dim() == 2 && acc.scalar_type() == at::kFloat && acc.stride(1) == 1 &&
                   out.is_cuda() && out.dim() == 2 && out.stride(1) == 1 && out.sizes() == acc.sizes(),
               "nvfp4_dist._C.gemm_epilogue: acc FP32 and out of the same [rows, cols], rows of unit stride");
@@ -136,32 +153,40 @@ void gemm_epilogue(const at::Tensor& acc, const at::Tensor& a_amax, const at::Te
   check_device_tensor(b_amax, "b_amax");
   const bool a_per_row = a_amax.numel() != 1;
   TORCH_CHECK(!a_per_row || a_amax.numel() == acc.size(0), "nvfp4_dist._C.gemm_epilogue: a_amax has 1 or rows elements");
+  const bool b_per_column = b_amax.numel() != 1;
+  TORCH_CHECK(!b_per_column || b_amax.numel() == acc.size(1),
+              "nvfp4_dist._C.gemm_epilogue: b_amax has 1 or cols elements");
   if (bias.has_value()) {
     check_device_tensor(*bias, "bias");
     TORCH_CHECK(bias->numel() == acc.size(1), "nvfp4_dist._C.gemm_epilogue: bias has cols elements");
   }
   check_launch(nvfp4::launch_gemm_epilogue(acc.data_ptr<float>(), acc.stride(0), a_amax.data_ptr<float>(), a_per_row,
-                                           b_amax.data_ptr<float>(), bias.has_value() ? bias->data_ptr() : nullptr,
+                                           b_amax.data_ptr<float>(), b_per_column, static_cast<int>(a_e4m3_bound),
+                                           static_cast<int>(b_e4m3_bound),
+                                           bias.has_value() ? bias->data_ptr() : nullptr,
                                            bias.has_value() ? input_type(*bias) : nvfp4::InputType::kFloat32,
                                            accumulate, acc.size(0), acc.size(1), out.data_ptr(), input_type(out),
                                            out.stride(0), as_stream(stream)),
                "gemm_epilogue");
 }
 
-void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool rht,
-                           bool rht_random_sign, at::Tensor& out, int64_t stream) {
+void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
+                           int64_t e4m3_bound, bool rht, bool rht_random_sign, at::Tensor& out, int64_t stream) {
   check_device_tensor(data, "data");
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
-  check_launch(nvfp4::launch_dequantize_columnwise(bytes(data), bytes(scale), amax.data_ptr<float>(), out.size(0),
-                                                   out.size(1), rht, rht_random_sign, out.data_ptr(), input_type(out),
-                                                   as_stream(stream)),
+  TORCH_CHECK(!per_row_amax || amax.numel() == out.size(1),
+              "nvfp4_dist._C.dequantize_columnwise: a per-row amax has one element per row of x^T");
+  check_launch(nvfp4::launch_dequantize_columnwise(bytes(data), bytes(scale), amax.data_ptr<float>(), per_row_amax,
+                                                   static_cast<int>(e4m3_bound), out.size(0), out.size(1), rht,
+                                                   rht_random_sign, out.data_ptr(), input_type(out), as_stream(stream)),
                "dequantize_columnwise");
 }
 
 // False when cuBLASLt has no algorithm for the problem (nothing launched): the caller takes another path.
 bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
-                   const std::optional<at::Tensor>& bias, bool accumulate, at::Tensor& out, int64_t stream) {
+                   const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound, int64_t b_e4m3_bound,
+                   at::Tensor& out, int64_t stream) {
   constexpr int64_t kWorkspaceBytes = 32 << 20;
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && out.is_cuda() && a.dim() == 2 && b.dim() == 2 && out.dim() == 2 &&
                   a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.stride(1) == 1 &&
@@ -176,7 +201,8 @@ bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a
   at::Tensor workspace = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
   const cudaError_t status = nvfp4::launch_cublaslt_gemm(
       a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1), a_amax.data_ptr<float>(),
-      b_amax.data_ptr<float>(), bias.has_value() ? bias->data_ptr() : nullptr,
+      b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound),
+      bias.has_value() ? bias->data_ptr() : nullptr,
       bias.has_value() ? input_type(*bias) : input_type(out), accumulate, out.data_ptr(), input_type(out), out.stride(0),
       scalars.data_ptr<float>(), workspace.data_ptr(), kWorkspaceBytes, as_stream(stream));
   if (status == cudaErrorNotSupported) return false;
@@ -287,6 +313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amax_tensor", &amax_tensor, "max |x| into amax (1,)");
   m.def("amax_rows", &amax_rows, "max |x| of each row into amax (rows,)");
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
+  m.def("amax_columns", &amax_columns, "max |x| of each column (after the RHT of its 16-row chunks) into amax (cols,)");
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
   m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");

@@ -15,8 +15,9 @@
 namespace nvfp4 {
 namespace {
 
-__global__ void alpha_beta_kernel(const float* a_amax, const float* b_amax, bool accumulate, float* scalars) {
-  scalars[0] = gemm_alpha(a_amax[0], b_amax[0]);
+__global__ void alpha_beta_kernel(const float* a_amax, const float* b_amax, float a_numerator, float b_numerator,
+                                  bool accumulate, float* scalars) {
+  scalars[0] = gemm_alpha(a_amax[0], b_amax[0], a_numerator, b_numerator);
   scalars[1] = accumulate ? 1.0f : 0.0f;
 }
 
@@ -101,10 +102,10 @@ const Plan* plan_for(cublasLtHandle_t handle, const PlanKey& key, size_t workspa
 }  // namespace
 
 cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t m, int64_t n,
-                                 int64_t k, const float* a_amax, const float* b_amax, const void* bias,
-                                 InputType bias_type, bool accumulate, void* out, InputType out_type,
-                                 int64_t out_stride, float* scalars, void* workspace, size_t workspace_bytes,
-                                 cudaStream_t stream) {
+                                 int64_t k, const float* a_amax, const float* b_amax, int a_e4m3_bound,
+                                 int b_e4m3_bound, const void* bias, InputType bias_type, bool accumulate, void* out,
+                                 InputType out_type, int64_t out_stride, float* scalars, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream) {
   if (m <= 0 || n <= 0 || k <= 0 || (bias != nullptr && (accumulate || bias_type != out_type))) {
     return cudaErrorInvalidValue;
   }
@@ -121,7 +122,8 @@ cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int6
           CUBLAS_STATUS_SUCCESS) {
     return cudaErrorUnknown;
   }
-  alpha_beta_kernel<<<1, 1, 0, stream>>>(a_amax, b_amax, accumulate, scalars);
+  alpha_beta_kernel<<<1, 1, 0, stream>>>(a_amax, b_amax, kFp4Max * a_e4m3_bound, kFp4Max * b_e4m3_bound, accumulate,
+                                         scalars);
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) return launched;
   const cublasStatus_t status =

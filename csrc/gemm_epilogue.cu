@@ -1,5 +1,6 @@
 // The epilogue of the Hopper GEMM's dequantize path (nvfp4_dist/gemm/hopper.py): cuBLAS leaves the
-// FP32 product of the exact block values; this applies alpha = S_dec(a) * S_dec(b) (docs/numerics.md §8), the bias
+// FP32 product of the exact block values; this applies alpha = S_dec(a) * S_dec(b) (docs/numerics.md §8; S_dec(a) per
+// row for a row-scaled A, S_dec(b) per column for the columnwise copy of a row-scaled activation, §6b), the bias
 // and the accumulation, in FP32 in that order, with one rounding to the output type. A C++ launch
 // instead of a Triton one: the per-chunk GEMMs of the overlapped layers are host-bound on small shapes.
 #include "nvfp4_device.cuh"
@@ -20,9 +21,15 @@ __device__ __forceinline__ float load_as_float(const void* base, InputType type,
   }
 }
 
-__device__ __forceinline__ float epilogue_value(float acc, float alpha, const void* bias, InputType bias_type,
-                                                int64_t column) {
-  const float value = acc * alpha;
+// S_dec(b) of output column `column`: b's one value, or its column's (per-row amax of B).
+__device__ __forceinline__ float column_decode_scale(const float* b_amax, bool b_per_column, float b_numerator,
+                                                     float b_tensor_decode, int64_t column) {
+  return b_per_column ? decode_scale(encode_scale(b_amax[column], b_numerator)) : b_tensor_decode;
+}
+
+__device__ __forceinline__ float epilogue_value(float acc, float a_decode, float b_decode, const void* bias,
+                                                InputType bias_type, int64_t column) {
+  const float value = acc * (a_decode * b_decode);
   return bias == nullptr ? value : value + load_as_float(bias, bias_type, column);
 }
 
@@ -32,14 +39,16 @@ __device__ __forceinline__ float epilogue_value(float acc, float alpha, const vo
 template <typename OutT, bool kVector>
 __global__ void __launch_bounds__(kThreads) gemm_epilogue_kernel(const float* __restrict__ acc, int64_t acc_stride,
                                                                  const float* __restrict__ a_amax, bool a_per_row,
-                                                                 const float* __restrict__ b_amax, const void* bias,
-                                                                 InputType bias_type, bool accumulate, int64_t cols,
-                                                                 int64_t segments, OutT* __restrict__ out,
-                                                                 int64_t out_stride) {
+                                                                 const float* __restrict__ b_amax, bool b_per_column,
+                                                                 float a_numerator, float b_numerator,
+                                                                 const void* bias, InputType bias_type,
+                                                                 bool accumulate, int64_t cols, int64_t segments,
+                                                                 OutT* __restrict__ out, int64_t out_stride) {
   constexpr int kWidth = kVector ? 4 : 1;
   const int64_t row = blockIdx.x / segments;
   const int64_t segment_start = (blockIdx.x % segments) * kColumnsPerBlock;
-  const float alpha = gemm_alpha(a_amax[a_per_row ? row : 0], b_amax[0]);
+  const float a_decode = decode_scale(encode_scale(a_amax[a_per_row ? row : 0], a_numerator));
+  const float b_tensor_decode = b_per_column ? 0.0f : decode_scale(encode_scale(b_amax[0], b_numerator));
   const float* acc_row = acc + row * acc_stride;
   OutT* out_row = out + row * out_stride;
 #pragma unroll
@@ -53,13 +62,15 @@ __global__ void __launch_bounds__(kThreads) gemm_epilogue_kernel(const float* __
       Quad quad = accumulate ? *reinterpret_cast<const Quad*>(out_row + column) : Quad{};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        float value = epilogue_value(accs[i], alpha, bias, bias_type, column + i);
+        const float b_decode = column_decode_scale(b_amax, b_per_column, b_numerator, b_tensor_decode, column + i);
+        float value = epilogue_value(accs[i], a_decode, b_decode, bias, bias_type, column + i);
         if (accumulate) value = value + to_float(quad.v[i]);
         quad.v[i] = from_float<OutT>(value);
       }
       *reinterpret_cast<Quad*>(out_row + column) = quad;
     } else {
-      float value = epilogue_value(acc_row[column], alpha, bias, bias_type, column);
+      const float b_decode = column_decode_scale(b_amax, b_per_column, b_numerator, b_tensor_decode, column);
+      float value = epilogue_value(acc_row[column], a_decode, b_decode, bias, bias_type, column);
       if (accumulate) value = value + to_float(out_row[column]);
       out_row[column] = from_float<OutT>(value);
     }
@@ -68,7 +79,8 @@ __global__ void __launch_bounds__(kThreads) gemm_epilogue_kernel(const float* __
 
 template <typename OutT>
 cudaError_t launch_typed(const float* acc, int64_t acc_stride, const float* a_amax, bool a_per_row, const float* b_amax,
-                         const void* bias, InputType bias_type, bool accumulate, int64_t rows, int64_t cols, OutT* out,
+                         bool b_per_column, float a_numerator, float b_numerator, const void* bias,
+                         InputType bias_type, bool accumulate, int64_t rows, int64_t cols, OutT* out,
                          int64_t out_stride, cudaStream_t stream) {
   const int64_t segments = (cols + kColumnsPerBlock - 1) / kColumnsPerBlock;
   if (rows * segments == 0) return cudaSuccess;
@@ -77,11 +89,13 @@ cudaError_t launch_typed(const float* acc, int64_t acc_stride, const float* a_am
   const bool vector = cols % 4 == 0 && acc_stride % 4 == 0 && out_stride % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(acc) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % (4 * sizeof(OutT)) == 0;
   if (vector) {
-    gemm_epilogue_kernel<OutT, true><<<grid, kThreads, 0, stream>>>(acc, acc_stride, a_amax, a_per_row, b_amax, bias,
-                                                                     bias_type, accumulate, cols, segments, out, out_stride);
+    gemm_epilogue_kernel<OutT, true><<<grid, kThreads, 0, stream>>>(
+        acc, acc_stride, a_amax, a_per_row, b_amax, b_per_column, a_numerator, b_numerator, bias, bias_type, accumulate,
+        cols, segments, out, out_stride);
   } else {
-    gemm_epilogue_kernel<OutT, false><<<grid, kThreads, 0, stream>>>(acc, acc_stride, a_amax, a_per_row, b_amax, bias,
-                                                                      bias_type, accumulate, cols, segments, out, out_stride);
+    gemm_epilogue_kernel<OutT, false><<<grid, kThreads, 0, stream>>>(
+        acc, acc_stride, a_amax, a_per_row, b_amax, b_per_column, a_numerator, b_numerator, bias, bias_type, accumulate,
+        cols, segments, out, out_stride);
   }
   return cudaGetLastError();
 }
@@ -89,12 +103,14 @@ cudaError_t launch_typed(const float* acc, int64_t acc_stride, const float* a_am
 }  // namespace
 
 cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const float* a_amax, bool a_per_row,
-                                 const float* b_amax, const void* bias, InputType bias_type, bool accumulate,
-                                 int64_t rows, int64_t cols, void* out, InputType out_type, int64_t out_stride,
-                                 cudaStream_t stream) {
+                                 const float* b_amax, bool b_per_column, int a_e4m3_bound, int b_e4m3_bound,
+                                 const void* bias, InputType bias_type, bool accumulate, int64_t rows, int64_t cols,
+                                 void* out, InputType out_type, int64_t out_stride, cudaStream_t stream) {
+  const float a_numerator = kFp4Max * a_e4m3_bound, b_numerator = kFp4Max * b_e4m3_bound;
   NVFP4_DISPATCH_INPUT_TYPE(out_type, T,
-                            return launch_typed<T>(acc, acc_stride, a_amax, a_per_row, b_amax, bias, bias_type,
-                                                   accumulate, rows, cols, static_cast<T*>(out), out_stride, stream));
+                            return launch_typed<T>(acc, acc_stride, a_amax, a_per_row, b_amax, b_per_column,
+                                                   a_numerator, b_numerator, bias, bias_type, accumulate, rows, cols,
+                                                   static_cast<T*>(out), out_stride, stream));
   return cudaSuccess;
 }
 

@@ -22,13 +22,18 @@ cudaError_t launch_amax_rows(const void* x, InputType type, int64_t rows, int64_
 cudaError_t launch_amax_rht(const void* x, int64_t rows, int64_t cols, bool random_sign, float* amax_plain,
                             float* amax_rht, cudaStream_t stream);
 
+// One amax per column of x [rows, cols] into amax[cols] (per row of x^T, docs/numerics.md §6b); with rht, of the
+// RHT'd, BF16-rounded columnwise source (BF16 x, rows % 16 == 0). cols even.
+cudaError_t launch_amax_columns(const void* x, InputType type, int64_t rows, int64_t cols, bool rht, bool random_sign,
+                                float* amax, cudaStream_t stream);
+
 // quantize.cu -------------------------------------------------------------------------------------
 struct QuantizeArgs {
   const void* x;                 // [rows, cols] contiguous, 16-byte aligned
   InputType type;
   int64_t rows, cols;
   const float* amax_rowwise;     // (1,), or (rows,) when row_scaled
-  const float* amax_columnwise;  // (1,)
+  const float* amax_columnwise;  // (1,), or (cols,) when row_scaled: one per row of x^T (docs/numerics.md §6b)
   uint8_t* rowwise_data;         // [rows, cols/2] or null (no rowwise copy)
   uint8_t* rowwise_scale;        // [rows, cols/16]
   uint8_t* columnwise_data;      // [cols, rows/2] or null (no columnwise copy)
@@ -40,39 +45,49 @@ struct QuantizeArgs {
   bool stochastic_rounding;
   uint64_t sr_seed;
   int64_t sr_row_offset;
+  bool four_over_six;            // 4over6 block scaling (docs/numerics.md §12): no RHT, no SR, row_scaled rowwise only
+  int e4m3_bound;                // B of S_enc = 6 B / amax: 448, or 256 (4over6 only)
+  bool four_over_six_mse;        // the candidates' error: MSE, else MAE
+  bool four_over_six_fast_math;  // that error in the scaled domain (docs/numerics.md §12.4)
 };
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
+// quantize_4over6.cu: the cast of args.four_over_six (launch_quantize calls it).
+cudaError_t launch_quantize_4over6(const QuantizeArgs& args, cudaStream_t stream);
 
 // dequantize.cu -----------------------------------------------------------------------------------
 // Rowwise copy [rows, cols/2] codes + [rows, cols/16] scales -> out [rows, cols] of out_type (all
-// contiguous). amax null: out = fp4 value * block scale * factor, without the global scale.
+// contiguous). amax null: out = fp4 value * block scale * factor, without the global scale. e4m3_bound: B of the
+// global scale, S_dec = amax / (6 B) (448; 256 for some 4over6 tensors).
 cudaError_t launch_dequantize_rowwise(const uint8_t* data, const uint8_t* scale, const float* amax, bool per_row_amax,
-                                      float factor, int64_t rows, int64_t cols, void* out, InputType out_type,
-                                      cudaStream_t stream);
+                                      int e4m3_bound, float factor, int64_t rows, int64_t cols, void* out,
+                                      InputType out_type, cudaStream_t stream);
 // Columnwise copy of x [rows, cols]: codes [cols, rows/2], scales [cols, rows/16] -> out [rows, cols],
-// undoing the RHT when rht is set.
-cudaError_t launch_dequantize_columnwise(const uint8_t* data, const uint8_t* scale, const float* amax, int64_t rows,
-                                         int64_t cols, bool rht, bool rht_random_sign, void* out, InputType out_type,
-                                         cudaStream_t stream);
+// undoing the RHT when rht is set. per_row_amax: amax[cols], one per row of x^T.
+cudaError_t launch_dequantize_columnwise(const uint8_t* data, const uint8_t* scale, const float* amax,
+                                         bool per_row_amax, int e4m3_bound, int64_t rows, int64_t cols, bool rht,
+                                         bool rht_random_sign, void* out, InputType out_type, cudaStream_t stream);
 
 // gemm_epilogue.cu --------------------------------------------------------------------------------
-// out[r, c] (+)= acc[r, c] * S_dec(a_amax) * S_dec(b_amax) (+ bias[c]) in FP32, rounded once to out_type.
-// a_amax: one value, or one per row when a_per_row; bias (bias_type) may be null; row strides in elements.
+// out[r, c] (+)= acc[r, c] * (S_dec(a_amax) * S_dec(b_amax)) (+ bias[c]) in FP32, rounded once to out_type.
+// a_amax: one value, or one per row when a_per_row; b_amax: one value, or one per column when b_per_column (B's
+// rows: the columnwise copy of a row-scaled activation, docs/numerics.md §6b); S_dec = amax / (6 B) with each
+// operand's bound B (448, or 256 for some 4over6 tensors); bias (bias_type) may be null; row strides in elements.
 cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const float* a_amax, bool a_per_row,
-                                 const float* b_amax, const void* bias, InputType bias_type, bool accumulate,
-                                 int64_t rows, int64_t cols, void* out, InputType out_type, int64_t out_stride,
-                                 cudaStream_t stream);
+                                 const float* b_amax, bool b_per_column, int a_e4m3_bound, int b_e4m3_bound,
+                                 const void* bias, InputType bias_type, bool accumulate, int64_t rows, int64_t cols,
+                                 void* out, InputType out_type, int64_t out_stride, cudaStream_t stream);
 
 // cublaslt_gemm.cu --------------------------------------------------------------------------------
-// out[M, N] (row stride out_stride) = S_dec(a_amax) * S_dec(b_amax) * A[M, K] . B[N, K]^T (+ bias[N]), or
+// out[M, N] (row stride out_stride) = S_dec(a_amax) * S_dec(b_amax) * A[M, K] . B[N, K]^T (+ bias[N]) (S_dec with
+// each operand's bound B, as launch_gemm_epilogue), or
 // out += that when accumulate (then no bias); A, B BF16 with row strides lda, ldb; bias of out_type; one
 // rounding to out_type by cuBLASLt. scalars: 2 floats of device memory. cudaErrorNotSupported: cuBLASLt has
 // no algorithm for this problem (nothing was launched).
 cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t m, int64_t n,
-                                 int64_t k, const float* a_amax, const float* b_amax, const void* bias,
-                                 InputType bias_type, bool accumulate, void* out, InputType out_type,
-                                 int64_t out_stride, float* scalars, void* workspace, size_t workspace_bytes,
-                                 cudaStream_t stream);
+                                 int64_t k, const float* a_amax, const float* b_amax, int a_e4m3_bound,
+                                 int b_e4m3_bound, const void* bias, InputType bias_type, bool accumulate, void* out,
+                                 InputType out_type, int64_t out_stride, float* scalars, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream);
 
 // swizzle.cu --------------------------------------------------------------------------------------
 // [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (docs/numerics.md §8).

@@ -41,17 +41,20 @@ NVFP4_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// S_enc = min(2688 / A, FLT_MAX); 1.0 where that is 0 (A = inf). One IEEE division (docs/numerics.md §2.2).
-NVFP4_HD float encode_scale(float amax) {
-  float s_enc = fminf(kGlobalScaleNumerator / amax, kFltMax);
+// S_enc = min(6 B / A, FLT_MAX); 1.0 where that is 0 (A = inf). One IEEE division (docs/numerics.md §2.2). The
+// numerator 6 B is 2688 (B = 448), or 1536 for 4over6 tensors with the bound 256 (docs/numerics.md §12.1).
+NVFP4_HD float encode_scale(float amax, float numerator = kGlobalScaleNumerator) {
+  float s_enc = fminf(numerator / amax, kFltMax);
   return s_enc == 0.0f ? 1.0f : s_enc;
 }
 
 NVFP4_HD float decode_scale(float s_enc) { return 1.0f / s_enc; }
 
-// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (docs/numerics.md §8), one FP32 product.
-NVFP4_HD float gemm_alpha(float a_amax, float b_amax) {
-  return decode_scale(encode_scale(a_amax)) * decode_scale(encode_scale(b_amax));
+// The GEMM's alpha = S_dec(a) * S_dec(b) from the operands' amaxes (docs/numerics.md §8), one FP32 product; each
+// operand's numerator 6 B (2688, or 1536 for 4over6 tensors with the bound 256, docs/numerics.md §12.7).
+NVFP4_HD float gemm_alpha(float a_amax, float b_amax, float a_numerator = kGlobalScaleNumerator,
+                          float b_numerator = kGlobalScaleNumerator) {
+  return decode_scale(encode_scale(a_amax, a_numerator)) * decode_scale(encode_scale(b_amax, b_numerator));
 }
 
 // E4M3 block scale s_b = e4m3(clamp(min(a_b * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE (docs/numerics.md §2.3), for
@@ -572,6 +575,100 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
   return encode_block<kSR, kSixteenBitValues>(values, encode, block_amax, keys, sr_column % kColumnsPerPhiloxCall == 0,
                            stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, stream, keys), stream,
                            sr_row, sr_column);
+}
+
+// 4over6 adaptive block scaling (docs/numerics.md §12) ----------------------------------------------------------
+// Each block is encoded twice, its max mapped to 4 (block scale base * 1.5) and to 6 (base), and the candidate whose
+// dequantized values lie closer to the input is kept; ties keep map-to-6. Transformer Engine's reference quantizer
+// (NVFP4QuantizerRef, nvfp4_use_4over6=True) defines the bytes.
+
+constexpr float kMapToFourFactor = 1.5f;
+
+// The global scale of one tensor (or, row-scaled, one row) under the bound B (docs/numerics.md §12.1).
+struct FourOverSixScale {
+  float amax;         // A
+  float s_enc;        // min(6 B / A, FLT_MAX), 1 where that is 0
+  float s_dec;        // 1 / S_enc
+  float denominator;  // 6 B, exact
+};
+
+NVFP4_HD FourOverSixScale four_over_six_scale(float amax, float e4m3_bound) {
+  const float denominator = kFp4Max * e4m3_bound;
+  const float s_enc = encode_scale(amax, denominator);
+  return FourOverSixScale{amax, s_enc, decode_scale(s_enc), denominator};
+}
+
+// base = div(a_b, 6) * S_enc, the division first (docs/numerics.md §12.2; not the order of §2.3).
+NVFP4_HD float four_over_six_base_scale(float block_amax, float s_enc) { return (block_amax / kFp4Max) * s_enc; }
+
+// One candidate of a block (docs/numerics.md §12.3-4): its codes, encoded as the plain casts encode (round to nearest
+// even with e_c = min(1 / (fp32(s_c) * S_dec), FLT_MAX)), and its error: the sum over i = 0..15, in order, of |d_i|
+// (MAE) or d_i * d_i (MSE), with d_i = ((fp4value_i * s_c) * A) / (6 B) - x_i, or with kFastMath
+// d_i = fp4value_i * s_c - x_i * S_enc (targets[i] holds x_i * S_enc). fp4value_i * s_c is exact in FP32 (at most 6
+// significant bits): the FP16 product the fast-math error is defined with is the same number.
+// block_amax: an upper bound of the |values| (the 16x16 tile's amax for 2D blocks).
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
+NVFP4_HD float four_over_six_candidate(const float (&values)[kBlockSize], const float (&targets)[kBlockSize],
+                                       float block_amax, uint32_t scale, const FourOverSixScale& global,
+                                       uint2& packed) {
+  const float encode = encode_block_factor<false>(block_encode_factor(static_cast<uint8_t>(scale), global.s_dec));
+  packed = encode_block<false, kSixteenBitValues>(values, encode, block_amax, StochasticRoundingKeys{}, true,
+                                                  PhiloxGroupPrefix{}, 0u, 0u, 0u);
+  const float scale_value = e4m3_to_float(static_cast<uint8_t>(scale));
+  const uint32_t words[2] = {packed.x, packed.y};
+  float error = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) {
+    const float product = fp4_value((words[i / 8] >> (4 * (i % 8))) & 0xFu) * scale_value;
+    const float difference = kFastMath ? product - targets[i] : (product * global.amax) / global.denominator - values[i];
+    error = error + (kMSE ? difference * difference : fabsf(difference));
+  }
+  return error;
+}
+
+// Both candidates of one block: index 0 maps the max to 4, index 1 to 6.
+struct FourOverSixCandidates {
+  uint2 packed[2];
+  uint32_t scale[2];
+  float error[2];
+};
+
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
+NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
+                                                        const FourOverSixScale& global) {
+  FourOverSixCandidates c;
+  const float base = four_over_six_base_scale(block_amax, global.s_enc);
+  // e4m3(clamp(base * f, +-448)): SATFINITE clamps (base >= 0, or NaN, which stays NaN)
+  c.scale[0] = block_scale_e4m3_of_nonnegative(base, kMapToFourFactor);
+  c.scale[1] = block_scale_e4m3_of_nonnegative(base, 1.0f);
+  float targets[kBlockSize];
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) targets[i] = kFastMath ? values[i] * global.s_enc : 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    c.error[k] = four_over_six_candidate<kMSE, kFastMath, kSixteenBitValues>(values, targets, block_amax, c.scale[k],
+                                                                             global, c.packed[k]);
+  }
+  return c;
+}
+
+// The kept candidate's index: map-to-4 (0) only where its error is smaller; ties (and NaN) keep map-to-6 (1).
+NVFP4_HD int four_over_six_choice(float error_map_to_4, float error_map_to_6) {
+  return error_map_to_4 < error_map_to_6 ? 0 : 1;
+}
+
+// A 16x16 block's error from its 16 rows' (1x16 errors in row order), summed as a tree: rows (r, r + 8), then
+// (r, r + 4), (r, r + 2), (r, r + 1) (docs/numerics.md §12.5). The kernels add the same pairs with warp shuffles.
+NVFP4_HD float four_over_six_tile_error(const float (&row_errors)[kBlockSize]) {
+  float partial[kBlockSize];
+#pragma unroll
+  for (int r = 0; r < kBlockSize; ++r) partial[r] = row_errors[r];
+#pragma unroll
+  for (int half = kBlockSize / 2; half >= 1; half /= 2) {
+#pragma unroll
+    for (int r = 0; r < half; ++r) partial[r] = partial[r] + partial[r + half];
+  }
+  return partial[0];
 }
 
 }  // namespace nvfp4

@@ -3,7 +3,8 @@
 // Variants (template flags): 16x16 blocks for weights (docs/numerics.md §4; both copies under one tensor scale share
 // their codes, so the columnwise copy is the rowwise codes transposed in shared memory), the RHT of the
 // columnwise copy of BF16 inputs (docs/numerics.md §5), stochastic rounding with Philox bits (docs/numerics.md §7). Row-scaled
-// amax (docs/numerics.md §6) and which copies to write are run-time arguments. For the RHT and stochastic-rounding casts of
+// amaxes (docs/numerics.md §6: per row of x for the rowwise copy, §6b: per row of x^T for the columnwise copy) and which
+// copies to write are run-time arguments. 4over6 block scaling is quantize_4over6.cu's cast. For the RHT and stochastic-rounding casts of
 // 16-bit inputs a CTA encodes 2 consecutive tiles (but the first CTAs on each multiprocessor and the last wave,
 // one each), the next tile's copy (cp.async, into a second shared-memory buffer) in flight while it encodes the
 // current one, and pays the per-CTA setup (the e_b tables) once. FP32 tiles (two would take 128 KiB) and the
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   const auto load_tensor_amaxes = [&] {
     const auto load = [](const float* amax) { return amax != nullptr ? *amax : 0.0f; };
     rowwise_amax = args.row_scaled ? 0.0f : load(args.amax_rowwise);
-    columnwise_amax = load(args.amax_columnwise);
+    columnwise_amax = args.row_scaled ? 0.0f : load(args.amax_columnwise);
   };
   if constexpr (!kSR || kRHT) load_tensor_amaxes();
   const int cta = static_cast<int>(blockIdx.x);
@@ -318,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   {
     const int copy = tid / kPositiveScales, scale = tid % kPositiveScales;
     const float* amax = copy == 0 ? args.amax_rowwise : args.amax_columnwise;
-    if (amax != nullptr && !(copy == 0 && args.row_scaled) && !(copy == 1 && shared_table)) {
+    if (amax != nullptr && !args.row_scaled && !(copy == 1 && shared_table)) {
       const float s_enc = encode_scale(copy == 0 ? rowwise_amax : columnwise_amax);
       encode_of_scale[copy][scale] =
           encode_block_factor<kSR>(block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc)));
@@ -511,11 +512,19 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
               const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
-              const uint32_t scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
+              uint32_t scale;
+              float encode;
+              if (args.row_scaled) {  // one amax per row of x^T, i.e. per column of x (docs/numerics.md §6b)
+                const float s_enc = encode_scale(args.amax_columnwise[k0 + column + j]);
+                scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
+                encode = encode_block_factor<kSR>(block_encode_factor(scale, decode_scale(s_enc)));
+              } else {
+                scale = block_scale_e4m3_of_nonnegative(amax_of_block, factor);
+                encode = encode_of_scale[columnwise_table][scale];
+              }
               const uint2 packed =
-                  encode_block<kSR, sizeof(T) == 2, kRHT>(pair[j], encode_of_scale[columnwise_table][scale],
-                                                          amax_of_block, sr_keys, sr_one_group, sr_group,
-                                                          kColumnwiseStream, k0 + column + j, sr_column);
+                  encode_block<kSR, sizeof(T) == 2, kRHT>(pair[j], encode, amax_of_block, sr_keys, sr_one_group,
+                                                          sr_group, kColumnwiseStream, k0 + column + j, sr_column);
               *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
               scales[j * scale_stride] = scale;
             }
@@ -579,7 +588,9 @@ cudaError_t launch_rht(const QuantizeArgs& args, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream) {
+  if (args.four_over_six) return launch_quantize_4over6(args, stream);
   const bool columnwise = args.columnwise_data != nullptr;
+  if (args.e4m3_bound != 448 || (args.row_scaled && args.block_2d)) return cudaErrorInvalidValue;
   if (args.cols % kBlockSize != 0 || ((columnwise || args.block_2d) && args.rows % kBlockSize != 0)) {
     return cudaErrorInvalidValue;
   }

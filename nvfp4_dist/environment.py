@@ -11,6 +11,8 @@ import os
 from typing import Any, Callable
 
 GEMM_BACKENDS = ("auto", "cublaslt", "emulated", "reference")
+FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
+FOUR_OVER_SIX_ERR_MODES = ("MAE", "MSE")
 HOPPER_GEMM_PATHS = ("fused", "dequantize")
 SYMMETRIC_MEMORY_SWITCHES = ("auto", "1", "on", "0", "off")
 
@@ -59,6 +61,14 @@ def _choice(choices: tuple) -> Callable[[Variable, str], str]:
     return parse
 
 
+def _upper_choice(choices: tuple) -> Callable[[Variable, str], str]:
+    def parse(variable: Variable, text: str) -> str:
+        if text.upper() not in choices:
+            variable.reject(text)
+        return text.upper()
+    return parse
+
+
 def _symmetric_switch(variable: Variable, text: str) -> bool:
     """True unless the switch turns symmetric memory off (auto, 1 and on all let the group decide)."""
     switch = text.strip().lower()
@@ -82,7 +92,8 @@ DISABLE_SR = Variable("NVFP4_DISABLE_SR", "1: recipe stochastic_rounding=False (
 DISABLE_2D = Variable("NVFP4_DISABLE_2D", "1: recipe weight_2d=False (1x16 instead of 16x16 weight blocks)",
                       FLAG, _flag, False)
 ROW_SCALED_ACTIVATION = Variable("NVFP4_ROW_SCALED_ACTIVATION",
-                                 "1: recipe row_scaled_activation=True (one amax per activation row, forward only)",
+                                 "1: recipe row_scaled_activation=True (one amax per activation row; per column for "
+                                 "its wgrad copy)",
                                  FLAG, _flag, False)
 RHT_NO_RANDOM_SIGN = Variable("NVFP4_RHT_NO_RANDOM_SIGN", "1: recipe rht_random_sign=False (plain H16 / 4)",
                               FLAG, _flag, False)
@@ -96,6 +107,17 @@ OVERLAP_MIN_CHUNK_GFLOPS = Variable("NVFP4_OVERLAP_MIN_CHUNK_GFLOPS", "recipe ov
                                     "smallest ring-step GEMM (GFLOP) that overlap pipelines", COUNT, _count)
 GEMM_BACKEND = Variable("NVFP4_GEMM_BACKEND", "the GEMM backend when neither the call nor the recipe names one "
                         "(and recipe gemm_backend)", ", ".join(GEMM_BACKENDS), _choice(GEMM_BACKENDS))
+FOUR_OVER_SIX = Variable("NVFP4_4OVER6", "recipe nvfp4_4over6: the tensors quantized with 4over6 adaptive block "
+                         "scaling (docs/numerics.md §12)", ", ".join(FOUR_OVER_SIX_SCOPES), _choice(FOUR_OVER_SIX_SCOPES))
+FOUR_OVER_SIX_E4M3_USE_256 = Variable("NVFP4_4OVER6_E4M3_USE_256", "recipe nvfp4_4over6_e4m3_use_256: the 4over6 "
+                                      "tensors whose global scale takes the bound 256 instead of 448",
+                                      ", ".join(FOUR_OVER_SIX_SCOPES), _choice(FOUR_OVER_SIX_SCOPES))
+FOUR_OVER_SIX_ERR_MODE = Variable("NVFP4_4OVER6_ERR_MODE", "recipe nvfp4_4over6_err_mode: the error that picks each "
+                                  "block's 4over6 candidate", ", ".join(FOUR_OVER_SIX_ERR_MODES) + " (any case)",
+                                  _upper_choice(FOUR_OVER_SIX_ERR_MODES))
+FOUR_OVER_SIX_ERR_USE_FAST_MATH = Variable("NVFP4_4OVER6_ERR_USE_FAST_MATH", "1: recipe "
+                                           "nvfp4_4over6_err_use_fast_math=True (the 4over6 error in the scaled "
+                                           "domain)", FLAG, _flag, False)
 
 # Implementation switches.
 FORCE_REFERENCE = Variable("NVFP4_FORCE_REFERENCE", "1: run the pure-torch reference instead of the CUDA kernels, "
@@ -116,5 +138,6 @@ BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build ca
                      "~/.cache/nvfp4_dist keyed by the torch and CUDA versions)", "a directory path", _path)
 
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, BF16_FIRST_LAYERS,
-             BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FORCE_REFERENCE, HOPPER_GEMM,
-             SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)
+             BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256,
+             FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH, FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY,
+             VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)

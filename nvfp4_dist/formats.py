@@ -4,6 +4,7 @@ import torch
 BLOCK_SIZE = 16                 # elements per block scale
 FP4_MAX = 6.0                   # largest E2M1 magnitude
 E4M3_MAX = 448.0                # largest E4M3 block scale
+E4M3_BOUND = 448                # the bound B of the global scale S_enc = 6 * B / A (256 for 4over6, docs/numerics.md §12)
 GLOBAL_SCALE_NUMERATOR = 2688.0  # E4M3_MAX * FP4_MAX
 FLT_MAX = torch.finfo(torch.float32).max
 SCALE_DTYPE = torch.float8_e4m3fn

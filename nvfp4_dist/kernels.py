@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 from nvfp4_dist._extension import load_extension, stream_handle
-from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.formats import BLOCK_SIZE, E4M3_BOUND, SCALE_DTYPE
+from nvfp4_dist.reference.copies import check_copy_options
+from nvfp4_dist.reference.fourover6 import FourOverSix
 from nvfp4_dist.reference.swizzle import padded_scale_shape
 from nvfp4_dist.tensor import NVFP4Tensor
 
@@ -50,7 +52,8 @@ def compute_amaxes(x2d: torch.Tensor, *, rowwise: bool = True, columnwise: bool 
                    rht_random_sign: bool = True, row_scaled: bool = False):
     """(amax_rowwise, amax_columnwise) for the copies asked for (None for the others).
 
-    Rowwise: per tensor (1,), or per row (M,) when row_scaled. Columnwise: after the RHT.
+    Rowwise: per tensor (1,), or per row (M,) when row_scaled. Columnwise: after the RHT; per tensor (1,), or per
+    row of x^T (K,) when row_scaled (docs/numerics.md §6b).
     """
     _check_input(x2d, columnwise=columnwise, rht=rht)
     x2d = _kernel_input(x2d)
@@ -60,7 +63,10 @@ def compute_amaxes(x2d: torch.Tensor, *, rowwise: bool = True, columnwise: bool 
         if rowwise and row_scaled:
             amax_rowwise = _new_amax(x2d, x2d.shape[0])
             extension.amax_rows(x2d, amax_rowwise, stream)
-        if columnwise and rht:
+        if columnwise and row_scaled:
+            amax_columnwise = _new_amax(x2d, x2d.shape[1])
+            extension.amax_columns(x2d, rht, rht_random_sign, amax_columnwise, stream)
+        elif columnwise and rht:
             amax_columnwise = _new_amax(x2d)
             plain = _new_amax(x2d) if rowwise and not row_scaled else None
             extension.amax_rht(x2d, rht_random_sign, plain, amax_columnwise, stream)
@@ -88,8 +94,11 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
                     block_2d: bool = False, rht: bool = False, rht_random_sign: bool = True,
                     row_scaled: bool = False, sr_seed: int | None = None, sr_row_offset: int = 0,
                     amax_rowwise: torch.Tensor | None = None,
-                    amax_columnwise: torch.Tensor | None = None) -> NVFP4Tensor:
+                    amax_columnwise: torch.Tensor | None = None,
+                    four_over_six: FourOverSix | None = None) -> NVFP4Tensor:
     """Quantize x (viewed as [M, K]) into an NVFP4Tensor with the CUDA kernels (same contract as the reference)."""
+    check_copy_options(columnwise=columnwise, block_2d=block_2d, rht=rht, row_scaled=row_scaled,
+                       stochastic=sr_seed is not None, four_over_six=four_over_six)
     if not (rowwise or columnwise):
         raise ValueError("rowwise=False and columnwise=False: ask for at least one copy")
     if x.dim() < 1:
@@ -105,7 +114,7 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
     if amax_rowwise is not None and rowwise:
         amax_rowwise = _check_amax(amax_rowwise, "amax_rowwise", rows if row_scaled else 1, x2d.device)
     if amax_columnwise is not None and columnwise:
-        amax_columnwise = _check_amax(amax_columnwise, "amax_columnwise", 1, x2d.device)
+        amax_columnwise = _check_amax(amax_columnwise, "amax_columnwise", cols if row_scaled else 1, x2d.device)
     need_rowwise = rowwise and amax_rowwise is None
     need_columnwise = columnwise and amax_columnwise is None
     if need_rowwise or need_columnwise:
@@ -113,8 +122,9 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
                                               rht_random_sign=rht_random_sign, row_scaled=row_scaled)
         amax_rowwise = local_row if need_rowwise else amax_rowwise
         amax_columnwise = local_col if need_columnwise else amax_columnwise
+    e4m3_bound = E4M3_BOUND if four_over_six is None else four_over_six.e4m3_bound
     q = NVFP4Tensor(shape=x.shape, dtype=x.dtype, block_2d=block_2d, rht=rht and columnwise,
-                    rht_random_sign=rht_random_sign, row_scaled=row_scaled)
+                    rht_random_sign=rht_random_sign, row_scaled=row_scaled, e4m3_bound=e4m3_bound)
     device = x2d.device
     if rowwise:
         q.rowwise_data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
@@ -131,7 +141,9 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
             None if q.rowwise_scale is None else q.rowwise_scale.view(torch.uint8),
             q.columnwise_data, None if q.columnwise_scale is None else q.columnwise_scale.view(torch.uint8),
             row_scaled, block_2d, rht, rht_random_sign, sr_seed is not None,
-            seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, stream_handle(x2d.device))
+            seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, four_over_six is not None, e4m3_bound,
+            four_over_six is not None and four_over_six.err_mode == "MSE",
+            four_over_six is not None and four_over_six.fast_math, stream_handle(x2d.device))
     return q
 
 
@@ -150,10 +162,11 @@ def dequantize_tensor(q: NVFP4Tensor, dtype: torch.dtype, copy: str) -> torch.Te
     with torch.cuda.device(data.device):
         if copy == "rowwise":
             load_extension().dequantize_rowwise(data.contiguous(), scale, q.amax_rowwise.contiguous(), q.row_scaled,
-                                                out, stream_handle(out.device))
+                                                q.e4m3_bound, out, stream_handle(out.device))
         else:
-            load_extension().dequantize_columnwise(data.contiguous(), scale, q.amax_columnwise.contiguous(), q.rht,
-                                                   q.rht_random_sign, out, stream_handle(out.device))
+            load_extension().dequantize_columnwise(data.contiguous(), scale, q.amax_columnwise.contiguous(),
+                                                   q.row_scaled, q.e4m3_bound, q.rht, q.rht_random_sign, out,
+                                                   stream_handle(out.device))
     return out.reshape(q.shape)
 
 

@@ -11,7 +11,8 @@ Communication is a LinearComm object (this module's base class is TP=1: none); t
 layers of nvfp4_dist.parallel subclass it. With recipe.check_finite, the Function checks the amaxes of what it
 quantizes (input and weight in forward, the output gradient in backward) through comm.check_finite, which the
 tensor-parallel comms do across their group, so that a NaN on any rank stops every rank. Row-scaled activations
-(docs/numerics.md §6) run fprop in NVFP4 and backward in BF16 on the dequantized forward operands.
+(docs/numerics.md §6) run all three GEMMs in NVFP4 too: x's columnwise copy carries one amax per column (§6b),
+which scales wgrad's output columns.
 
 RHT with FP16/FP32 activations: the RHT path takes BF16 only, so the columnwise (wgrad) copy of such a
 tensor is quantized from its BF16 cast; its rowwise copy is quantized from the tensor as given.
@@ -233,14 +234,6 @@ class LinearComm:
         """dx = dy . W [tokens, in] for this rank's input."""
         return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
 
-    # Row-scaled activations (docs/numerics.md §6): backward in BF16.
-    def grad_output_bf16(self, dy2d: torch.Tensor) -> torch.Tensor:
-        """The output gradient over the token range of the GEMMs (gathered under row-parallel SP)."""
-        return dy2d
-
-    def dgrad_bf16(self, dy2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return dy2d @ weight
-
 
 @dataclasses.dataclass
 class LinearOptions:
@@ -300,16 +293,14 @@ class NVFP4LinearFunction(torch.autograd.Function):
         recipe, comm = options.recipe, options.comm
         x2d = x.reshape(-1, x.shape[-1])
         need_wgrad = ctx.needs_input_grad[1] and options.grad_enabled
-        row_scaled = recipe.row_scaled_activation
-        xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad and not row_scaled)
+        xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad)
         if recipe.check_finite:
             comm.check_finite({"input": xq, "weight": weight_q}, options.layer_name)
         y2d = comm.fprop(xq.rowwise_only(), weight_q, bias=bias, out_dtype=x.dtype, recipe=recipe)
-        # Backward needs x's columnwise copy (wgrad), or for row-scaled layers its rowwise copy (BF16 wgrad),
-        # and W's copy for dgrad: columnwise (rowwise for the BF16 backward of row-scaled layers).
-        saved_x = xq.rowwise_only() if row_scaled else xq.columnwise_only()
+        # Backward needs x's columnwise copy (wgrad) and W's columnwise copy (dgrad).
+        saved_x = xq.columnwise_only()
         saved_x = comm.input_to_save(saved_x) if need_wgrad else NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
-        saved_w = weight_q.rowwise_only() if row_scaled else weight_q.columnwise_only()
+        saved_w = weight_q.columnwise_only()
         if options.requantize_weight_in_backward or not options.grad_enabled:
             saved_w = NVFP4Tensor(shape=weight_q.shape, dtype=weight_q.dtype)
         ctx.save_for_backward(*saved_x.tensors(), *saved_w.tensors())
@@ -333,12 +324,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
         grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-        if recipe.row_scaled_activation:
-            dx2d, wgrad = row_scaled_backward(dy2d, saved_x, weight_q, comm, ctx.x_dtype, weight.dtype,
-                                              need_dgrad, need_wgrad)
-        else:
-            dx2d, wgrad = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
-                                         need_dgrad, need_wgrad, options.layer_name)
+        dx2d, wgrad = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
+                                     need_dgrad, need_wgrad, options.layer_name)
         grad_x = dx2d.reshape(ctx.x_shape) if need_dgrad else None
         grad_weight = schedule_weight_grad(weight, wgrad, options) if need_wgrad else None
         return grad_x, grad_weight, grad_bias, None, None
@@ -356,8 +343,7 @@ def requantized_weight(weight: torch.Tensor, forward_version: tuple, forward_ama
     if written_version(weight) != forward_version:
         raise RuntimeError("the weight was modified in place between forward and backward; with "
                            "requantize_weight_in_backward the backward GEMM would use the new values")
-    row_scaled = recipe.row_scaled_activation
-    return quantize_weight(weight, recipe, rowwise=row_scaled, columnwise=not row_scaled, amax=forward_amax)
+    return quantize_weight(weight, recipe, rowwise=False, columnwise=True, amax=forward_amax)
 
 
 def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad,
@@ -379,26 +365,6 @@ def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype,
     def wgrad(accumulate_into):
         return gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
                     out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
-    return dx2d, wgrad
-
-
-def row_scaled_backward(dy2d, saved_x, weight_q, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad):
-    """Backward of a row-scaled layer (docs/numerics.md §6): BF16 GEMMs on the dequantized forward operands."""
-    dy_full = comm.grad_output_bf16(dy2d)
-    dx2d = None
-    if need_dgrad:
-        weight = ops.dequantize(weight_q, dtype=dy2d.dtype, copy="rowwise")
-        dx2d = comm.dgrad_bf16(dy_full, weight).to(x_dtype)
-    if not need_wgrad:
-        return dx2d, None
-    finish_x = comm.input_for_wgrad(saved_x)
-
-    def wgrad(accumulate_into):
-        x = ops.dequantize(finish_x(), dtype=dy2d.dtype, copy="rowwise").reshape(-1, saved_x.cols)
-        grad = dy_full.t() @ x
-        if accumulate_into is not None:
-            return accumulate_into.add_(grad.to(torch.float32))
-        return grad.to(weight_dtype)
     return dx2d, wgrad
 
 
@@ -440,7 +406,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     layer_name: the layer in error messages."""
     grad_enabled = torch.is_grad_enabled()
     tokens = x.numel() // x.shape[-1]
-    if grad_enabled and weight.requires_grad and not recipe.row_scaled_activation and tokens % BLOCK_SIZE:
+    if grad_enabled and weight.requires_grad and tokens % BLOCK_SIZE:
         raise ValueError(f"input.shape={tuple(x.shape)}: training needs the token count (product of the leading "
                          f"dims, {tokens}) to be a multiple of {BLOCK_SIZE} for the wgrad copies; pad the batch "
                          f"explicitly or run under torch.no_grad()")
@@ -552,7 +518,7 @@ class Linear(torch.nn.Module):
             return bf16_linear(x, self.weight, self.bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
-        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
+        weight_q = self.weight_cache.get(self.weight, recipe)
         return nvfp4_linear(x, self.weight, self.bias, recipe, weight_q=weight_q,
                             accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
                             layer_name=describe_layer(self))

@@ -12,6 +12,8 @@ from nvfp4_dist import environment, finite_check, reference
 from nvfp4_dist.finite_check import NonFiniteAmaxError
 from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
 from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
+from nvfp4_dist.reference.copies import check_copy_options
+from nvfp4_dist.reference.fourover6 import FourOverSix
 from nvfp4_dist.tensor import NVFP4Tensor
 
 ROLES = ("activation", "weight", "gradient")
@@ -33,15 +35,31 @@ def backend_for(tensor: torch.Tensor):
     return reference
 
 
+def _scope_covers(scope: str, role: str) -> bool:
+    """Whether a 4over6 scope (none | weights | activations | all) covers `role` (never gradients)."""
+    return role != "gradient" and scope in ("all", "weights" if role == "weight" else "activations")
+
+
+def four_over_six_options(role: str, recipe: NVFP4Recipe) -> FourOverSix | None:
+    """The 4over6 settings of a role's copies (docs/numerics.md §12), or None: weights and activations as
+    recipe.nvfp4_4over6 says; gradients never, so their RHT and SR stay as the recipe says."""
+    if not _scope_covers(recipe.nvfp4_4over6, role):
+        return None
+    bound = 256 if _scope_covers(recipe.nvfp4_4over6_e4m3_use_256, role) else 448
+    return FourOverSix(err_mode=recipe.nvfp4_4over6_err_mode, e4m3_bound=bound,
+                       fast_math=recipe.nvfp4_4over6_err_use_fast_math)
+
+
 def quantize_options(role: str, recipe: NVFP4Recipe) -> dict:
-    """What a role's copies get from the recipe: 2D blocks, RHT, SR, row scaling (docs/numerics.md §3-7)."""
+    """What a role's copies get from the recipe: 2D blocks, RHT, SR, row scaling, 4over6 (docs/numerics.md §3-7, 12)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not one of {ROLES}")
     return dict(block_2d=role == "weight" and recipe.weight_2d,
                 rht=role != "weight" and recipe.rht,
                 rht_random_sign=recipe.rht_random_sign,
                 row_scaled=role == "activation" and recipe.row_scaled_activation,
-                stochastic_rounding=role == "gradient" and recipe.stochastic_rounding)
+                stochastic_rounding=role == "gradient" and recipe.stochastic_rounding,
+                four_over_six=four_over_six_options(role, recipe))
 
 
 def validate_input(x: torch.Tensor, *, name: str = "x", columnwise: bool = False, block_2d: bool = False,
@@ -153,7 +171,7 @@ def empty_quantized(x: torch.Tensor, *, rowwise: bool, columnwise: bool, block_2
     if columnwise:
         q.columnwise_data = torch.empty((cols, 0), dtype=torch.uint8, device=device)
         q.columnwise_scale = torch.empty((cols, 0), dtype=SCALE_DTYPE, device=device)
-        q.amax_columnwise = amax(amax_columnwise, 1)
+        q.amax_columnwise = amax(amax_columnwise, cols if row_scaled else 1)
     return q
 
 
@@ -163,8 +181,10 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
              sr_row_offset: int = 0, check_finite: bool | None = None) -> NVFP4Tensor:
     """Quantize x [..., K] to NVFP4 with the recipe's treatment of `role`.
 
-    role: "activation" (RHT on the columnwise copy; row-scaled when the recipe says),
-          "weight" (2D blocks when the recipe says) or "gradient" (RHT and SR).
+    role: "activation" (RHT on the columnwise copy; row-scaled when the recipe says: one amax per row of x and,
+          for the columnwise copy, one per column, docs/numerics.md §6b),
+          "weight" (2D blocks when the recipe says) or "gradient" (RHT and SR);
+          activations and weights take 4over6 where recipe.nvfp4_4over6 says (docs/numerics.md §12).
     amax_*: precomputed (for example all-reduced across ranks) amaxes: float32, one dim, non-negative (and
           finite when checked).
     sr_seed / sr_row_offset: the stochastic-rounding stream (drawn from torch's generator when None)
@@ -184,18 +204,19 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
     check_flag(check_finite, "check_finite")
     if not (rowwise or columnwise):
         raise ValueError("rowwise=False and columnwise=False: ask for at least one copy")
-    if options["row_scaled"] and columnwise:
-        raise ValueError("columnwise=True with row-scaled activations: row scaling is forward-only (docs/numerics.md §6); "
-                         "the backward of such a layer runs in BF16")
     validate_input(x, columnwise=columnwise, block_2d=options["block_2d"], rht=options["rht"])
-    rows = math.prod(x.shape[:-1])
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
     check_amax(amax_rowwise, "amax_rowwise", (rows,) if options["row_scaled"] else (1,), x.device,
                check_finite=check_finite)
-    check_amax(amax_columnwise, "amax_columnwise", (1,), x.device, check_finite=check_finite)
+    check_amax(amax_columnwise, "amax_columnwise", (cols,) if options["row_scaled"] else (1,), x.device,
+               check_finite=check_finite)
     if not isinstance(sr_row_offset, int) or isinstance(sr_row_offset, bool) or sr_row_offset < 0:
         raise ValueError(f"sr_row_offset={sr_row_offset!r}: must be an integer >= 0")
     check_sr_seed(sr_seed)
     stochastic = options.pop("stochastic_rounding")
+    check_copy_options(columnwise=columnwise, block_2d=options["block_2d"], rht=options["rht"],
+                       row_scaled=options["row_scaled"], stochastic=stochastic,
+                       four_over_six=options["four_over_six"])
     x = x.detach()
     amax_rowwise = None if amax_rowwise is None else amax_rowwise.detach()
     amax_columnwise = None if amax_columnwise is None else amax_columnwise.detach()

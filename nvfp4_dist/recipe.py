@@ -6,7 +6,7 @@ import types
 import typing
 
 from nvfp4_dist import environment
-from nvfp4_dist.environment import GEMM_BACKENDS
+from nvfp4_dist.environment import FOUR_OVER_SIX_ERR_MODES, FOUR_OVER_SIX_SCOPES, GEMM_BACKENDS
 
 # Flag variable -> (field, value it sets when the variable is 1).
 _FLAG_OVERRIDES = (
@@ -16,6 +16,7 @@ _FLAG_OVERRIDES = (
     (environment.ROW_SCALED_ACTIVATION, "row_scaled_activation", True),
     (environment.RHT_NO_RANDOM_SIGN, "rht_random_sign", False),
     (environment.OVERLAP, "overlap", True),
+    (environment.FOUR_OVER_SIX_ERR_USE_FAST_MATH, "nvfp4_4over6_err_use_fast_math", True),
 )
 # Variable -> the field it sets when given.
 _VALUE_OVERRIDES = (
@@ -23,6 +24,9 @@ _VALUE_OVERRIDES = (
     (environment.BF16_LAST_LAYERS, "bf16_last_layers"),
     (environment.OVERLAP_MIN_CHUNK_GFLOPS, "overlap_min_chunk_gflops"),
     (environment.GEMM_BACKEND, "gemm_backend"),
+    (environment.FOUR_OVER_SIX, "nvfp4_4over6"),
+    (environment.FOUR_OVER_SIX_E4M3_USE_256, "nvfp4_4over6_e4m3_use_256"),
+    (environment.FOUR_OVER_SIX_ERR_MODE, "nvfp4_4over6_err_mode"),
 )
 
 
@@ -81,16 +85,23 @@ class NVFP4Recipe:
     rht_random_sign: H = diag(s) H16 / 4 (True) or plain H16 / 4.
     stochastic_rounding: SR on output gradients (docs/numerics.md §7).
     weight_2d: 16x16 block scales for weights (docs/numerics.md §4).
-    row_scaled_activation: one amax per activation row, forward only (docs/numerics.md §6).
+    row_scaled_activation: one amax per activation row (docs/numerics.md §6), and one per column for the
+      activation's columnwise (wgrad) copy (§6b).
     bf16_first_layers / bf16_last_layers: transformer layers kept in BF16.
     gemm_backend: auto | cublaslt | emulated | reference (docs/numerics.md §8).
     overlap: pipeline TP communication with the GEMMs (parallel layers only).
     overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
       many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
       host time that small GEMMs cannot hide (docs/performance.md says where overlap pays).
-    Every field must have its annotated type (rht=True, not rht="False"): RecipeTypeError names the field otherwise.
+    nvfp4_4over6: 4over6 adaptive block scaling (docs/numerics.md §12) for none | weights | activations | all;
+      activations are the forward inputs, never the gradients (which keep the RHT and SR), as in Transformer
+      Engine's NVFP4BlockScaling. Not with the RHT on activations (rht=False for activations or all).
+    nvfp4_4over6_e4m3_use_256: which 4over6 tensors take 256 as the global-scale bound (else 448).
+    nvfp4_4over6_err_mode: MAE | MSE, the error that picks each block's candidate.
+    nvfp4_4over6_err_use_fast_math: measure that error in the scaled domain (docs/numerics.md §12.4).
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
+    Every field must have its annotated type (rht=True, not rht="False"): RecipeTypeError names the field otherwise.
     """
 
     rht: bool = True
@@ -104,6 +115,10 @@ class NVFP4Recipe:
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
     check_finite: bool = True
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
+    nvfp4_4over6_err_use_fast_math: bool = False
 
     def __post_init__(self):
         hints = _field_types(type(self))
@@ -119,15 +134,24 @@ class NVFP4Recipe:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 0")
-        if self.row_scaled_activation and self.rht:
+        for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
+            if getattr(self, name) not in FOUR_OVER_SIX_SCOPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {FOUR_OVER_SIX_SCOPES}")
+        if self.nvfp4_4over6_err_mode not in FOUR_OVER_SIX_ERR_MODES:
+            raise ValueError(f"nvfp4_4over6_err_mode={self.nvfp4_4over6_err_mode!r} is not one of "
+                             f"{FOUR_OVER_SIX_ERR_MODES}")
+        if not isinstance(self.nvfp4_4over6_err_use_fast_math, bool):
+            raise ValueError(f"nvfp4_4over6_err_use_fast_math={self.nvfp4_4over6_err_use_fast_math!r}: must be a bool")
+        if self.nvfp4_4over6 in ("activations", "all") and self.rht:
             raise ValueError(
-                "row_scaled_activation=True cannot be combined with rht=True: row-scaled "
-                "activations run backward in BF16 (docs/numerics.md §6); set rht=False (or NVFP4_DISABLE_RHT=1)")
-        if self.row_scaled_activation and self.stochastic_rounding:
+                f"nvfp4_4over6={self.nvfp4_4over6!r} cannot be combined with rht=True: 4over6 is not combined with "
+                "the RHT of the activations' columnwise copy (docs/numerics.md §12); set rht=False "
+                "(or NVFP4_DISABLE_RHT=1), or nvfp4_4over6='weights'")
+        if self.nvfp4_4over6 in ("activations", "all") and self.row_scaled_activation:
             raise ValueError(
-                "row_scaled_activation=True cannot be combined with stochastic_rounding=True: "
-                "row-scaled layers keep gradients in BF16 (docs/numerics.md §6); set stochastic_rounding=False "
-                "(or NVFP4_DISABLE_SR=1)")
+                f"nvfp4_4over6={self.nvfp4_4over6!r} cannot be combined with row_scaled_activation=True: the "
+                "columnwise (wgrad) copy of a row-scaled activation takes no 4over6 (docs/numerics.md §6); set "
+                "nvfp4_4over6='weights' or 'none'")
 
     @classmethod
     def from_env(cls, **overrides) -> "NVFP4Recipe":
@@ -141,10 +165,6 @@ class NVFP4Recipe:
             if setting is not None:
                 values[field] = setting
         values.update(overrides)
-        # Row-scaled activations imply the BF16 backward, so drop the defaults that conflict.
-        if values.get("row_scaled_activation"):
-            values.setdefault("rht", False)
-            values.setdefault("stochastic_rounding", False)
         return cls(**values)
 
     def fingerprint(self) -> int:

@@ -5,6 +5,8 @@ import dataclasses
 
 import torch
 
+from nvfp4_dist.formats import E4M3_BOUND
+
 _TENSOR_FIELDS = ("rowwise_data", "rowwise_scale", "amax_rowwise",
                   "columnwise_data", "columnwise_scale", "amax_columnwise")
 
@@ -16,8 +18,11 @@ class NVFP4Tensor:
     For the 2D view x [M, K] of a tensor of shape `shape`:
       rowwise_data    uint8 [M, K/2]   rowwise_scale    float8_e4m3fn [M, K/16]
       columnwise_data uint8 [K, M/2]   columnwise_scale float8_e4m3fn [K, M/16]  (of x^T)
-      amax_rowwise / amax_columnwise   float32 (1,), or (M,) when row_scaled
+      amax_rowwise    float32 (1,), or (M,) when row_scaled
+      amax_columnwise float32 (1,), or (K,) when row_scaled (one per row of x^T, docs/numerics.md §6b)
     rht: the columnwise copy holds x^T . H (docs/numerics.md §5), so dequantizing it undoes H.
+    e4m3_bound: B of the global scale S_enc = 6 * B / amax: 448, or 256 for some 4over6 tensors
+      (docs/numerics.md §12); dequantization and GEMMs use S_dec = amax / (6 * B).
     """
 
     shape: torch.Size
@@ -32,6 +37,7 @@ class NVFP4Tensor:
     rht: bool = False
     rht_random_sign: bool = True
     row_scaled: bool = False
+    e4m3_bound: int = E4M3_BOUND
 
     @property
     def rows(self) -> int:
@@ -95,5 +101,7 @@ class NVFP4Tensor:
     def __repr__(self) -> str:
         copies = [name for name, present in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if present]
         flags = [name for name in ("block_2d", "rht", "row_scaled") if getattr(self, name)]
+        if self.e4m3_bound != E4M3_BOUND:
+            flags.append(f"e4m3_bound={self.e4m3_bound}")
         return (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, copies={copies}, "
                 f"flags={flags}, nbytes={self.nbytes()})")

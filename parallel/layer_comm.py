@@ -35,12 +35,15 @@ class ColumnParallelComm(LinearComm):
         return (input_shape[0] * self.world_size, *input_shape[1:-1], out_features)
 
     def quantize_input(self, x2d, recipe, *, columnwise):
-        if not self.sequence_parallel or recipe.row_scaled_activation:
-            return super().quantize_input(x2d, recipe, columnwise=columnwise)  # row-scaled: per-row amaxes travel
-        amaxes = list(operand_amaxes(x2d, "activation", recipe, rowwise=True, columnwise=columnwise))
-        collectives.all_reduce_amax(amaxes, self.group)
+        if not self.sequence_parallel:
+            return super().quantize_input(x2d, recipe, columnwise=columnwise)
+        amax_rowwise, amax_columnwise = operand_amaxes(x2d, "activation", recipe, rowwise=True, columnwise=columnwise)
+        # Row-scaled (docs/numerics.md §6, 6b): the per-row amaxes travel with their rows; the per-column amaxes
+        # of the columnwise copy, a K-vector, are reduced over the group like a per-tensor amax.
+        collectives.all_reduce_amax([None if recipe.row_scaled_activation else amax_rowwise, amax_columnwise],
+                                    self.group)
         return quantize_operand(x2d, "activation", recipe, rowwise=True, columnwise=columnwise,
-                                amax_rowwise=amaxes[0], amax_columnwise=amaxes[1])
+                                amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise)
 
     def check_finite(self, operands, layer_name):
         source = operands.get("input")
@@ -69,9 +72,6 @@ class ColumnParallelComm(LinearComm):
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
         return self.reduce_partial(super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe))
-
-    def dgrad_bf16(self, dy2d, weight):
-        return self.reduce_partial(dy2d @ weight)
 
 
 class RowParallelComm(LinearComm):
@@ -113,6 +113,3 @@ class RowParallelComm(LinearComm):
         if self.sequence_parallel:
             dyq = collectives.all_gather_nvfp4(dyq, self.group)
         return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
-
-    def grad_output_bf16(self, dy2d):
-        return collectives.all_gather_bf16(dy2d, self.group) if self.sequence_parallel else dy2d

@@ -200,7 +200,7 @@ class _ParallelLinear(torch.nn.Module):
         if recipe.overlap and self.world_size > 1:
             comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops)
         if self.keep_quantized_weight:
-            weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
+            weight_q = self.weight_cache.get(self.weight, recipe)
         else:  # requantized at every forward anyway: hold no copy between forward and backward
             self.weight_cache.invalidate()
             weight_q = quantize_weight(self.weight, recipe, columnwise=False)

@@ -14,6 +14,11 @@ RECIPES = {
     "1d_weight": nv.NVFP4Recipe(weight_2d=False),
     "plain_hadamard": nv.NVFP4Recipe(rht_random_sign=False),
     "row_scaled": nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False),
+    "row_scaled_rht_sr": nv.NVFP4Recipe(row_scaled_activation=True),
+    "4over6_weights": nv.NVFP4Recipe(nvfp4_4over6="weights"),
+    "4over6_all_mse_fast": nv.NVFP4Recipe(rht=False, nvfp4_4over6="all", nvfp4_4over6_err_mode="MSE",
+                                          nvfp4_4over6_err_use_fast_math=True),
+    "4over6_all_448": nv.NVFP4Recipe(rht=False, nvfp4_4over6="all", nvfp4_4over6_e4m3_use_256="none"),
 }
 
 

@@ -70,7 +70,8 @@ BAD_QUANTIZE_CALLS = [
      "float32"),
     (lambda: nv.quantize(torch.zeros(16, 32), columnwise=False, sr_row_offset=-1), "sr_row_offset"),
     (lambda: nv.quantize(torch.zeros(16, 32).bfloat16(), recipe=NVFP4Recipe(
-        row_scaled_activation=True, rht=False, stochastic_rounding=False)), "row-scaled"),
+        row_scaled_activation=True, rht=False, stochastic_rounding=False, nvfp4_4over6="activations")),
+     "cannot be combined with row_scaled_activation"),
     (lambda: nv.quantize(torch.tensor([[float("nan")] * 16] * 16).bfloat16()), "not finite"),
     (lambda: nv.quantize("x"), "torch.Tensor"),
 ]

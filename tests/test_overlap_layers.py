@@ -128,22 +128,17 @@ def check_column(rank, world_size, recipe, sequence_parallel=True, keep_input_co
         assert_equal(overlapped["dx"], plain["dx"], what + " dx")
         assert counts == dict.fromkeys(counts, 0), (what, counts)
         return
-    row_scaled = recipe.row_scaled_activation
-    expected_counts = {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 0 if row_scaled else 1,
-                       "all_gather_nvfp4": 0 if keep_input_columnwise else 1,
-                       "reduce_scatter_bf16": 1 if row_scaled else 0}  # row-scaled backward is BF16, not overlapped
+    expected_counts = {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 1,
+                       "all_gather_nvfp4": 0 if keep_input_columnwise else 1, "reduce_scatter_bf16": 0}
     assert counts == expected_counts, (what, counts)
     # This rank's dgrad partial [tokens, in], as both paths compute it, for the summation bound.
     layer = make_layer()
     weight_q = layer.weight_cache.get(layer.weight, recipe)
     dy2d = dy_local.reshape(-1, LOCAL_FFN)
-    if row_scaled:
-        partial = dy2d @ ops.dequantize(weight_q, dtype=dy2d.dtype, copy="rowwise")
-    else:
-        torch.manual_seed(BACKWARD_SEED)
-        sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
-        dyq = quantize_operand(dy2d, "gradient", recipe, rowwise=True, columnwise=False, sr_seed=sr_seed)
-        partial = gemm(dyq, weight_q, a_copy="rowwise", b_copy="columnwise", out_dtype=torch.bfloat16)
+    torch.manual_seed(BACKWARD_SEED)
+    sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
+    dyq = quantize_operand(dy2d, "gradient", recipe, rowwise=True, columnwise=False, sr_seed=sr_seed)
+    partial = gemm(dyq, weight_q, a_copy="rowwise", b_copy="columnwise", out_dtype=torch.bfloat16)
     assert_reduce_scatter_close(overlapped["dx"], plain["dx"], partial, world_size, what + " dx")
 
 
@@ -167,8 +162,7 @@ def check_row(rank, world_size, recipe, sequence_parallel=True):
         assert_equal(overlapped["y"], plain["y"], what + " y")
         assert counts == dict.fromkeys(counts, 0), (what, counts)
         return
-    row_scaled = recipe.row_scaled_activation
-    expected_counts = {"ring_all_gather_consume": 0 if row_scaled else 1, "ring_reduce_scatter_produce": 1,
+    expected_counts = {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 1,
                        "all_gather_nvfp4": 0, "reduce_scatter_bf16": 0}
     assert counts == expected_counts, (what, counts)
     layer = make_layer()

@@ -7,6 +7,7 @@ import nvfp4_dist as nv
 from nvfp4_dist import reference
 from nvfp4_dist.linear import operand_amaxes, quantize_operand
 from nvfp4_dist.parallel import symmetric
+from nvfp4_dist.parallel.layer_comm import ColumnParallelComm
 from nvfp4_dist.parallel import (all_gather_bf16, all_gather_nvfp4, all_reduce_amax, all_reduce_bf16,
                                  reduce_scatter_bf16)
 from distributed_utils import run_distributed
@@ -69,6 +70,18 @@ def _check_comm(rank, world_size, device="cpu", packed=None):
     q = nv.quantize(x.chunk(world_size)[rank], "activation", columnwise=False, recipe=recipe)
     expected = nv.quantize(x, "activation", columnwise=False, recipe=recipe)
     assert_bytes_equal(all_gather_nvfp4(q, packed=packed), expected, "row-scaled")
+
+    # Row-scaled with the columnwise (wgrad) copy (docs/numerics.md §6b): the column-parallel input's per-column
+    # amaxes, a K-vector, are all-reduced (MAX) before quantizing, so the gathered copy equals the full tensor's;
+    # without and with the RHT (and a local columnwise amax that differs from the reduced one).
+    for rht in (False, True):
+        recipe = nv.NVFP4Recipe(row_scaled_activation=True, rht=rht)
+        local = x.chunk(world_size)[rank]
+        q = ColumnParallelComm(None, sequence_parallel=True, keep_input_columnwise=False).quantize_input(
+            local, recipe, columnwise=True)
+        expected = nv.quantize(x, "activation", recipe=recipe)
+        assert not torch.equal(nv.ops.compute_amaxes(local, recipe=recipe)[1], expected.amax_columnwise)
+        assert_bytes_equal(all_gather_nvfp4(q, packed=packed), expected, ("row-scaled columnwise", rht))
 
     # amax all-reduce: MAX, in place, None entries left alone, one tensor per entry.
     a, b = torch.tensor([float(rank)], device=device), torch.tensor([10.0 - rank], device=device)

@@ -227,29 +227,17 @@ def check_options(rank, world_size, recipe=nv.NVFP4Recipe(), device="cpu"):
 
 
 def check_row_scaled_and_megatron_hooks(rank, world_size, device="cpu", recipe_backend="auto"):
-    """Row-scaled column(SP): per-row amaxes gathered, BF16 backward. main_grad + delayed wgrad. overlap switch."""
-    from nvfp4_dist import reference as R
-    recipe = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False,
-                            gemm_backend=recipe_backend)
+    """Row-scaled column(SP) in NVFP4 both ways (docs/numerics.md §6b): per-row amaxes gathered with their rows, the
+    per-column amaxes of the wgrad copy reduced over the group, so each rank's dW equals the full tensor's math;
+    with and without the RHT and SR, the input's columnwise copy kept or gathered again. main_grad + delayed
+    wgrad. overlap switch."""
     out_features = LOCAL_FEATURES * world_size
+    for recipe in (nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False,
+                                  gemm_backend=recipe_backend),
+                   nv.NVFP4Recipe(row_scaled_activation=True, gemm_backend=recipe_backend)):
+        for keep_input_columnwise in (False, True):
+            check_column(rank, world_size, True, recipe, keep_input_columnwise=keep_input_columnwise, device=device)
     x, dy, weight, bias = full_tensors(world_size, COLUMN_IN, out_features, device)
-    layer = ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=True, recipe=recipe, device=device,
-                                 init_method=lambda w: w.copy_(weight))
-    with torch.no_grad():
-        layer.bias.copy_(bias.chunk(world_size)[rank])
-    y, dx, dw, _, _ = run(layer, x.chunk(world_size)[rank], dy.chunk(world_size, dim=-1)[rank])
-    xq_row, _ = quantize_activation(x.reshape(-1, COLUMN_IN), recipe, columnwise=False)
-    x_deq = R.dequantize_tensor(xq_row, x.dtype, "rowwise")
-    partials = []
-    for r, (w_r, dy_r, b_r) in enumerate(zip(weight.chunk(world_size), dy.chunk(world_size, dim=-1),
-                                             bias.chunk(world_size))):
-        wq = quantize_weight(w_r, recipe)
-        dy2d = dy_r.reshape(-1, LOCAL_FEATURES)
-        partials.append((dy2d @ R.dequantize_tensor(wq, dy.dtype, "rowwise")).reshape(x.shape).chunk(world_size)[rank])
-        if r == rank:
-            assert_equal(y, fprop(xq_row, wq, b_r, x.dtype).reshape(*x.shape[:-1], LOCAL_FEATURES), "row-scaled y")
-            assert_equal(dw, (dy2d.t() @ x_deq).to(weight.dtype), "row-scaled dW")
-    assert_reduced(dx, partials, "row-scaled dx")
 
     exact = nv.NVFP4Recipe(gemm_backend=recipe_backend)
     make = lambda **options: ColumnParallelLinear(COLUMN_IN, out_features, sequence_parallel=True,  # noqa: E731
@@ -272,15 +260,18 @@ def check_row_scaled_and_megatron_hooks(rank, world_size, device="cpu", recipe_b
 
 
 def _check_layers(rank, world_size, which):
-    recipes = {"default": nv.NVFP4Recipe(), "no_rht_no_2d": nv.NVFP4Recipe(rht=False, weight_2d=False)}
+    recipes = {"default": nv.NVFP4Recipe(), "no_rht_no_2d": nv.NVFP4Recipe(rht=False, weight_2d=False),
+               "4over6": nv.NVFP4Recipe(rht=False, nvfp4_4over6="all", nvfp4_4over6_e4m3_use_256="weights")}
     if which == "column":
         for sequence_parallel in (True, False):
             check_column(rank, world_size, sequence_parallel, recipes["default"])
         check_column(rank, world_size, True, recipes["no_rht_no_2d"])
+        check_column(rank, world_size, True, recipes["4over6"])
     elif which == "row":
         for sequence_parallel in (True, False):
             check_row(rank, world_size, sequence_parallel, recipes["default"])
         check_row(rank, world_size, True, recipes["no_rht_no_2d"])
+        check_row(rank, world_size, True, recipes["4over6"])
     else:
         check_options(rank, world_size)
         check_row_scaled_and_megatron_hooks(rank, world_size)

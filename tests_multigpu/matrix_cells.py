@@ -14,8 +14,6 @@ W / TP data-parallel replicas each get their own data and check independently. P
                            allowed = t * 2^-8 * sum_r |partial_r|  (t - 1 roundings in any order, and the
                            emulation's one), plus one BF16 step (2^-7 * |want|) when a bias is added after;
      bias gradient         a BF16 sum over tokens: one BF16 step + tokens * 2^-23 * sum |dy| (FP32 order);
-     row-scaled on CUDA    BF16 matmuls (cuBLAS may order the sums differently): one BF16 step
-                           + K * 2^-23 * (|a| @ |b|), carried through GELU backward in the MLP;
      overlap on CUDA       the above plus the GEMM accumulation tolerance of docs/numerics.md §11 (8e-3 * (|want| + mean
                            |want|)), since chunked GEMMs may tile differently.
 2. Cells with TP > 1 also against the same layer at TP = 1 (same full weights and data): relative L2
@@ -273,21 +271,17 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class Emulation:
-    """Quantize with the reference on the CPU; GEMMs, dequantization and BF16 math on `device` like the layer.
-
-    Values come with their allowed error (zeros where exact): on CUDA the BF16 matmuls of the row-scaled
-    backward may pick another cuBLAS accumulation order than the layer's call did.
-    """
+    """Quantize with the reference on the CPU; GEMMs on `device` like the layer. Values come with their allowed
+    error (zeros: the GEMMs are exact)."""
 
     def __init__(self, recipe: nvfp4_dist.NVFP4Recipe, device: torch.device):
         self.recipe, self.device = recipe, device
-        self.row_scaled = recipe.row_scaled_activation
 
     def _to(self, q):
         return None if q is None else q.to(self.device)
 
     def activation(self, x2d: torch.Tensor):
-        row, col = E.quantize_activation(x2d.cpu(), self.recipe, columnwise=not self.row_scaled)
+        row, col = E.quantize_activation(x2d.cpu(), self.recipe)
         return self._to(row), self._to(col)
 
     def weight(self, w: torch.Tensor):
@@ -303,17 +297,6 @@ class Emulation:
                               recipe=self.recipe)
         return out, torch.zeros(out.shape, device=out.device)
 
-    def matmul(self, a, b, out_dtype):
-        """(a @ b).to(out_dtype) in BF16 like the row-scaled backward, with its allowed error."""
-        out = (a @ b).to(out_dtype)
-        if self.device.type != "cuda":
-            return out, torch.zeros(out.shape, device=out.device)
-        products = a.float().abs() @ b.float().abs()
-        return out, BF16_ULP * out.float().abs() + a.shape[1] * 2.0 ** -23 * products
-
-    def dequantized(self, q, dtype):
-        return nvfp4_dist.dequantize(q, dtype=dtype, copy="rowwise")
-
     # Column-parallel: weight [out/t, in] per shard, input shared (gathered under SP).
     def column_forward(self, x2d, w_full, b_full, t):
         """Each shard's output [tokens, out/t] (exact) and what backward needs."""
@@ -323,27 +306,13 @@ class Emulation:
               for k, b in enumerate(b_full.chunk(t, 0))]
         return ys, dict(xq_row=xq_row, xq_col=xq_col, wq=wq)
 
-    def column_backward(self, dy_shards, saved, seed, weight_dtype, dy_allowed=None):
-        """([(dx partial, allowed)] per shard, [(dW, allowed)] per shard) for output-gradient shards.
-
-        dy_allowed: the shards' own allowed errors (row-scaled MLP on CUDA), carried through the BF16 matmuls.
-        """
+    def column_backward(self, dy_shards, saved, seed, weight_dtype):
+        """([(dx partial, allowed)] per shard, [(dW, allowed)] per shard) for output-gradient shards."""
         partials, weight_grads = [], []
         for k, dy2d in enumerate(dy_shards):
-            wq = saved["wq"][k]
-            if self.row_scaled:
-                w_deq, x_deq = self.dequantized(wq, dy2d.dtype), self.dequantized(saved["xq_row"], dy2d.dtype)
-                (dx, dx_allowed), (dw, dw_allowed) = (self.matmul(dy2d, w_deq, dy2d.dtype),
-                                                      self.matmul(dy2d.t(), x_deq, weight_dtype))
-                if dy_allowed is not None:
-                    dx_allowed = dx_allowed + dy_allowed[k] @ w_deq.float().abs()
-                    dw_allowed = dw_allowed + dy_allowed[k].t() @ x_deq.float().abs()
-                partials.append((dx, dx_allowed))
-                weight_grads.append((dw, dw_allowed))
-            else:
-                dyq_row, dyq_col = self.gradient(dy2d, seed)
-                partials.append(self.gemm(dyq_row, wq, "rowwise", "columnwise", dy2d.dtype))
-                weight_grads.append(self.gemm(dyq_col, saved["xq_col"], "columnwise", "columnwise", weight_dtype))
+            dyq_row, dyq_col = self.gradient(dy2d, seed)
+            partials.append(self.gemm(dyq_row, saved["wq"][k], "rowwise", "columnwise", dy2d.dtype))
+            weight_grads.append(self.gemm(dyq_col, saved["xq_col"], "columnwise", "columnwise", weight_dtype))
         return partials, weight_grads
 
     # Row-parallel: weight [out, in/t] per shard, input split along its last dim.
@@ -357,22 +326,17 @@ class Emulation:
     def row_backward(self, dy2d, saved, seed, weight_dtype):
         """([(dx, allowed)] per shard, [(dW, allowed)] per shard) for the full output gradient."""
         input_grads, weight_grads = [], []
-        if not self.row_scaled:
-            dyq_row, dyq_col = self.gradient(dy2d, seed)
-        for (xq_row, xq_col), wq in zip(saved["xq"], saved["wq"]):
-            if self.row_scaled:
-                input_grads.append(self.matmul(dy2d, self.dequantized(wq, dy2d.dtype), dy2d.dtype))
-                weight_grads.append(self.matmul(dy2d.t(), self.dequantized(xq_row, dy2d.dtype), weight_dtype))
-            else:
-                input_grads.append(self.gemm(dyq_row, wq, "rowwise", "columnwise", dy2d.dtype))
-                weight_grads.append(self.gemm(dyq_col, xq_col, "columnwise", "columnwise", weight_dtype))
+        dyq_row, dyq_col = self.gradient(dy2d, seed)
+        for (_, xq_col), wq in zip(saved["xq"], saved["wq"]):
+            input_grads.append(self.gemm(dyq_row, wq, "rowwise", "columnwise", dy2d.dtype))
+            weight_grads.append(self.gemm(dyq_col, xq_col, "columnwise", "columnwise", weight_dtype))
         return input_grads, weight_grads
 
 
 def draw_seeds(count: int, recipe) -> list:
     """The SR seeds `count` successive layer backwards draw after torch.manual_seed(SR_SEED_BASE)."""
     torch.manual_seed(SR_SEED_BASE)
-    if not recipe.stochastic_rounding or recipe.row_scaled_activation:
+    if not recipe.stochastic_rounding:
         return [None] * count
     return [nvfp4_dist.ops.draw_sr_seed() for _ in range(count)]
 
@@ -496,16 +460,13 @@ def emulate(cell: Cell, data: LayerData, tp: int, rank: int, recipe) -> tuple[di
         expect("dx", input_grads[rank], lambda t: t.reshape(seq, batch, -1))
         return want, allowed
 
-    # MLP: GELU backward on every shard (its input-gradient allowance scaled by |gelu'| plus one BF16
-    # rounding), then the column-parallel backward.
+    # MLP: GELU backward on every shard (exact input gradients), then the column-parallel backward.
     dy_shards = [torch.ops.aten.gelu_backward(g, h) for (g, _), h in zip(input_grads, hidden_shards)]
-    dy_allowed = [torch.ops.aten.gelu_backward(a, h.float()).abs() + (BF16_ULP * d.float().abs() if a.any() else 0)
-                  for (_, a), h, d in zip(input_grads, hidden_shards, dy_shards)]
-    partials, weight_grads1 = emulation.column_backward(dy_shards, saved1, seeds[1], w1.dtype, dy_allowed)
+    partials, weight_grads1 = emulation.column_backward(dy_shards, saved1, seeds[1], w1.dtype)
     expect("dx", reduced(partials), rows)
     expect("dW1", weight_grads1[rank])
     want["db1"] = dy_shards[rank].sum(0).to(b1.dtype)
-    allowed["db1"] = bias_grad_allowed(want["db1"], dy_shards[rank]) + dy_allowed[rank].sum(0)
+    allowed["db1"] = bias_grad_allowed(want["db1"], dy_shards[rank])
     return want, allowed
 
 
@@ -624,14 +585,11 @@ def run_gemm_cell(cell: Cell, ctx: Context) -> dict:
     x = torch.randn(s.tokens, s.hidden, generator=generator).to(ctx.device, torch.bfloat16)
     w = (torch.randn(s.ffn, s.hidden, generator=generator) * s.hidden ** -0.5).to(ctx.device)
     dy = torch.randn(s.tokens, s.ffn, generator=generator).to(ctx.device, torch.bfloat16)
-    row_scaled = recipe.row_scaled_activation
-    xq = nvfp4_dist.quantize(x, "activation", columnwise=not row_scaled, recipe=recipe)
+    xq = nvfp4_dist.quantize(x, "activation", recipe=recipe)
     wq = nvfp4_dist.quantize(w, "weight", recipe=recipe)
-    products = {"fprop": (xq, wq, "rowwise", "rowwise")}
-    if not row_scaled:
-        dyq = nvfp4_dist.quantize(dy, "gradient", recipe=recipe)
-        products["dgrad"] = (dyq, wq, "rowwise", "columnwise")
-        products["wgrad"] = (dyq, xq, "columnwise", "columnwise")
+    dyq = nvfp4_dist.quantize(dy, "gradient", recipe=recipe)
+    products = {"fprop": (xq, wq, "rowwise", "rowwise"), "dgrad": (dyq, wq, "rowwise", "columnwise"),
+                "wgrad": (dyq, xq, "columnwise", "columnwise")}
     checks = Checks()
     for name, (a, b, a_copy, b_copy) in products.items():
         outputs = {backend: nvfp4_dist.gemm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=torch.bfloat16,

@@ -267,3 +267,60 @@ def test_dequantize_path_chunks_rows_to_its_byte_budget(monkeypatch):
             out = hopper.gemm_dequantize_matmul(*args, out_dtype=torch.bfloat16, via_fp32=via_fp32)
             check_bf16(out, reference.gemm_reference(*args))
             assert len([rows for rows in calls if rows <= 256]) >= 2, calls  # A in chunks of at most 256 rows
+
+
+def quantized_with_reference(tensor: torch.Tensor, **kwargs):
+    """The reference quantizer's NVFP4Tensor of tensor (on the GPU)."""
+    return reference.quantize_tensor(tensor.to("cuda"), **kwargs)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_wgrad_with_row_scaled_columnwise_operand(path):
+    """dW = dy^T . x with x's columnwise copy row-scaled (one amax per row of x^T, docs/numerics.md §6b): output
+    column k carries S_dec(amax_col[k]), in every path (the per-column alpha of the epilogue and the fused kernel)."""
+    m, n, k = 640, 384, 320
+    x = random_matrix(m, k, 1.0, 31) * torch.logspace(-2, 2, k).to(torch.bfloat16)
+    dy = quantized_with_reference(random_matrix(m, n, 1.0, 32), rowwise=False)
+    xq = quantized_with_reference(x, rowwise=False, row_scaled=True)
+    args = (dy.columnwise_data, dy.columnwise_scale, dy.amax_columnwise,
+            xq.columnwise_data, xq.columnwise_scale, xq.amax_columnwise)
+    assert xq.amax_columnwise.numel() == k
+    expected = reference.gemm_reference(*args)
+    check_bf16(PATHS[path](*args, out_dtype=torch.bfloat16), expected)
+    main_grad = torch.randn(n, k, device="cuda")
+    before = main_grad.clone()
+    PATHS[path](*args, accumulate_into=main_grad)
+    torch.testing.assert_close(main_grad, before + expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("bounds", [(256, 448), (448, 256), (256, 256)], ids=str)
+def test_4over6_bounds_in_every_path(path, bounds):
+    """Operands quantized with 4over6 under the bound 256 carry S_dec = amax / 1536 (docs/numerics.md §12.7)."""
+    from nvfp4_dist.reference.fourover6 import FourOverSix
+    m, n, k = 256, 384, 512
+    a = quantized_with_reference(random_matrix(m, k, 1.0, 41), columnwise=False,
+                                 four_over_six=FourOverSix("MAE", bounds[0]))
+    b = quantized_with_reference(random_matrix(n, k, 0.1, 42), columnwise=False, block_2d=True,
+                                 four_over_six=FourOverSix("MSE", bounds[1]))
+    args = (a.rowwise_data, a.rowwise_scale, a.amax_rowwise, b.rowwise_data, b.rowwise_scale, b.amax_rowwise)
+    expected = reference.gemm_reference(*args, a_e4m3_bound=bounds[0], b_e4m3_bound=bounds[1])
+    check_bf16(PATHS[path](*args, out_dtype=torch.bfloat16, a_e4m3_bound=bounds[0], b_e4m3_bound=bounds[1]),
+               expected)
+    check_bf16(gemm(a, b, backend="emulated"), expected)
+
+
+@pytest.mark.parametrize("bounds", [(448, 448), (256, 448), (448, 256)], ids=str)
+def test_epilogue_per_column_and_bounds_are_the_fp32_formula(bounds):
+    """out = acc * (S_dec(a) * S_dec(b)[column]) bit for bit, S_dec with each operand's bound (2100 columns)."""
+    from nvfp4_dist.reference.quantize import decode_scale
+    rows, cols = 24, 2100
+    generator = torch.Generator().manual_seed(30)
+    acc = (torch.randn(rows, cols, generator=generator) * 1e4).cuda()
+    a_amax = (torch.rand(rows, generator=generator) * 50 + 0.5).cuda()
+    b_amax = (torch.rand(cols, generator=generator) * 50 + 0.5).cuda()
+    expected = acc * (decode_scale(a_amax, bounds[0])[:, None] * decode_scale(b_amax, bounds[1])[None, :])
+    for offset in (0, 3):
+        out = torch.empty(rows, cols + 8, device="cuda")[:, offset:offset + cols]
+        hopper.apply_epilogue(acc, a_amax, b_amax, None, out, False, *bounds)
+        assert torch.equal(out, expected)

@@ -4,12 +4,17 @@ Codes, unpadded scales and amax must be identical. The reference runs on the GPU
 ops, correctly rounded, give the same bits as on the CPU; test_gpu_reference_equals_cpu_reference
 checks that), except the RHT, whose FP32 matmul runs on the CPU: its summation order is the SPEC's.
 """
+import json
+import pathlib
+
+import numpy as np
 import pytest
 import torch
 
 import nvfp4_dist as nv
 from nvfp4_dist import kernels, reference
 from nvfp4_dist.formats import FP4_MAGNITUDES, fp4_to_float
+from nvfp4_dist.reference.fourover6 import FourOverSix
 from nvfp4_dist.reference.quantize import decode_scale
 
 # (2192, 11280): wide enough for the banded tile order (csrc/quantize.cu TileOrder), with a partial last
@@ -286,3 +291,204 @@ def test_ops_dispatch_to_kernels():
         sr = options.pop("stochastic_rounding")
         r = reference.quantize_tensor(x, sr_seed=5 if sr else None, **options)
         assert_same(q, r)
+
+
+# 4over6 (docs/numerics.md §12): every configuration Transformer Engine's tests list (MAE/MSE x bound 448/256 x exact/
+# fast-math error), 1x16 and 16x16 blocks, with and without each copy.
+FOUR_OVER_SIX_OPTIONS = [FourOverSix(mode, bound, fast) for mode in ("MAE", "MSE") for bound in (448, 256)
+                         for fast in (False, True)]
+FOUR_OVER_SIX_IDS = [f"{o.err_mode}-{o.e4m3_bound}-{'fast' if o.fast_math else 'exact'}" for o in FOUR_OVER_SIX_OPTIONS]
+GOLDEN_V2 = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "te_reference_vectors_v2.npz"
+
+
+@pytest.mark.parametrize("options", FOUR_OVER_SIX_OPTIONS, ids=FOUR_OVER_SIX_IDS)
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x16", "16x16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_4over6_cast_matches_reference(shape, dtype, block_2d, options):
+    x = random_input(shape, dtype, seed=shape[0] + 3 * shape[1] + FOUR_OVER_SIX_OPTIONS.index(options))
+    q = kernels.quantize_tensor(x, block_2d=block_2d, four_over_six=options)
+    assert q.e4m3_bound == options.e4m3_bound
+    assert_same(q, reference.quantize_tensor(x, block_2d=block_2d, four_over_six=options))
+
+
+@pytest.mark.parametrize("options", FOUR_OVER_SIX_OPTIONS, ids=FOUR_OVER_SIX_IDS)
+@pytest.mark.parametrize("copies", ["rowwise_only", "columnwise_only"])
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x16", "16x16"])
+@pytest.mark.parametrize("shape", [(304, 304), (2192, 11280)], ids=str)
+def test_4over6_one_copy_matches_reference(shape, block_2d, copies, options):
+    x = random_input(shape, torch.bfloat16, seed=17)
+    kwargs = dict(rowwise=copies == "rowwise_only", columnwise=copies == "columnwise_only", block_2d=block_2d,
+                  four_over_six=options)
+    assert_same(kernels.quantize_tensor(x, **kwargs), reference.quantize_tensor(x, **kwargs))
+
+
+@pytest.mark.parametrize("options", FOUR_OVER_SIX_OPTIONS, ids=FOUR_OVER_SIX_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(128, 128), (256, 272), (100, 64), (4096, 8208)], ids=str)
+def test_4over6_row_scaled_matches_reference(shape, dtype, options):
+    x = random_input(shape, dtype, seed=29)
+    kwargs = dict(columnwise=False, row_scaled=True, four_over_six=options)
+    assert_same(kernels.quantize_tensor(x, **kwargs), reference.quantize_tensor(x, **kwargs))
+
+
+def _tie_input(rows, cols, seed):
+    """FP32 blocks whose candidates' errors tie in exact arithmetic (tests/test_reference_fourover6.py)."""
+    generator = torch.Generator().manual_seed(seed)
+    ties = torch.tensor([0.625, 0.875, 2.125, 4.25, 5.25])
+    t = ties[torch.randint(len(ties), (rows, cols), generator=generator)]
+    t[::16, ::16] = 6.0
+    signs = torch.where(torch.rand(rows, cols, generator=generator) < 0.5, -1.0, 1.0)
+    tile_scale = torch.exp2(torch.randint(-3, 1, (rows // 16, cols // 16), generator=generator).float())
+    tile_scale = tile_scale.repeat_interleave(16, dim=0).repeat_interleave(16, dim=1)
+    return (t * signs * tile_scale * torch.tensor(1.1 / 1536)).cuda()
+
+
+@pytest.mark.parametrize("options", FOUR_OVER_SIX_OPTIONS, ids=FOUR_OVER_SIX_IDS)
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x16", "16x16"])
+def test_4over6_near_ties_match_reference(block_2d, options):
+    """Rounding decides these blocks' choices: the exact and fast-math errors, and the 16x16 sums' tree order."""
+    x = _tie_input(1024, 2048, seed=5)
+    assert_same(kernels.quantize_tensor(x, block_2d=block_2d, four_over_six=options),
+                reference.quantize_tensor(x.cpu(), block_2d=block_2d, four_over_six=options))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["zeros", "largest", "subnormal", "bin_edges"])
+def test_4over6_special_inputs(dtype, kind):
+    x = special_inputs(dtype)[kind].cuda()
+    for options in FOUR_OVER_SIX_OPTIONS:
+        for kwargs in (dict(), dict(block_2d=True), dict(row_scaled=True, columnwise=False)):
+            assert_same(kernels.quantize_tensor(x, four_over_six=options, **kwargs),
+                        reference.quantize_tensor(x, four_over_six=options, **kwargs))
+
+
+def test_4over6_gpu_reference_equals_cpu_reference():
+    """The premise of running the 4over6 reference on the GPU above."""
+    x = random_input((1024, 4096), torch.bfloat16, seed=3)
+    for options in FOUR_OVER_SIX_OPTIONS:
+        for block_2d in (False, True):
+            assert_same(reference.quantize_tensor(x, block_2d=block_2d, four_over_six=options),
+                        reference.quantize_tensor(x.cpu(), block_2d=block_2d, four_over_six=options))
+
+
+def test_golden_v2_through_the_kernels():
+    """Transformer Engine's reference bytes for every 4over6 configuration and the row-scaled columnwise copy."""
+    golden = np.load(GOLDEN_V2)
+    names = sorted({key.split("/")[0] for key in golden.files})
+    assert len(names) == 36
+    for name in names:
+        config = json.loads(str(golden[f"{name}/config"]))
+        dtype = getattr(torch, str(golden[f"{name}/input_dtype"]).split(".")[1])
+        x = torch.from_numpy(golden[f"{name}/input_f32"]).to(dtype).cuda()
+        kwargs = dict(block_2d=config["tile"] == [16, 16], columnwise=config["columnwise"],
+                      row_scaled=config.get("row_scaled_nvfp4", False), rht=config.get("with_rht", False),
+                      rht_random_sign=config.get("with_random_sign_mask", True))
+        if config.get("nvfp4_use_4over6"):
+            kwargs["four_over_six"] = FourOverSix(config["nvfp4_4over6_err_mode"], config["nvfp4_e4m3_max"],
+                                                  config.get("nvfp4_4over6_err_use_fast_math", False))
+        q = kernels.quantize_tensor(x, **kwargs)
+        pairs = {"data": q.rowwise_data, "scale": q.rowwise_scale}
+        if config["columnwise"]:
+            pairs.update(data_t=q.columnwise_data, scale_t=q.columnwise_scale, amax_col=q.amax_columnwise)
+        for key, ours in pairs.items():
+            ours = (ours if ours.dtype == torch.float32 else ours.view(torch.uint8)).cpu().numpy()
+            theirs = golden[f"{name}/{key}"]
+            theirs = theirs[:, :ours.shape[1]] if key.startswith("scale") else theirs
+            assert np.array_equal(ours, theirs), f"{name}/{key}: {int((ours != theirs).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("bound", [448, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_4over6_dequantize_matches_reference(dtype, bound):
+    x = random_input((1024, 2048), dtype, seed=2)
+    for kwargs in (dict(), dict(block_2d=True), dict(row_scaled=True, columnwise=False)):
+        q = kernels.quantize_tensor(x, four_over_six=FourOverSix("MSE", bound), **kwargs)
+        for copy in ("rowwise", "columnwise"):
+            if getattr(q, f"{copy}_data") is None:
+                continue
+            got = kernels.dequantize_tensor(q, dtype, copy).cpu().contiguous()
+            want = reference.dequantize_tensor(q.to("cpu"), dtype, copy).contiguous()
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (kwargs, copy)
+
+
+def test_4over6_refusals():
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    for kwargs, message in ((dict(rht=True), "RHT"), (dict(sr_seed=3), "stochastic"),
+                            (dict(row_scaled=True), "row-scaled")):
+        with pytest.raises(ValueError, match=message):
+            kernels.quantize_tensor(x, four_over_six=FourOverSix(), **kwargs)
+
+
+# The columnwise copy of a row-scaled activation (docs/numerics.md §6b): one amax per row of x^T, after the RHT.
+ROW_SCALED_COLUMNWISE = {"plain": dict(), "rht": dict(rht=True), "rht_plain_sign": dict(rht=True, rht_random_sign=False)}
+
+
+@pytest.mark.parametrize("variant", list(ROW_SCALED_COLUMNWISE))
+@pytest.mark.parametrize("shape", SHAPES + [(8192, 11328)], ids=str)
+def test_row_scaled_columnwise_matches_reference(shape, variant):
+    x = random_input(shape, torch.bfloat16, seed=shape[0] + shape[1])
+    kwargs = dict(row_scaled=True, **ROW_SCALED_COLUMNWISE[variant])
+    q = kernels.quantize_tensor(x, **kwargs)
+    assert q.amax_columnwise.shape == (shape[1],)
+    r = reference.quantize_tensor(x.cpu() if kwargs.get("rht") else x, **kwargs)
+    assert_same(q, r)
+    assert_same(kernels.quantize_tensor(x, rowwise=False, **kwargs), r, copies=("columnwise",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(304, 304), (4096, 8208)], ids=str)
+def test_row_scaled_columnwise_other_dtypes(shape, dtype):
+    x = random_input(shape, dtype, seed=4)
+    assert_same(kernels.quantize_tensor(x, row_scaled=True), reference.quantize_tensor(x, row_scaled=True))
+
+
+@pytest.mark.parametrize("dtype,rht", [(dtype, False) for dtype in DTYPES] + [(torch.bfloat16, True)], ids=str)
+def test_column_amaxes(dtype, rht):
+    x = random_input((4112, 4096), dtype, seed=6)
+    got = kernels.compute_amaxes(x, rowwise=False, rht=rht, row_scaled=True)[1]
+    want = reference.compute_amaxes(x.cpu(), rowwise=False, rht=rht, row_scaled=True)[1]
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", list(ROW_SCALED_COLUMNWISE))
+def test_row_scaled_columnwise_dequantize_matches_reference(variant):
+    x = random_input((1024, 2048), torch.bfloat16, seed=7)
+    q = kernels.quantize_tensor(x, row_scaled=True, **ROW_SCALED_COLUMNWISE[variant])
+    got = kernels.dequantize_tensor(q, torch.bfloat16, "columnwise").cpu().contiguous()
+    want = reference.dequantize_tensor(q.to("cpu"), torch.bfloat16, "columnwise").contiguous()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("variant", list(ROW_SCALED_COLUMNWISE))
+def test_row_scaled_columnwise_shards_equal_full_tensor(variant):
+    """Token shards quantized with the MAX of their per-column amaxes and gathered (swap_first_dims) equal the
+    full tensor's columnwise copy (sequence parallelism, docs/numerics.md §6b)."""
+    world_size, x = 4, random_input((4096, 2048), torch.bfloat16, seed=13)
+    kwargs = dict(row_scaled=True, **ROW_SCALED_COLUMNWISE[variant])
+    full = kernels.quantize_tensor(x, **kwargs)
+    local_rows = 4096 // world_size
+    shards = x.split(local_rows)
+    reduced = torch.stack([kernels.compute_amaxes(s, rowwise=False, **kwargs)[1] for s in shards]).amax(dim=0)
+    assert torch.equal(reduced, full.amax_columnwise)
+    pieces = [kernels.quantize_tensor(s, amax_columnwise=reduced, **kwargs) for s in shards]
+    assert torch.equal(kernels.swap_first_dims(torch.cat([p.columnwise_data for p in pieces]), world_size),
+                       full.columnwise_data)
+    scales = torch.cat([p.columnwise_scale.view(torch.uint8) for p in pieces])
+    assert torch.equal(kernels.swap_first_dims(scales, world_size), full.columnwise_scale.view(torch.uint8))
+
+
+def test_ops_dispatch_4over6_and_row_scaled_columnwise():
+    """nvfp4_dist.quantize with the recipe's 4over6 and row-scaled options runs the kernels and equals the reference."""
+    x = random_input((512, 1024), torch.bfloat16, seed=8)
+    recipes = [nv.NVFP4Recipe(rht=False, nvfp4_4over6="all", nvfp4_4over6_e4m3_use_256="weights",
+                              nvfp4_4over6_err_mode="MSE", nvfp4_4over6_err_use_fast_math=True),
+               nv.NVFP4Recipe(nvfp4_4over6="weights"),
+               nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)]
+    for recipe in recipes:
+        for role in ("activation", "weight", "gradient"):
+            q = nv.quantize(x, role, recipe=recipe, sr_seed=5)
+            options = nv.ops.quantize_options(role, recipe)
+            sr = options.pop("stochastic_rounding")
+            r = reference.quantize_tensor(x.cpu() if options["rht"] else x, sr_seed=5 if sr else None, **options)
+            assert_same(q, r)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_dist import ops
-from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.formats import BLOCK_SIZE, E4M3_BOUND, SCALE_DTYPE
 from nvfp4_dist.reference.quantize import decode_scale
 
 K_MULTIPLE = 32         # torch: the packed K of both operands a multiple of 16 bytes
@@ -75,8 +75,13 @@ def gemm_codes(data: torch.Tensor, padded_rows: int, padded_k: int) -> torch.Ten
     return data.clone() if data.data_ptr() % POINTER_ALIGNMENT else data
 
 
-def scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax) -> ScaledMMArguments:
-    """The torch._scaled_mm arguments for y = A . B^T, A [M, K] and B [N, K] packed NVFP4."""
+def scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, a_e4m3_bound: int = E4M3_BOUND,
+                        b_e4m3_bound: int = E4M3_BOUND) -> ScaledMMArguments:
+    """The torch._scaled_mm arguments for y = A . B^T, A [M, K] and B [N, K] packed NVFP4.
+
+    a_amax: 1 or M values (row-scaled A); b_amax: 1 or N values (B's rows: the columnwise copy of a row-scaled
+    activation, docs/numerics.md §6b); *_e4m3_bound: each operand's global-scale bound (docs/numerics.md §12.7).
+    """
     check_operand(a_data, a_scale, "a")
     check_operand(b_data, b_scale, "b")
     if a_data.shape[1] != b_data.shape[1]:
@@ -89,7 +94,7 @@ def scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax) -> Sca
     padded_k = round_up(k, K_MULTIPLE)
     a_codes = gemm_codes(a_data, rows, padded_k)
     b_codes = gemm_codes(b_data, round_up(cols, N_MULTIPLE), padded_k)
-    alpha = decode_scale(a_amax).reshape(-1, 1) * decode_scale(b_amax).reshape(1, -1)
+    alpha = decode_scale(a_amax, a_e4m3_bound).reshape(-1, 1) * decode_scale(b_amax, b_e4m3_bound).reshape(1, -1)
     return ScaledMMArguments(a=a_codes.view(FP4_DTYPE), b=b_codes.view(FP4_DTYPE).t(),
                              scale_a=ops.swizzle_scales(a_scale), scale_b=ops.swizzle_scales(b_scale),
                              alpha=alpha, cols=cols)

@@ -100,6 +100,10 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
          backend: str | None = None, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
     """y = A . B^T for A = a's `a_copy` [M, K] and B = b's `b_copy` [N, K].
 
+    Each operand's global scale S_dec is per tensor, per row of A (row-scaled activations, docs/numerics.md §6) or
+    per row of B (the columnwise copy of a row-scaled activation in wgrad, §6b: it scales output column n), with
+    the operand's global-scale bound (§12.7).
+
     out_dtype: BF16, FP16 or FP32 output. bias: [N], added in FP32 before the cast.
     accumulate_into: an FP32 [M, N] tensor that receives y (+ bias) in place (wgrad into main_grad); it is
       returned instead of a new tensor.
@@ -112,13 +116,14 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
     if a_data.shape[1] != b_data.shape[1]:
         raise ValueError(f"K mismatch: a ({a_copy}) is {tuple(a_data.shape)} packed, b ({b_copy}) is "
                          f"{tuple(b_data.shape)} packed; both must share K")
-    if b_amax.numel() != 1:
-        raise ValueError("b must have a per-tensor amax; only the A operand may be row-scaled")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype}: allowed are {OUT_DTYPES}")
     rows, cols = a_data.shape[0], b_data.shape[0]
     if a_amax.numel() not in (1, rows):
         raise ValueError(f"a's amax has {a_amax.numel()} values: allowed are 1 or one per row ({rows})")
+    if b_amax.numel() not in (1, cols):
+        raise ValueError(f"b's amax has {b_amax.numel()} values: allowed are 1 or one per row of b's {b_copy} copy "
+                         f"({cols}: the columnwise copy of a row-scaled activation, docs/numerics.md §6b)")
     device = a_data.device
     for name, tensor in (("b", b_data), ("bias", bias), ("accumulate_into", accumulate_into)):
         if tensor is not None and tensor.device != device:
@@ -143,8 +148,10 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str = "rowwise", b_copy: str
     if bias is not None:
         bias = bias.contiguous()
     if chosen == "reference":
-        y = gpu_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax),
+        y = gpu_backends.finish_output(reference.gemm_reference(a_data, a_scale, a_amax, b_data, b_scale, b_amax,
+                                                                a_e4m3_bound=a.e4m3_bound, b_e4m3_bound=b.e4m3_bound),
                                        out_dtype, bias, accumulate_into)
         return y if out is None else out.copy_(y)
     return gpu_backends.run(chosen, a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype,
-                            bias=bias, accumulate_into=accumulate_into, out=out)
+                            bias=bias, accumulate_into=accumulate_into, out=out, a_e4m3_bound=a.e4m3_bound,
+                            b_e4m3_bound=b.e4m3_bound)

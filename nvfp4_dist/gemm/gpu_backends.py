@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nvfp4_dist import environment
+from nvfp4_dist.formats import E4M3_BOUND
 
 
 def finish_output(out: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
@@ -39,14 +40,16 @@ def import_hopper():
 
 def run(backend: str, a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype: torch.dtype = torch.float32,
         bias: torch.Tensor | None = None, accumulate_into: torch.Tensor | None = None,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor | None = None, a_e4m3_bound: int = E4M3_BOUND, b_e4m3_bound: int = E4M3_BOUND) -> torch.Tensor:
     """y = A . B^T on the GPU with `backend` ("cublaslt" or "emulated"), already validated by gemm().
 
     Returns y in out_dtype (written into `out` when given), or accumulate_into after adding y (+ bias) into it.
+    *_e4m3_bound: each operand's global-scale bound (docs/numerics.md §12.7).
     """
+    bounds = dict(a_e4m3_bound=a_e4m3_bound, b_e4m3_bound=b_e4m3_bound)
     if backend == "cublaslt":
         from nvfp4_dist.gemm import blackwell
-        args = blackwell.scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax)
+        args = blackwell.scaled_mm_arguments(a_data, a_scale, a_amax, b_data, b_scale, b_amax, **bounds)
         y = finish_output(blackwell.finish_scaled_mm(blackwell.run_scaled_mm(args), args), out_dtype, bias,
                           accumulate_into)
         return y if out is None else out.copy_(y)
@@ -54,5 +57,5 @@ def run(backend: str, a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_d
         hopper = import_hopper()
         path = hopper.gemm_fused if hopper_path() == "fused" else hopper.gemm_dequantize_matmul
         return path(a_data, a_scale, a_amax, b_data, b_scale, b_amax, out_dtype=out_dtype, bias=bias,
-                    accumulate_into=accumulate_into, out=out)
+                    accumulate_into=accumulate_into, out=out, **bounds)
     raise ValueError(f"backend={backend!r}: the GPU backends are 'cublaslt' and 'emulated'")

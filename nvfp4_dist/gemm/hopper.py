@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_dist._extension import load_extension, stream_handle
+from nvfp4_dist.formats import E4M3_BOUND, FP4_MAX
 
 
 # E4M3-packed FP4 values carry 2^-6 each; a product of two carries 2^-12.
@@ -74,23 +75,30 @@ mov.b32 {$5, $7}, t0;
 
 
 @triton.jit
-def _decode_scale(amax):
-    """S_dec = 1 / S_enc with S_enc = min(2688 / amax, FLT_MAX), 1 where that is 0 (docs/numerics.md §2.2): the
-    reference's two correctly rounded FP32 divisions."""
-    s_enc = tl.math.div_rn(tl.zeros_like(amax) + 2688.0, amax)
+def _decode_scale(amax, numerator):
+    """S_dec = 1 / S_enc with S_enc = min(numerator / amax, FLT_MAX), 1 where that is 0 (docs/numerics.md §2.2;
+    numerator 6 B: 2688, or 1536 for 4over6 tensors with the bound 256, §12.7): the reference's two correctly
+    rounded FP32 divisions."""
+    s_enc = tl.math.div_rn(tl.zeros_like(amax) + numerator, amax)
     s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
     return tl.math.div_rn(tl.zeros_like(s_enc) + 1.0, s_enc)
 
 
 @triton.jit
-def _alpha(a_amax_ptr, b_amax_ptr, rows, row_mask, ALPHA_PER_ROW: tl.constexpr):
-    """FP32 alpha = S_dec(a) * S_dec(b): a column [rows, 1] when A is row-scaled, else a scalar."""
-    b_s_dec = _decode_scale(tl.load(b_amax_ptr))
+def _alpha(a_amax_ptr, b_amax_ptr, rows, row_mask, cols, a_numerator, b_numerator, ALPHA_PER_ROW: tl.constexpr,
+           ALPHA_PER_COL: tl.constexpr):
+    """FP32 alpha = S_dec(a) * S_dec(b): S_dec(a) a column [rows, 1] when A is row-scaled, S_dec(b) a row [1, cols]
+    when B holds one amax per row (the columnwise copy of a row-scaled activation, docs/numerics.md §6b)."""
     if ALPHA_PER_ROW:
-        return (_decode_scale(tl.load(a_amax_ptr + rows, mask=row_mask, other=1.0)) * b_s_dec)[:, None]
+        a_s_dec = _decode_scale(tl.load(a_amax_ptr + rows, mask=row_mask, other=1.0), a_numerator)[:, None]
     else:
-        return _decode_scale(tl.load(a_amax_ptr)) * b_s_dec
+        a_s_dec = _decode_scale(tl.load(a_amax_ptr), a_numerator)
+    if ALPHA_PER_COL:
+        b_s_dec = _decode_scale(tl.load(b_amax_ptr + cols), b_numerator)[None, :]
+    else:
+        b_s_dec = _decode_scale(tl.load(b_amax_ptr), b_numerator)
+    return a_s_dec * b_s_dec
 
 
 @triton.jit
@@ -133,7 +141,7 @@ def _word_scales(scale_bytes, ROWS: tl.constexpr, WORDS: tl.constexpr):
 @triton.jit
 def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr,
                        M, N, K_WORDS, stride_a, stride_a_scale, stride_b, stride_b_scale, stride_out,
-                       ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                       a_numerator, b_numerator, ALPHA_PER_ROW: tl.constexpr, ALPHA_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
                        EVEN_K: tl.constexpr, USE_PTX: tl.constexpr, B_DEQUANTIZED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr):
@@ -197,7 +205,8 @@ def _nvfp4_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_amax_ptr, b_ama
         b_scale_ptrs += SCALES
 
     acc = acc * _OPERAND_EXPONENT_CORRECTION  # exact power of two
-    acc = acc * _alpha(a_amax_ptr, b_amax_ptr, load_m, load_m < M, ALPHA_PER_ROW)
+    acc = acc * _alpha(a_amax_ptr, b_amax_ptr, load_m, load_m < M, load_n, a_numerator, b_numerator, ALPHA_PER_ROW,
+                       ALPHA_PER_COL)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + load_n).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows_m[:, None] * stride_out + rows_n[None, :]
@@ -245,8 +254,10 @@ def output_tensor(rows: int, cols: int, out_dtype: torch.dtype, accumulate_into,
 
 
 def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32, bias=None,
-               accumulate_into=None, out=None, config: FusedConfig = DEFAULT_FUSED_CONFIG) -> torch.Tensor:
-    """y = A . B^T with dequantization fused into the GEMM; returns accumulate_into or out when given."""
+               accumulate_into=None, out=None, config: FusedConfig = DEFAULT_FUSED_CONFIG,
+               a_e4m3_bound: int = E4M3_BOUND, b_e4m3_bound: int = E4M3_BOUND) -> torch.Tensor:
+    """y = A . B^T with dequantization fused into the GEMM; returns accumulate_into or out when given.
+    a_amax: 1 or M values; b_amax: 1 or N values; *_e4m3_bound: each operand's global-scale bound."""
     rows, cols, k_words = a_data.shape[0], b_data.shape[0], a_data.shape[1] // 4
     a_words, a_scale = packed_words(a_data), a_scale.contiguous().view(torch.uint8)
     if config.dequantize_b_first:
@@ -261,8 +272,8 @@ def gemm_fused(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=to
     _nvfp4_gemm_kernel[grid](
         a_words, a_scale, b_operand, b_scale, a_amax, b_amax, bias if bias is not None else a_amax, out,
         rows, cols, k_words, a_words.stride(0), a_scale.stride(0), b_operand.stride(0), b_scale.stride(0),
-        out.stride(0),
-        ALPHA_PER_ROW=a_amax.numel() != 1, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+        out.stride(0), FP4_MAX * a_e4m3_bound, FP4_MAX * b_e4m3_bound,
+        ALPHA_PER_ROW=a_amax.numel() != 1, ALPHA_PER_COL=b_amax.numel() != 1, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
         EVEN_K=k_words % (config.block_k // 8) == 0, USE_PTX=config.use_ptx, B_DEQUANTIZED=config.dequantize_b_first,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -317,18 +328,22 @@ _last_b = _LastDequantizedB()
 
 
 def apply_epilogue(acc: torch.Tensor, a_amax: torch.Tensor, b_amax: torch.Tensor, bias, out: torch.Tensor,
-                   accumulate: bool) -> None:
-    """out (+)= acc * S_dec(a_amax) * S_dec(b_amax) (+ bias), FP32 math, one pass (csrc/gemm_epilogue.cu)."""
-    load_extension().gemm_epilogue(acc, a_amax, b_amax, bias, accumulate, out, stream_handle(out.device))
+                   accumulate: bool, a_e4m3_bound: int = E4M3_BOUND, b_e4m3_bound: int = E4M3_BOUND) -> None:
+    """out (+)= acc * S_dec(a_amax) * S_dec(b_amax) (+ bias), FP32 math, one pass (csrc/gemm_epilogue.cu); a_amax per
+    row or per tensor, b_amax per column (B's rows) or per tensor."""
+    load_extension().gemm_epilogue(acc, a_amax, b_amax, bias, accumulate, a_e4m3_bound, b_e4m3_bound, out,
+                                   stream_handle(out.device))
 
 
 def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, out_dtype=torch.float32,
                            bias=None, accumulate_into=None, out=None, rows_per_chunk: int | None = None,
-                           via_fp32: bool = False) -> torch.Tensor:
+                           via_fp32: bool = False, a_e4m3_bound: int = E4M3_BOUND,
+                           b_e4m3_bound: int = E4M3_BOUND) -> torch.Tensor:
     """y = A . B^T as dequantize-to-BF16 kernels and cuBLAS.
 
     cuBLASLt scales by alpha (read from the amaxes on the device) and writes y in its dtype, adding a bias
-    of that dtype. Row-scaled A, a bias of another dtype, a bias with accumulate_into, via_fp32=True, or
+    of that dtype. Row-scaled A, B with one amax per row (docs/numerics.md §6b), a bias of another dtype, a bias
+    with accumulate_into, via_fp32=True, or
     no cuBLASLt algorithm: cuBLAS writes the FP32 product and an epilogue kernel applies alpha, bias and
     accumulation (one more pass over the output). rows_per_chunk: run A in row chunks through reused
     buffers; None: as many rows as fit in CHUNK_BYTES (all of them for most GEMMs).
@@ -338,7 +353,7 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
     a_amax, b_amax = a_amax.contiguous(), b_amax.contiguous()
     out = output_tensor(rows, cols, out_dtype, accumulate_into, out, a_data.device)
     accumulate = accumulate_into is not None
-    scaled_by_cublaslt = (not via_fp32 and a_amax.numel() == 1
+    scaled_by_cublaslt = (not via_fp32 and a_amax.numel() == 1 and b_amax.numel() == 1
                           and (bias is None or (not accumulate and bias.dtype == out.dtype)))
     row_bytes = 2 * 2 * a_data.shape[1] + (0 if scaled_by_cublaslt else 4 * cols)  # BF16 A row (+ FP32 product row)
     chunk = min(rows, rows_per_chunk or max(256, CHUNK_BYTES // row_bytes // 256 * 256))
@@ -349,12 +364,13 @@ def gemm_dequantize_matmul(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, 
         a_chunk = a_values[:stop - start]
         dequantize_into(a_data[start:stop], a_scale[start:stop], a_chunk)
         if scaled_by_cublaslt and load_extension().cublaslt_gemm(a_chunk, b_values, a_amax, b_amax, bias, accumulate,
-                                                                 out[start:stop], stream_handle(out.device)):
+                                                                 a_e4m3_bound, b_e4m3_bound, out[start:stop],
+                                                                 stream_handle(out.device)):
             continue
         if acc is None:  # the FP32 path (or cuBLASLt has no algorithm for this chunk's problem)
             acc = torch.empty(chunk, cols, dtype=torch.float32, device=a_data.device)
         acc_chunk = acc[:stop - start]
         torch.mm(a_chunk, b_values.t(), out_dtype=torch.float32, out=acc_chunk)
         apply_epilogue(acc_chunk, a_amax[start:stop] if a_amax.numel() != 1 else a_amax, b_amax, bias,
-                       out[start:stop], accumulate)
+                       out[start:stop], accumulate, a_e4m3_bound, b_e4m3_bound)
     return out

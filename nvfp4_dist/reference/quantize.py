@@ -4,8 +4,8 @@ Every CUDA quantization kernel has its twin here and must match it byte for byte
 """
 import torch
 
-from nvfp4_dist.formats import (BLOCK_SIZE, E4M3_MAX, FLT_MAX, FP4_MAX, GLOBAL_SCALE_NUMERATOR, SCALE_DTYPE,
-                       fp4_neighbours, fp4_round_to_nearest_even, pack_fp4)
+from nvfp4_dist.formats import (BLOCK_SIZE, E4M3_BOUND, E4M3_MAX, FLT_MAX, FP4_MAX, SCALE_DTYPE,
+                                fp4_neighbours, fp4_round_to_nearest_even, pack_fp4)
 from nvfp4_dist.reference.philox import stochastic_rounding_bits_grid
 
 _ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), docs/numerics.md §2.3
@@ -21,19 +21,20 @@ def compute_row_amax(x2d: torch.Tensor) -> torch.Tensor:
     return x2d.detach().abs().amax(dim=1).to(torch.float32)
 
 
-def encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = min(2688 / A, FLT_MAX); 1.0 where that is 0 (A = inf) (docs/numerics.md §2.2).
+def encode_scale(amax: torch.Tensor, e4m3_bound: int = E4M3_BOUND) -> torch.Tensor:
+    """S_enc = min(6 * B / A, FLT_MAX); 1.0 where that is 0 (A = inf) (docs/numerics.md §2.2).
 
+    B is the E4M3 bound of the global scale: 448 (6 * B = 2688), or 256 for 4over6 tensors (docs/numerics.md §12.1).
     One correctly rounded FP32 division (torch.div of two tensors, not 2688.0 / t).
     """
-    numerator = torch.tensor(GLOBAL_SCALE_NUMERATOR, dtype=torch.float32, device=amax.device)
+    numerator = torch.tensor(FP4_MAX * e4m3_bound, dtype=torch.float32, device=amax.device)
     s_enc = torch.div(numerator, amax.to(torch.float32)).clamp(max=FLT_MAX)
     return torch.where(s_enc == 0, torch.ones_like(s_enc), s_enc)
 
 
-def decode_scale(amax: torch.Tensor) -> torch.Tensor:
+def decode_scale(amax: torch.Tensor, e4m3_bound: int = E4M3_BOUND) -> torch.Tensor:
     """S_dec = 1 / S_enc, one FP32 division."""
-    s_enc = encode_scale(amax)
+    s_enc = encode_scale(amax, e4m3_bound)
     return torch.div(torch.ones_like(s_enc), s_enc)
 
 

@@ -1,0 +1,174 @@
+"""The 4over6 element numerics of the kernels (csrc/nvfp4_numerics.cuh, host-compiled with nvcc) equal the reference
+(nvfp4_dist/reference/fourover6.py) byte for byte: candidates, errors, choice, the 16x16 tree, the bound 256."""
+import ctypes
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from nvfp4_dist.reference.fourover6 import FourOverSix, quantize_blocks_4over6
+from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax
+from test_kernels_cpu import CSRC, pointer
+from test_reference_fourover6 import ALL_OPTIONS, CASES, ROW_SCALED_CASE, _random_bf16_input, _tie_input
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
+
+# Host entry point over csrc/nvfp4_numerics.cuh's 4over6 functions, composed as csrc/quantize_4over6.cu composes
+# them: one block's candidates, the choice (1x16), or the 16 rows' tree-summed errors (16x16).
+HARNESS = r"""
+#include "nvfp4_numerics.cuh"
+using namespace nvfp4;
+template <bool kMSE, bool kFast, bool kSixteen>
+void quantize(const float* x, long rows, long cols, const float* amax, long amax_count, float bound, int block_2d,
+              unsigned char* codes, unsigned char* scales) {
+  const long blocks = cols / kBlockSize;
+  for (long r0 = 0; r0 < rows; r0 += block_2d ? kBlockSize : 1) {
+    const int group = block_2d ? kBlockSize : 1;
+    for (long b = 0; b < blocks; ++b) {
+      float tile_amax = 0.0f;
+      for (int g = 0; g < group; ++g)
+        for (int i = 0; i < kBlockSize; ++i) tile_amax = fmaxf(tile_amax, fabsf(x[(r0 + g) * cols + b * kBlockSize + i]));
+      FourOverSixCandidates c[kBlockSize];
+      float errors[2][kBlockSize] = {};
+      for (int g = 0; g < group; ++g) {
+        const long r = r0 + g;
+        float values[kBlockSize], block_amax = 0.0f;
+        for (int i = 0; i < kBlockSize; ++i) {
+          values[i] = x[r * cols + b * kBlockSize + i];
+          block_amax = fmaxf(block_amax, fabsf(values[i]));
+        }
+        const FourOverSixScale global = four_over_six_scale(amax[amax_count == 1 ? 0 : r], bound);
+        c[g] = four_over_six_candidates<kMSE, kFast, kSixteen>(values, block_2d ? tile_amax : block_amax, global);
+        errors[0][g] = c[g].error[0];
+        errors[1][g] = c[g].error[1];
+      }
+      const int choice = block_2d ? four_over_six_choice(four_over_six_tile_error(errors[0]),
+                                                         four_over_six_tile_error(errors[1]))
+                                  : four_over_six_choice(errors[0][0], errors[1][0]);
+      for (int g = 0; g < group; ++g) {
+        const long r = r0 + g;
+        std::memcpy(codes + r * (cols / 2) + b * (kBlockSize / 2), &c[g].packed[choice], sizeof(uint2));
+        scales[r * blocks + b] = static_cast<unsigned char>(c[g].scale[choice]);
+      }
+    }
+  }
+}
+extern "C" void quantize_4over6(const float* x, long rows, long cols, const float* amax, long amax_count, float bound,
+                                int mse, int fast, int sixteen_bit, int block_2d, unsigned char* codes,
+                                unsigned char* scales) {
+  const int variant = (mse ? 4 : 0) | (fast ? 2 : 0) | (sixteen_bit ? 1 : 0);
+  switch (variant) {
+    case 0: quantize<false, false, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 1: quantize<false, false, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 2: quantize<false, true, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 3: quantize<false, true, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 4: quantize<true, false, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 5: quantize<true, false, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 6: quantize<true, true, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    default: quantize<true, true, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+  }
+}
+extern "C" float tile_error(const float* row_errors) {
+  float rows[kBlockSize];
+  for (int r = 0; r < kBlockSize; ++r) rows[r] = row_errors[r];
+  return four_over_six_tile_error(rows);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def numerics(tmp_path_factory):
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc (CUDA toolkit) on the PATH")
+    directory = tmp_path_factory.mktemp("numerics_4over6")
+    source = directory / "harness.cu"
+    source.write_text(HARNESS)
+    library = directory / "libharness.so"
+    subprocess.run(["nvcc", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", f"-I{CSRC}",
+                    str(source), "-o", str(library)], check=True, capture_output=True, text=True)
+    lib = ctypes.CDLL(str(library))
+    lib.tile_error.restype = ctypes.c_float
+    return lib
+
+
+def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, options: FourOverSix, block_2d: bool):
+    """The kernels' 4over6 block encoding on the host; BF16 or FP16 x takes the kernels' 16-bit path."""
+    sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
+    x_np = np.ascontiguousarray(x.to(torch.float32).numpy())
+    rows, cols = x_np.shape
+    amax_np = np.ascontiguousarray(amax.numpy().astype(np.float32))
+    codes = np.zeros((rows, cols // 2), dtype=np.uint8)
+    scales = np.zeros((rows, cols // 16), dtype=np.uint8)
+    lib.quantize_4over6(pointer(x_np), ctypes.c_long(rows), ctypes.c_long(cols), pointer(amax_np),
+                        ctypes.c_long(amax_np.size), ctypes.c_float(options.e4m3_bound),
+                        ctypes.c_int(options.err_mode == "MSE"), ctypes.c_int(options.fast_math),
+                        ctypes.c_int(sixteen_bit), ctypes.c_int(block_2d), pointer(codes), pointer(scales))
+    return torch.from_numpy(codes), torch.from_numpy(scales)
+
+
+def _assert_equal_to_reference(lib, x, amax, options, block_2d):
+    ours = host_quantize(lib, x, amax, options, block_2d)
+    data, scale = quantize_blocks_4over6(x, amax, options, block_2d=block_2d)
+    assert torch.equal(ours[1], scale.view(torch.uint8)), "scales differ"
+    assert torch.equal(ours[0], data), "codes differ"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", CASES + [ROW_SCALED_CASE])
+def test_kernel_numerics_on_golden_inputs(numerics, golden_v2, name):
+    """Both copies of every golden 4over6 case, through the kernels' numerics, equal the reference (which equals TE)."""
+    config = json.loads(str(golden_v2[f"{name}/config"]))
+    dtype = getattr(torch, str(golden_v2[f"{name}/input_dtype"]).split(".")[1])
+    x = torch.from_numpy(golden_v2[f"{name}/input_f32"]).to(dtype)
+    options = FourOverSix(config["nvfp4_4over6_err_mode"], config["nvfp4_e4m3_max"],
+                          config.get("nvfp4_4over6_err_use_fast_math", False))
+    block_2d = config["tile"] == [16, 16]
+    row_scaled = config.get("row_scaled_nvfp4", False)
+    sources = [x] if row_scaled else [x, x.t().contiguous()]
+    for source in sources:
+        amax = compute_row_amax(source) if row_scaled else compute_amax(source)
+        _assert_equal_to_reference(numerics, source, amax, options, block_2d)
+    assert torch.equal(host_quantize(numerics, x, compute_row_amax(x) if row_scaled else compute_amax(x), options,
+                                     block_2d)[0], torch.from_numpy(golden_v2[f"{name}/data"]))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("options", ALL_OPTIONS, ids=lambda o: f"{o.err_mode}-{o.e4m3_bound}-{'fast' if o.fast_math else 'exact'}")
+@pytest.mark.parametrize("layout", ["1x16", "16x16", "rowscaled"])
+def test_kernel_numerics_on_near_ties(numerics, options, layout):
+    """Inputs whose candidates' errors tie in exact arithmetic (rounding decides: exact vs fast-math, the 2D tree)."""
+    for x in (_tie_input(64, 256, seed=5), _random_bf16_input(64, 256, seed=5).bfloat16()):
+        amax = compute_row_amax(x) if layout == "rowscaled" else compute_amax(x)
+        _assert_equal_to_reference(numerics, x, amax, options, layout == "16x16")
+
+
+@needs_nvcc
+def test_kernel_numerics_special_blocks(numerics):
+    """Zeros, -0.0, tiny values whose block scale underflows to 0, FP16 subnormals, a supplied amax below the data
+    (scales clamp at 448), and an all-zero tensor (amax 0)."""
+    x = torch.zeros(32, 64)
+    x[0, :16] = -0.0
+    x[1, :16] = torch.linspace(-1e-30, 1e-30, 16)
+    x[2, :16] = torch.tensor([6e-8, -6e-8] * 8)
+    x[3] = torch.randn(64) * 1e4
+    x[4:20] = torch.randn(16, 64)
+    for options in ALL_OPTIONS:
+        for block_2d in (False, True):
+            for amax in (compute_amax(x), torch.tensor([1.0]), torch.tensor([0.0])):
+                _assert_equal_to_reference(numerics, x, amax, options, block_2d)
+            _assert_equal_to_reference(numerics, x.half(), compute_amax(x.half()), options, block_2d)
+
+
+@needs_nvcc
+def test_tile_error_is_the_tree(numerics):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        errors = (torch.rand(16, generator=generator) * torch.exp2(torch.randint(-20, 20, (16,), generator=generator)))
+        ours = numerics.tile_error(pointer(np.ascontiguousarray(errors.numpy())))
+        t = errors
+        for half in (8, 4, 2, 1):
+            t = t[:half] + t[half:2 * half]
+        assert ours == t.item()
