@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import nvfp4_dist as nv
 from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax, symmetric
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from torchrun_setup import init_nccl  # noqa: E402
 
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
@@ -132,7 +132,8 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(benchmark="allgather", world_size=world_size, gpu=torch.cuda.get_device_name(),
                                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                       commit=git_commit(), torch=torch.__version__, results=rows), indent=1))
+                                       commit=git_commit(), command=command_line(), torch=torch.__version__,
+                                       results=rows), indent=1))
         print(f"wrote {out}")
     dist.destroy_process_group()
 

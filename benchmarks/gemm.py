@@ -23,7 +23,7 @@ import triton
 from nvfp4_dist import reference
 from nvfp4_dist.gemm import hopper
 from nvfp4_dist.reference.quantize import decode_scale
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
     (8192, 8192, 8192),
@@ -147,7 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
+    report = dict(benchmark="gemm", gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                  commit=git_commit(), command=command_line(),
                   torch=torch.__version__, triton=triton.__version__)
     config, rows_per_chunk = hopper.DEFAULT_FUSED_CONFIG, None  # None: hopper.CHUNK_BYTES
     if args.sweep:

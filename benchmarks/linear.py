@@ -19,7 +19,7 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.linear import Linear, quantize_operand
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 DEFAULT_SHAPES = ["16384,8192,8192", "16384,8192,28672"]
 
@@ -115,6 +115,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="linear", gpu=torch.cuda.get_device_name(),
                                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),
+                                   command=command_line(),
                                    torch=torch.__version__, recipe=repr(recipe), results=rows), indent=1))
     print(f"wrote {out}")
 

@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
                                           with_sdpa_attention, with_sequence_parallel_norm)
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from torchrun_setup import init_nccl  # noqa: E402
 
 
@@ -208,6 +208,7 @@ def main():
         print(f"NVFP4/BF16: tokens/s {speedup:.3f}x (target >= 1.10), peak memory {memory:.3f}x (target <= 0.80)")
         record = {"benchmark": "megatron_gpt", "device": torch.cuda.get_device_name(), "gpus": tp,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
+                  "command": command_line(),
                   "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}

@@ -36,7 +36,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from torchrun_setup import init_nccl  # noqa: E402
 
 SHAPES = [(16384, 8192, 28672), (8192, 4096, 14336)]  # (tokens, hidden, ffn)
@@ -405,7 +405,8 @@ def main() -> None:
     self_group = [dist.new_group([r]) for r in range(world_size)][rank]
     recipe = nv.NVFP4Recipe()
     label = f"{gpu_label()}_tp{world_size}"
-    report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=git_commit(),
+    report = dict(benchmark="overlap", gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                  commit=git_commit(), command=command_line(),
                   torch=torch.__version__, tp=world_size, recipe=str(recipe), hopper_gemm=hopper_path(),
                   overlap_min_chunk_gflops=recipe.overlap_min_chunk_gflops,
                   cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"), shapes=[])

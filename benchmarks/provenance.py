@@ -1,6 +1,15 @@
-"""Where a benchmark ran from: the commit to record in its JSON."""
+"""Where a benchmark ran from: the commit and the command line to record in its JSON."""
 import os
+import pathlib
+import shlex
 import subprocess
+import sys
+
+REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Environment variables that change what a benchmark measures (transports, GEMM path, NCCL, stream queues):
+# recorded in front of its command line. NVFP4_COMMIT only names the commit.
+SETTING_PREFIXES = ("NVFP4_", "NCCL_", "TORCH_SYMM_MEM_", "CUDA_DEVICE_MAX_CONNECTIONS")
+NOT_SETTINGS = ("NVFP4_COMMIT",)
 
 
 def git_commit() -> str:
@@ -11,3 +20,20 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def command_line() -> str:
+    """The command that started this process, as typed from the repository root: the settings among the
+    environment variables, then `torchrun --nproc-per-node N` when torchrun started it (else `python`), then the
+    script (relative to the repository) and its arguments."""
+    settings = [f"{name}={value}" for name, value in sorted(os.environ.items())
+                if name.startswith(SETTING_PREFIXES) and name not in NOT_SETTINGS]
+    script = pathlib.Path(sys.argv[0]).resolve()
+    if script.is_relative_to(REPOSITORY_ROOT):
+        script = script.relative_to(REPOSITORY_ROOT)
+    launcher = ["python"]
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_WORLD_SIZE"):
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = int(os.environ.get("WORLD_SIZE", per_node)) // per_node
+        launcher = ["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc-per-node", str(per_node)]
+    return shlex.join([*settings, *launcher, str(script), *sys.argv[1:]])

@@ -32,7 +32,7 @@ import torch
 from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
 from nvfp4_dist.reference.fourover6 import FourOverSix
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 BLOCK = 16
 
@@ -270,7 +270,8 @@ def main() -> None:
     for r in ratios:
         print(f"{r['kernel']:42s} {r['rows']:5d}x{r['cols']:<5d} time / {r['baseline']}: {r['time_ratio']:.3f}x")
     report = dict(benchmark="quantize", gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
-                  commit=git_commit(), torch=torch.__version__, cuda=torch.version.cuda, results=results,
+                  commit=git_commit(), command=command_line(), torch=torch.__version__, cuda=torch.version.cuda,
+                  results=results,
                   settle_seconds=args.settle_seconds, card_state_per_shape=card,
                   fixed_and_per_element_cost=fits, stochastic_rounding_time_ratios=ratios)
     out = pathlib.Path(args.out)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from torchrun_setup import init_nccl  # noqa: E402
 
 
@@ -114,7 +114,8 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(benchmark="tp_linear", world_size=world_size, gpu=torch.cuda.get_device_name(),
                                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                       commit=git_commit(), torch=torch.__version__, seq=args.seq, batch=args.batch,
+                                       commit=git_commit(), command=command_line(), torch=torch.__version__,
+                                       seq=args.seq, batch=args.batch,
                                        hidden=args.hidden, ffn=args.ffn, **results), indent=1))
         print(f"wrote {out}")
     dist.destroy_process_group()
