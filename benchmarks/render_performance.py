@@ -1,0 +1,387 @@
+"""Render docs/performance.md from benchmarks/results/*.json: one table per GPU kind, one row per benchmark.
+
+    python benchmarks/render_performance.py           # rewrite docs/performance.md
+    python benchmarks/render_performance.py --check   # exit 1 when docs/performance.md is not what this renders
+
+Each row names the command that made its JSON: the command line the JSON records (benchmarks/provenance.py),
+or, for a JSON without one, the command rebuilt from the benchmark's script and the arguments the JSON records.
+benchmarks/results/ keeps one JSON per benchmark, GPU kind and variant (a recorded setting that changes what is
+measured, such as CUDA_DEVICE_MAX_CONNECTIONS); two JSONs for the same row are refused.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import shlex
+import sys
+from typing import Callable
+
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = REPOSITORY / "benchmarks" / "results"
+OUTPUT = REPOSITORY / "docs" / "performance.md"
+OUTPUT_FLAGS = ("--out", "--out-dir")  # where a benchmark wrote its files: left out of the commands shown
+# Recorded settings that make two runs of one benchmark on one GPU kind different measurements.
+VARIANT_SETTINGS = ("CUDA_DEVICE_MAX_CONNECTIONS", "NVFP4_SYMMETRIC_MEMORY", "NCCL_P2P_DISABLE", "NVFP4_HOPPER_GEMM")
+UNSET_MAX_CONNECTIONS = "unset (8)"
+
+
+def times(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def shape_label(rows: int, cols: int) -> str:
+    return f"{rows}²" if rows == cols else f"{rows}x{cols}"
+
+
+def joined(values) -> str:
+    return " / ".join(values)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One summary and one rebuilt command per benchmark.
+
+def quantize_summary(record: dict) -> list[str]:
+    shapes = list(dict.fromkeys((r["rows"], r["cols"]) for r in record["results"]))
+    by_kernel: dict = {}
+    for r in record["results"]:
+        by_kernel.setdefault(r["kernel"], {})[(r["rows"], r["cols"])] = r
+    lines = [f"share of the copy's bandwidth at {joined(shape_label(*s) for s in shapes)}:"]
+    for kernel, at in by_kernel.items():
+        if kernel.startswith("copy"):
+            values = [f"{at[s]['gbps']:.0f}" if s in at else "-" for s in shapes]
+            lines.append(f"{kernel}: {joined(values)} GB/s")
+        else:
+            values = [percent(at[s]["fraction_of_copy"]) if s in at else "-" for s in shapes]
+            lines.append(f"{kernel}: {joined(values)}")
+    ratios: dict = {}
+    for r in record.get("stochastic_rounding_time_ratios", []):
+        ratios.setdefault((r["kernel"], r["baseline"]), {})[(r["rows"], r["cols"])] = r["time_ratio"]
+    for (kernel, baseline), at in ratios.items():
+        lines.append(f"time of {kernel} / {baseline}: {joined(times(at[s]) if s in at else '-' for s in shapes)}")
+    return lines
+
+
+def quantize_command(record: dict) -> str:
+    shapes = list(dict.fromkeys((r["rows"], r["cols"]) for r in record["results"]))
+    squares = []
+    for rows, cols in shapes:  # --sizes (square) come first, --shapes after them
+        if rows != cols:
+            break
+        squares.append(rows)
+    extra = [f"{rows}x{cols}" for rows, cols in shapes[len(squares):]]
+    return shlex.join(["python", "benchmarks/quantize.py", "--sizes", *map(str, squares),
+                       *(["--shapes", *extra] if extra else []), "--settle-seconds", f"{record['settle_seconds']:g}"])
+
+
+def gemm_summary(record: dict) -> list[str]:
+    lines = ["M x N x K (cuBLAS BF16): dequantize + cuBLASLt / fused Triton / FP32 product + epilogue"]
+    for s in record["shapes"]:
+        lines.append(f"{s['m']}x{s['n']}x{s['k']} ({s['bf16_matmul_tflops']:.0f} TFLOP/s): "
+                     f"{joined(times(s[k]) for k in ('dequantize_matmul_ratio', 'fused_ratio', 'dequantize_fp32_ratio'))}")
+    return lines
+
+
+def gemm_command(record: dict) -> str:
+    return shlex.join(["python", "benchmarks/gemm.py", *(["--sweep"] if "sweep_8192" in record else [])])
+
+
+def linear_summary(record: dict) -> list[str]:
+    return [f"{r['tokens']} tokens, {r['in_features']} -> {r['out_features']}: {times(r['speedup'])} "
+            f"({r['nvfp4_ms']:.2f} ms vs {r['bf16_ms']:.2f} ms); saved for backward {times(r['saved_ratio'])} "
+            f"the bytes" for r in record["results"]]
+
+
+def linear_command(record: dict) -> str:
+    shapes = [f"{r['tokens']},{r['in_features']},{r['out_features']}" for r in record["results"]]
+    return shlex.join(["python", "benchmarks/linear.py", "--shapes", *shapes])
+
+
+def convergence_summary(record: dict) -> list[str]:
+    config = record["config"]
+    return [f"GPT of {config['num_layers']} layers, hidden {config['hidden_size']}, {config['num_heads']} heads, "
+            f"seq {config['seq_length']}; {record['steps']} steps of batch {record['batch_size']}",
+            f"final loss (mean of the last 10 steps) {record['nvfp4']['final_loss']:.4f} vs "
+            f"{record['bf16']['final_loss']:.4f}: gap {100 * record['gap']:.2f}% (bound {100 * record['bound']:g}%)"]
+
+
+def convergence_command(record: dict) -> str:
+    return shlex.join(["python", "tests_multigpu/gpt_convergence.py", "--steps", str(record["steps"]),
+                       "--batch-size", str(record["batch_size"]), "--lr", f"{record['lr']:g}",
+                       "--bound", f"{record['bound']:g}"])
+
+
+def allgather_summary(record: dict) -> list[str]:
+    rows = record["results"]
+    transport = "NVLink symmetric memory" if rows[0]["transport"] == "peer_memory" else "NCCL"
+    sizes = [f"{r['size_mb']} MB" for r in rows]
+    lines = [f"{joined(sizes)}:",
+             f"amax all-reduce + all-gather, default transport ({transport}): {joined(times(r['ratio']) for r in rows)}"]
+    if rows[0]["transport"] == "peer_memory":
+        lines.append(f"the same on NCCL: {joined(times(r['ratio_nccl']) for r in rows)}")
+    lines.append(f"amax MAX all-reduce alone: {microseconds(r['amax_allreduce_ms'] for r in rows)} ({transport}), "
+                 f"{microseconds(r['amax_allreduce_nccl_ms'] for r in rows)} (NCCL)")
+    return lines
+
+
+def microseconds(milliseconds) -> str:
+    """The range of some times in ms, in us."""
+    values = sorted(1e3 * ms for ms in milliseconds)
+    low, high = f"{values[0]:.1f}", f"{values[-1]:.1f}"
+    return f"{low} us" if low == high else f"{low}-{high} us"
+
+
+def allgather_command(record: dict) -> str:
+    rows = record["results"]
+    return shlex.join(["torchrun", "--nproc-per-node", str(record["world_size"]), "benchmarks/allgather.py",
+                       "--sizes-mb", *(str(r["size_mb"]) for r in rows), "--hidden", str(rows[0]["hidden"])])
+
+
+def overlap_summary(record: dict) -> list[str]:
+    lines = [f"column+row-parallel MLP pair, TP={record['tp']} SP; speed vs the plain layers, fwd / fwd+bwd:"]
+    for s in record["shapes"]:
+        fwd, both = s["fwd"], s["fwd+bwd"]
+        auto = "on the ring" if s["auto_pipelined"] else "plain"
+        lines.append(f"{s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}: every layer on the ring "
+                     f"{times(fwd['speedup'])} / {times(both['speedup'])}; as overlap=True runs it ({auto}) "
+                     f"{times(fwd['auto_speedup'])} / {times(both['auto_speedup'])}; overlapped / max(no-comm, comm) "
+                     f"{fwd['overlapped_over_max_no_comm_comm']:.2f} / {both['overlapped_over_max_no_comm_comm']:.2f}")
+    picture = timeline_picture(record)
+    if picture is not None:
+        lines.append(f"[timeline of one plain and one overlapped step](../benchmarks/results/{picture})")
+    return lines
+
+
+def timeline_picture(record: dict) -> str | None:
+    """The timeline PNG kept beside the JSON in benchmarks/results/, if any."""
+    recorded = (record.get("timeline") or {}).get("png")
+    if recorded and (RESULTS / pathlib.PurePath(recorded).name).is_file():
+        return pathlib.PurePath(recorded).name
+    return None
+
+
+def overlap_command(record: dict) -> str:
+    shapes = ";".join(f"{s['tokens']},{s['hidden']},{s['ffn']}" for s in record["shapes"])
+    return shlex.join([f"NVFP4_HOPPER_GEMM={record['hopper_gemm']}",
+                       f"NVFP4_OVERLAP_MIN_CHUNK_GFLOPS={record['overlap_min_chunk_gflops']}",
+                       *max_connections_setting(record), "torchrun", "--standalone", "--nproc-per-node",
+                       str(record["tp"]), "benchmarks/overlap.py", "--shapes", shapes])
+
+
+def tp_linear_summary(record: dict) -> list[str]:
+    lines = [f"column-parallel -> GELU -> row-parallel, seq {record['seq']}, batch {record['batch']}, "
+             f"hidden {record['hidden']}, ffn {record['ffn']}, TP={record['world_size']} SP, fwd+bwd"]
+    if record.get("megatron_bf16_ms") is not None:
+        lines.append(f"vs Megatron-Core's BF16 layers: {times(record['speedup_vs_megatron_bf16'])} "
+                     f"({record['nvfp4_ms']:.2f} ms vs {record['megatron_bf16_ms']:.2f} ms)")
+    lines.append(f"vs the same layers in their BF16 fallback: {times(record['speedup_vs_bf16_fallback'])} "
+                 f"({record['nvfp4_ms']:.2f} ms vs {record['bf16_fallback_ms']:.2f} ms)")
+    return lines
+
+
+def tp_linear_command(record: dict) -> str:
+    return shlex.join(["torchrun", "--nproc-per-node", str(record["world_size"]), "benchmarks/tp_linear.py",
+                       "--seq", str(record["seq"]), "--batch", str(record["batch"]), "--hidden", str(record["hidden"]),
+                       "--ffn", str(record["ffn"])])
+
+
+def megatron_summary(record: dict) -> list[str]:
+    args, nvfp4, bf16 = record["args"], record["results"]["nvfp4"], record["results"]["local_bf16"]
+    return [f"GPTModel of {args['layers']} layers, hidden {args['hidden']}, ffn {args['ffn']}, {args['heads']} heads, "
+            f"seq {args['seq']}, micro-batch {args['micro_batch']}, TP={record['gpus']} SP, overlap "
+            f"{'on' if args['overlap'] else 'off'}; megatron-core {record['megatron_core']}",
+            f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs {bf16['tokens_per_s']:.0f})",
+            f"peak memory: {times(record['peak_memory_ratio'])} ({nvfp4['peak_memory_gib']:.2f} vs "
+            f"{bf16['peak_memory_gib']:.2f} GiB)"]
+
+
+def megatron_command(record: dict) -> str:
+    flags = []
+    for name, value in record["args"].items():
+        flag = "--" + name.replace("_", "-")
+        if flag in OUTPUT_FLAGS or value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return shlex.join([*max_connections_setting(record), "torchrun", "--nproc-per-node", str(record["gpus"]),
+                       "benchmarks/megatron_gpt.py", *flags])
+
+
+def max_connections_setting(record: dict) -> list[str]:
+    value = record.get("cuda_device_max_connections", UNSET_MAX_CONNECTIONS)
+    return [] if value == UNSET_MAX_CONNECTIONS else [f"CUDA_DEVICE_MAX_CONNECTIONS={value}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """How one benchmark's JSON becomes a row."""
+
+    title: str
+    baseline: str  # what it is compared with, in the same run
+    summary: Callable[[dict], list]
+    command: Callable[[dict], str]
+
+
+BENCHMARKS = {  # row order
+    "quantize": Benchmark("quantize kernels", "a BF16 device-to-device copy of the same element count",
+                          quantize_summary, quantize_command),
+    "gemm": Benchmark("GEMM (Hopper emulation)", "cuBLAS BF16 `torch.matmul`, same shapes", gemm_summary, gemm_command),
+    "linear": Benchmark("`nv.Linear` forward + backward", "`torch.nn.Linear` in BF16", linear_summary,
+                        linear_command),
+    "gpt_convergence": Benchmark("GPT training, final loss", "the same model in BF16, same seed and data",
+                                 convergence_summary, convergence_command),
+    "allgather": Benchmark("NVFP4 all-gather", "NCCL's BF16 all-gather of the same tensor", allgather_summary,
+                           allgather_command),
+    "tp_linear": Benchmark("tensor-parallel MLP block", "Megatron-Core's BF16 layers; the BF16 fallback",
+                           tp_linear_summary, tp_linear_command),
+    "overlap": Benchmark("communication/GEMM overlap", "the same layers without overlap", overlap_summary,
+                         overlap_command),
+    "megatron_gpt": Benchmark("Megatron-Core GPT training step", "Megatron's BF16 linears, same model",
+                              megatron_summary, megatron_command),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+    path: pathlib.Path
+    record: dict
+
+    @property
+    def benchmark(self) -> str:
+        """The recorded benchmark name, else the longest known name that starts the file name."""
+        if self.record.get("benchmark") in BENCHMARKS:
+            return self.record["benchmark"]
+        names = [name for name in BENCHMARKS if self.path.stem.startswith(name + "_")]
+        if not names:
+            raise ValueError(f"{self.path.name}: no recorded benchmark and no file-name prefix among {list(BENCHMARKS)}")
+        return max(names, key=len)
+
+    @property
+    def gpu(self) -> str:
+        return self.record.get("gpu") or self.record["device"]
+
+    @property
+    def gpu_count(self) -> int:
+        for key in ("world_size", "gpus", "tp"):
+            if key in self.record:
+                return int(self.record[key])
+        return 1
+
+    @property
+    def kind(self) -> str:
+        return self.gpu if self.gpu_count == 1 else f"{self.gpu_count} x {self.gpu}"
+
+    @property
+    def settings(self) -> dict:
+        """Environment settings recorded in front of the command line, by name."""
+        settings = {}
+        for word in shlex.split(self.record.get("command", "")):
+            name, equals, value = word.partition("=")
+            if not equals or not name.replace("_", "").isalnum():
+                break
+            settings[name] = value
+        for value in max_connections_setting(self.record):
+            settings.setdefault(*value.split("=", 1))
+        return settings
+
+    @property
+    def variant(self) -> str:
+        return ", ".join(f"{name}={self.settings[name]}" for name in VARIANT_SETTINGS if name in self.settings)
+
+    @property
+    def command(self) -> str:
+        """The recorded command line without its output-location flags, else the rebuilt one."""
+        if "command" not in self.record:
+            return BENCHMARKS[self.benchmark].command(self.record)
+        words, shown, skip = shlex.split(self.record["command"]), [], False
+        for word in words:
+            if skip:
+                skip = False
+            elif word in OUTPUT_FLAGS:
+                skip = True
+            elif not word.startswith(tuple(flag + "=" for flag in OUTPUT_FLAGS)):
+                shown.append(word)
+        return shlex.join(shown)
+
+    @property
+    def provenance(self) -> str:
+        date = str(self.record.get("date", "?"))[:10]
+        commit = str(self.record.get("commit", "?")).split()[0][:7]
+        torch_version = self.record.get("torch")
+        details = ", ".join(filter(None, [date, f"commit {commit}", torch_version and f"torch {torch_version}"]))
+        return f"[{self.path.name}](../benchmarks/results/{self.path.name})<br>{details}"
+
+
+def load_results(directory: pathlib.Path = RESULTS) -> list[Result]:
+    """Every JSON in `directory`, checked to hold one result per benchmark, GPU kind and variant."""
+    results = [Result(path, json.loads(path.read_text())) for path in sorted(directory.glob("*.json"))]
+    seen: dict = {}
+    for result in results:
+        key = (result.benchmark, result.kind, result.variant)
+        if key in seen:
+            raise ValueError(f"{seen[key].name} and {result.path.name}: two results for benchmark {key[0]!r} on "
+                             f"{key[1]}{f' ({key[2]})' if key[2] else ''}; keep the latest one only")
+        seen[key] = result.path
+    return results
+
+
+def cell(lines) -> str:
+    return "<br>".join(line.replace("|", "\\|") for line in lines)
+
+
+def render(results: list[Result]) -> str:
+    """The text of docs/performance.md."""
+    out = ["# Performance", "",
+           "Generated by `python benchmarks/render_performance.py` from `benchmarks/results/*.json`; do not edit by "
+           "hand. One table per GPU kind; each row is the latest run of one benchmark there, with the command that "
+           "made it (run from the repository root; flags that only say where output goes are left out, and for a "
+           "JSON that predates recorded command lines the command is rebuilt from its script and the arguments the "
+           "JSON records). Every number is compared with a baseline measured in the same run; a speed ratio is "
+           "baseline time / NVFP4 time, so above 1.00x NVFP4 is faster.", "",
+           "Correctness is not measured here: the kernels match the reference byte for byte, and the GEMMs agree "
+           "with it within the tolerances of [docs/numerics.md](numerics.md) §11.", ""]
+    kinds = sorted({result.kind for result in results}, key=lambda kind: (kind.split(" x ")[-1],
+                                                                          int(kind.split(" x ")[0]) if " x " in kind
+                                                                          else 1))
+    order = list(BENCHMARKS)
+    for kind in kinds:
+        rows = sorted((r for r in results if r.kind == kind), key=lambda r: (order.index(r.benchmark), r.variant))
+        out += [f"## {kind}", "", "| benchmark | compared with | result | command | JSON |",
+                "| --- | --- | --- | --- | --- |"]
+        for result in rows:
+            benchmark = BENCHMARKS[result.benchmark]
+            title = benchmark.title + (f" ({result.variant})" if result.variant else "")
+            out.append(f"| {title} | {benchmark.baseline} | {cell(benchmark.summary(result.record))} | "
+                       f"`{result.command}` | {result.provenance} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with docs/performance.md instead of writing it")
+    args = parser.parse_args(argv)
+    text = render(load_results())
+    if args.check:
+        if OUTPUT.read_text() != text:
+            print(f"{OUTPUT.relative_to(REPOSITORY)} is out of date: run python benchmarks/render_performance.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(REPOSITORY)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

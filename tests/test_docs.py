@@ -1,0 +1,143 @@
+"""The documentation holds together: docs/performance.md is what benchmarks/render_performance.py renders from
+benchmarks/results/, and every relative link and every repository path that README.md and docs/*.md cite exists."""
+import copy
+import importlib.util
+import json
+import pathlib
+import re
+import shlex
+import sys
+
+import pytest
+
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
+# Top-level entries of the repository: an inline-code path starting with one of them is a path in this repository.
+REPOSITORY_TOP = sorted(entry.name for entry in REPOSITORY.iterdir() if not entry.name.startswith(".git"))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def load_renderer():
+    path = REPOSITORY / "benchmarks" / "render_performance.py"
+    spec = importlib.util.spec_from_file_location("render_performance", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+render_performance = load_renderer()
+
+
+def prose(page: pathlib.Path) -> str:
+    """The page without its fenced code blocks (commands there name files of the reader's own machine)."""
+    return FENCE.sub("", page.read_text())
+
+
+def test_performance_page_is_rendered_from_the_results():
+    expected = render_performance.render(render_performance.load_results())
+    assert render_performance.OUTPUT.read_text() == expected, \
+        "docs/performance.md is out of date: run python benchmarks/render_performance.py"
+
+
+def test_check_flag_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "performance.md"
+    stale.write_text(render_performance.render(render_performance.load_results()) + "\nedited by hand\n")
+    monkeypatch.setattr(render_performance, "OUTPUT", stale)
+    monkeypatch.setattr(render_performance, "REPOSITORY", tmp_path)
+    assert render_performance.main(["--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+
+
+def test_every_result_is_a_row_naming_its_command():
+    results = render_performance.load_results()
+    assert {result.benchmark for result in results} == set(render_performance.BENCHMARKS)
+    page = render_performance.OUTPUT.read_text()
+    for result in results:
+        row = next(line for line in page.splitlines() if f"[{result.path.name}]" in line)
+        command = row.split(" | ")[3].strip("`")
+        assert command == result.command
+        words = shlex.split(command)
+        scripts = [word for word in words if word.endswith(".py")]
+        assert scripts and (REPOSITORY / scripts[0]).is_file(), command
+        assert {"python", "torchrun"} & set(words[:words.index(scripts[0])]), command
+        assert "--out" not in words
+
+
+def _copy_result(source: str, directory: pathlib.Path, name: str, **changes) -> dict:
+    record = json.loads((render_performance.RESULTS / source).read_text())
+    record = copy.deepcopy(record) | changes
+    (directory / name).write_text(json.dumps(record))
+    return record
+
+
+def test_two_results_for_one_row_are_refused(tmp_path):
+    _copy_result("gemm_h200.json", tmp_path, "gemm_h200.json")
+    _copy_result("gemm_h200.json", tmp_path, "gemm_h200_rerun.json")
+    with pytest.raises(ValueError, match="gemm_h200.json and gemm_h200_rerun.json"):
+        render_performance.load_results(tmp_path)
+
+
+def test_a_variant_is_its_own_row(tmp_path):
+    _copy_result("megatron_gpt_h200x4.json", tmp_path, "megatron_gpt_h200x4.json")
+    _copy_result("megatron_gpt_h200x4.json", tmp_path, "megatron_gpt_h200x4_max_connections_1.json",
+                 cuda_device_max_connections="1")
+    page = render_performance.render(render_performance.load_results(tmp_path))
+    rows = [line for line in page.splitlines() if line.startswith("| Megatron-Core GPT")]
+    assert len(rows) == 2
+    assert "(CUDA_DEVICE_MAX_CONNECTIONS=1)" in rows[1] and "`CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun" in rows[1]
+
+
+def test_a_recorded_command_is_shown_without_output_flags(tmp_path):
+    _copy_result("allgather_h200_x4.json", tmp_path, "allgather_h200_x4.json",
+                 command="NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/allgather.py --hidden 4096 "
+                         "--out /results/allgather_h200_x4.json --out-dir=/results")
+    (result,) = render_performance.load_results(tmp_path)
+    assert result.command == "NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/allgather.py --hidden 4096"
+
+
+def test_results_directory_keeps_the_pictures_the_page_links():
+    page = render_performance.OUTPUT.read_text()
+    for picture in render_performance.RESULTS.glob("*.png"):
+        assert f"../benchmarks/results/{picture.name}" in page, f"{picture.name} is not linked from the page"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_relative_links_point_to_files(page):
+    for target in LINK.findall(prose(page)):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (page.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{page.name} links {target}, which does not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_cited_repository_paths_exist(page):
+    for span in CODE_SPAN.findall(prose(page)):
+        if " " in span or "/" not in span or span.split("/")[0] not in REPOSITORY_TOP:
+            continue
+        path = span.split("::")[0].rstrip("/")
+        found = any(REPOSITORY.glob(path)) if any(c in path for c in "*?[") else (REPOSITORY / path).exists()
+        assert found, f"{page.name} cites `{span}`, which is not in the repository"
+
+
+def test_the_path_check_catches_a_wrong_path(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("The transport lives in `nvfp4_dist/parallel/symmetric.py`.\n")
+    with pytest.raises(AssertionError, match="nvfp4_dist/parallel/symmetric.py"):
+        test_cited_repository_paths_exist(page)
+
+
+def test_numerics_has_every_section_the_code_cites():
+    numerics = (REPOSITORY / "docs" / "numerics.md").read_text()
+    headings = set(re.findall(r"^#+ §(\d+(?:\.\d+)?)\b", numerics, re.MULTILINE))
+    cited = set()
+    for path in [*REPOSITORY.glob("*/**/*.py"), *REPOSITORY.glob("csrc/*"), *PAGES]:
+        if ".git" in path.parts or not path.is_file():
+            continue
+        for sections in re.findall(r"numerics\.md (§[\d.,\- §]+)", path.read_text(errors="replace")):
+            cited.update(re.findall(r"§(\d+(?:\.\d+)?)", sections))
+    missing = {section for section in cited if section not in headings and section.split(".")[0] not in headings}
+    assert not missing, f"docs/numerics.md lacks the cited sections {sorted(missing)}"
