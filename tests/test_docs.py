@@ -3,6 +3,7 @@ benchmarks/results/, and every relative link and every repository path that READ
 import copy
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -141,3 +142,26 @@ def test_numerics_has_every_section_the_code_cites():
             cited.update(re.findall(r"§(\d+(?:\.\d+)?)", sections))
     missing = {section for section in cited if section not in headings and section.split(".")[0] not in headings}
     assert not missing, f"docs/numerics.md lacks the cited sections {sorted(missing)}"
+
+
+def test_benchmarks_record_the_command_that_ran_them(monkeypatch):
+    spec = importlib.util.spec_from_file_location("provenance", REPOSITORY / "benchmarks" / "provenance.py")
+    provenance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(provenance)
+    for name in [name for name in os.environ if name.startswith(provenance.SETTING_PREFIXES)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "argv", [str(REPOSITORY / "benchmarks" / "overlap.py"), "--shapes", "16,32,64;32,64,128"])
+    monkeypatch.setenv("NVFP4_COMMIT", "abc1234")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert provenance.command_line() == ("CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/overlap.py "
+                                         "--shapes '16,32,64;32,64,128'")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert provenance.command_line().startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nnodes 2 --nproc-per-node 4 "
+                                                "benchmarks/overlap.py ")
+    for script in sorted((REPOSITORY / "benchmarks").glob("*.py")):
+        text = script.read_text()
+        if "commit=git_commit()" in text or "\"commit\": git_commit()" in text:
+            assert "command=command_line()" in text or '"command": command_line()' in text, script.name
