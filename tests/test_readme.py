@@ -36,8 +36,9 @@ def run_block(code: str, directory: pathlib.Path) -> subprocess.CompletedProcess
 @pytest.mark.parametrize("code", PYTHON_BLOCKS, ids=[f"block{i}" for i in range(len(PYTHON_BLOCKS))])
 def test_python_block_runs(code, tmp_path):
     result = run_block(code, tmp_path)
-    assert result.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{result.stderr[-4000:]}"
-    assert result.stdout.strip(), "the block printed nothing"
+    output = f"--- stdout ---\n{result.stdout[-2000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"README block failed:\n{code}\n{output}"
+    assert result.stdout.strip(), f"the block printed nothing\n{output}"
 
 
 def test_readme_has_the_quickstart_and_the_tensor_parallel_example():
