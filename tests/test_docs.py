@@ -1,5 +1,6 @@
 """The documentation holds together: docs/performance.md is what benchmarks/render_performance.py renders from
 benchmarks/results/, and every relative link and every repository path that README.md and docs/*.md cite exists."""
+import ast
 import copy
 import importlib.util
 import json
@@ -165,3 +166,47 @@ def test_benchmarks_record_the_command_that_ran_them(monkeypatch):
         text = script.read_text()
         if "commit=git_commit()" in text or "\"commit\": git_commit()" in text:
             assert "command=command_line()" in text or '"command": command_line()' in text, script.name
+
+
+# Where each installed package's files are, and its layer (docs/architecture.md): lower layers never import higher.
+PACKAGE_DIRECTORIES = {"nvfp4_dist": "nvfp4_dist", "nvfp4_dist.parallel": "parallel", "nvfp4_dist.launch": "launch"}
+LAYERS = ("nvfp4_dist", "nvfp4_dist.parallel", "nvfp4_dist.launch")
+
+
+def layer_of(module: str):
+    """The index in LAYERS of the package that holds `module`, or None outside nvfp4_dist."""
+    for index in reversed(range(len(LAYERS))):
+        if module == LAYERS[index] or module.startswith(LAYERS[index] + "."):
+            return index
+    return None
+
+
+def imported_modules(path: pathlib.Path, module: str):
+    """(line, imported module or None for a relative import that climbs out of its folder) of every import."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                yield node.lineno, node.module
+            elif node.level == 1:
+                yield node.lineno, ".".join(filter(None, [package, node.module]))
+            else:
+                yield node.lineno, None
+
+
+def test_imports_go_one_way():
+    problems = []
+    for package, directory in PACKAGE_DIRECTORIES.items():
+        for path in sorted((REPOSITORY / directory).rglob("*.py")):
+            parts = path.relative_to(REPOSITORY / directory).with_suffix("").parts
+            module = ".".join([package, *parts[:-1], *([] if parts[-1] == "__init__" else [parts[-1]])])
+            for line, imported in imported_modules(path, module):
+                where = f"{path.relative_to(REPOSITORY)}:{line}"
+                if imported is None:
+                    problems.append(f"{where}: a relative import that climbs out of its folder")
+                elif layer_of(imported) is not None and layer_of(imported) > layer_of(module):
+                    problems.append(f"{where}: {module} imports {imported}, a higher layer")
+    assert not problems, "\n".join(problems)
