@@ -262,7 +262,8 @@ class Result:
             return self.record["benchmark"]
         names = [name for name in BENCHMARKS if self.path.stem.startswith(name + "_")]
         if not names:
-            raise ValueError(f"{self.path.name}: no recorded benchmark and no file-name prefix among {list(BENCHMARKS)}")
+            raise ValueError(f"{self.path.name}: its benchmark is none of {list(BENCHMARKS)}; give it a summary and a "
+                             f"command in BENCHMARKS of benchmarks/render_performance.py")
         return max(names, key=len)
 
     @property
