@@ -82,8 +82,8 @@ def quantize_command(record: dict) -> str:
 def gemm_summary(record: dict) -> list[str]:
     lines = ["M x N x K (cuBLAS BF16): dequantize + cuBLASLt / fused Triton / FP32 product + epilogue"]
     for s in record["shapes"]:
-        lines.append(f"{s['m']}x{s['n']}x{s['k']} ({s['bf16_matmul_tflops']:.0f} TFLOP/s): "
-                     f"{joined(times(s[k]) for k in ('dequantize_matmul_ratio', 'fused_ratio', 'dequantize_fp32_ratio'))}")
+        ratios = [times(s[key]) for key in ("dequantize_matmul_ratio", "fused_ratio", "dequantize_fp32_ratio")]
+        lines.append(f"{s['m']}x{s['n']}x{s['k']} ({s['bf16_matmul_tflops']:.0f} TFLOP/s): {joined(ratios)}")
     return lines
 
 
@@ -120,8 +120,8 @@ def allgather_summary(record: dict) -> list[str]:
     rows = record["results"]
     transport = "NVLink symmetric memory" if rows[0]["transport"] == "peer_memory" else "NCCL"
     sizes = [f"{r['size_mb']} MB" for r in rows]
-    lines = [f"{joined(sizes)}:",
-             f"amax all-reduce + all-gather, default transport ({transport}): {joined(times(r['ratio']) for r in rows)}"]
+    ratios = [times(r["ratio"]) for r in rows]
+    lines = [f"{joined(sizes)}:", f"amax all-reduce + all-gather, default transport ({transport}): {joined(ratios)}"]
     if rows[0]["transport"] == "peer_memory":
         lines.append(f"the same on NCCL: {joined(times(r['ratio_nccl']) for r in rows)}")
     lines.append(f"amax MAX all-reduce alone: {microseconds(r['amax_allreduce_ms'] for r in rows)} ({transport}), "
@@ -195,7 +195,8 @@ def megatron_summary(record: dict) -> list[str]:
     return [f"GPTModel of {args['layers']} layers, hidden {args['hidden']}, ffn {args['ffn']}, {args['heads']} heads, "
             f"seq {args['seq']}, micro-batch {args['micro_batch']}, TP={record['gpus']} SP, overlap "
             f"{'on' if args['overlap'] else 'off'}; megatron-core {record['megatron_core']}",
-            f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs {bf16['tokens_per_s']:.0f})",
+            f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs "
+            f"{bf16['tokens_per_s']:.0f})",
             f"peak memory: {times(record['peak_memory_ratio'])} ({nvfp4['peak_memory_gib']:.2f} vs "
             f"{bf16['peak_memory_gib']:.2f} GiB)"]
 

@@ -11,7 +11,8 @@ import pytest
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 README = (REPOSITORY / "README.md").read_text()
-BLOCK = re.compile(r"^(<!-- (?P<marker>[\w-]+) -->\n)?```(?P<language>\w*)\n(?P<code>.*?)^```", re.MULTILINE | re.DOTALL)
+BLOCK = re.compile(r"^(<!-- (?P<marker>[\w-]+) -->\n)?```(?P<language>\w*)\n(?P<code>.*?)^```",
+                   re.MULTILINE | re.DOTALL)
 BLOCKS = [match.groupdict() for match in BLOCK.finditer(README)]
 PYTHON_BLOCKS = [block["code"] for block in BLOCKS if block["language"] == "python"]
 TIMEOUT_S = 300
