@@ -12,6 +12,7 @@ _FLAG_OVERRIDES = (
     (environment.ROW_SCALED_ACTIVATION, "row_scaled_activation", True),
     (environment.RHT_NO_RANDOM_SIGN, "rht_random_sign", False),
     (environment.OVERLAP, "overlap", True),
+    (environment.DISABLE_FUSED_PRODUCERS, "fused_producers", False),
 )
 # Variable -> the field it sets when given.
 _VALUE_OVERRIDES = (
@@ -37,6 +38,9 @@ class NVFP4Recipe:
     overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
       many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
       host time that small GEMMs cannot hide (docs/performance.md says where overlap pays).
+    fused_producers: layers whose input comes from a norm or an activation (nvfp4_dist.layernorm_linear, the
+      parallel layers and Megatron specs built on them) quantize it in the producer's passes without writing it
+      (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only.
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     """
@@ -51,6 +55,7 @@ class NVFP4Recipe:
     gemm_backend: str = "auto"
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
+    fused_producers: bool = True
     check_finite: bool = True
 
     def __post_init__(self):
