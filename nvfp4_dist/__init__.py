@@ -13,5 +13,6 @@ from nvfp4_dist.tensor import NVFP4Tensor
 
 logging.getLogger("nvfp4_dist").addHandler(logging.NullHandler())
 
-__all__ = ["NonFiniteAmaxError", "autocast", "LayerNormLinear", "LayerNormMLP", "Linear", "NVFP4Recipe", "NVFP4Tensor", "compute_amaxes", "dequantize",
-           "formats", "gemm", "quantize", "raise_pending_nonfinite", "reference", "swap_first_dims", "swizzle_scales"]
+__all__ = ["NonFiniteAmaxError", "autocast", "LayerNormLinear", "LayerNormMLP", "Linear", "NVFP4Recipe", "NVFP4Tensor",
+           "compute_amaxes", "dequantize", "formats", "gemm", "quantize", "raise_pending_nonfinite", "reference",
+           "swap_first_dims", "swizzle_scales"]
