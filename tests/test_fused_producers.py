@@ -426,3 +426,39 @@ def test_bad_arguments_raise_value_error():
         LayerNormMLP(32, 32, activation="relu")
     with pytest.raises(ValueError, match="ffn_hidden_size"):
         LayerNormMLP(32, 40)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The benchmark's arithmetic (its timings need a GPU)
+
+@pytest.fixture(scope="module")
+def bench():
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fused_producers.py"
+    sys.path.insert(0, str(path.parent))  # the benchmark imports its siblings, as when run
+    try:
+        spec = importlib.util.spec_from_file_location("fused_producers_benchmark", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_benchmark_bytes(bench):
+    # SwiGLU, 8 tokens, ffn 32: input [8, 64] BF16 = 1024 bytes, output [8, 32]: two copies of 8*32/2 + 8*32/16
+    moved = bench.chain_bytes(8, 64, 32, copies=2)
+    assert moved == dict(needed=1024 + 2 * (128 + 16), unfused=1024 + 3 * 512 + 288, fused=2 * 1024 + 288)
+    # a norm (input and output of one width): 8 + 1.125 bytes per element unfused (x read, y written and read
+    # twice, the copies written), 4 + 1.125 fused (x read twice)
+    norm = bench.chain_bytes(65536, 8192, 8192, copies=2)
+    assert norm["unfused"] / norm["fused"] == pytest.approx((8 + 1.125) / (4 + 1.125))
+
+
+def test_benchmark_speedups_pair_the_chains_of_each_case(bench):
+    results = [dict(producer="RMSNorm", copies="c", width=4096, tokens=8192, chain="unfused", ms=3.0),
+               dict(producer="RMSNorm", copies="c", width=4096, tokens=8192, chain="fused", ms=2.0),
+               dict(producer="gelu", copies="c", width=14336, tokens=8192, chain="fused", ms=1.0)]
+    assert bench.speedups(results) == [dict(producer="RMSNorm", copies="c", width=4096, tokens=8192, speedup=1.5)]
