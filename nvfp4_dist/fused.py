@@ -17,12 +17,12 @@ from typing import Callable
 
 import torch
 
-from . import finite_check, ops
-from .formats import BLOCK_SIZE
-from .recipe import NVFP4Recipe
-from .reference import fused_producers as reference
-from .reference.fused_producers import ACTIVATIONS, NORMALIZATIONS
-from .tensor import NVFP4Tensor
+from nvfp4_dist import finite_check, ops
+from nvfp4_dist.formats import BLOCK_SIZE
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.reference import fused_producers as reference
+from nvfp4_dist.reference.fused_producers import ACTIVATIONS, NORMALIZATIONS
+from nvfp4_dist.tensor import NVFP4Tensor
 
 logger = logging.getLogger("nvfp4_dist")
 
@@ -75,7 +75,7 @@ def check_activation_arguments(h: torch.Tensor, activation: str) -> None:
 def _norm_backend(x: torch.Tensor):
     """The CUDA kernels for CUDA tensors whose width they take, else the reference."""
     if ops.use_kernels(x):
-        from . import fused_kernels
+        from nvfp4_dist import fused_kernels
         if fused_kernels.takes_norm_width(x.shape[-1], x.dtype):
             return fused_kernels
         logger.debug("norm of width %d (%s): no kernel, the reference runs on the GPU", x.shape[-1], x.dtype)
@@ -84,7 +84,7 @@ def _norm_backend(x: torch.Tensor):
 
 def _activation_backend(h: torch.Tensor):
     if ops.use_kernels(h):
-        from . import fused_kernels
+        from nvfp4_dist import fused_kernels
         return fused_kernels
     return reference
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ._extension import load_extension, stream_handle
-from .formats import BLOCK_SIZE, SCALE_DTYPE
-from .reference.fused_producers import ACTIVATIONS, NORMALIZATIONS, activation_output_shape
-from .tensor import NVFP4Tensor
+from nvfp4_dist._extension import load_extension, stream_handle
+from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
+from nvfp4_dist.reference.fused_producers import ACTIVATIONS, NORMALIZATIONS, activation_output_shape
+from nvfp4_dist.tensor import NVFP4Tensor
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_THREADS = 256               # csrc/norm_quantize.cu kNormThreads

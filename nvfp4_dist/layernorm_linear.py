@@ -19,13 +19,14 @@ from typing import Callable
 
 import torch
 
-from .autocast import nvfp4_enabled, resolve_recipe
-from .fused import (FUSED_OUTPUT_DTYPE, NORMALIZATIONS, activation, activation_backward, fusion_applies, norm,
-                    norm_backward, norm_output_dtype, quantize_activation_output, quantize_norm_output)
-from .linear import LinearComm, Linear, bf16_linear, check_activation, check_features, nvfp4_linear
-from .recipe import NVFP4Recipe
-from .reference.fused_producers import ACTIVATIONS, activation_output_shape
-from .tensor import NVFP4Tensor
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.fused import (FUSED_OUTPUT_DTYPE, NORMALIZATIONS, activation, activation_backward, fusion_applies,
+                              norm, norm_backward, norm_output_dtype, quantize_activation_output,
+                              quantize_norm_output)
+from nvfp4_dist.linear import LinearComm, Linear, bf16_linear, check_activation, check_features, nvfp4_linear
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.reference.fused_producers import ACTIVATIONS, activation_output_shape
+from nvfp4_dist.tensor import NVFP4Tensor
 
 
 @dataclasses.dataclass

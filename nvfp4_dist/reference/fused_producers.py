@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import BLOCK_SIZE
-from ..tensor import NVFP4Tensor
-from .copies import compute_amaxes, quantize_tensor
+from nvfp4_dist.formats import BLOCK_SIZE
+from nvfp4_dist.tensor import NVFP4Tensor
+from nvfp4_dist.reference.copies import compute_amaxes, quantize_tensor
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
