@@ -42,7 +42,8 @@ class ProducerCast:
 class ProducerInputComm:
     """A linear's comm whose input copies come from a fused producer's cast instead of quantize_input's.
 
-    Every other step is the wrapped comm's (the tensor-parallel gathers and reductions included).
+    Every other step is the wrapped comm's (the tensor-parallel gathers and reductions included); a comm that
+    carries its quantized input round the fprop ring (parallel/overlap.py carry_input) gets the producer's.
     """
 
     def __init__(self, comm: LinearComm, cast: ProducerCast):
@@ -53,7 +54,8 @@ class ProducerInputComm:
         if quantized is None or (columnwise and not quantized.has_columnwise):
             raise RuntimeError("the fused producer did not make the copies the linear asks for "
                                f"(columnwise={columnwise}); its forward must run right before the linear's")
-        return quantized
+        carry = getattr(self.comm, "carry_input", None)  # a ring-pipelined comm keeps what it carries in fprop
+        return carry(quantized) if carry is not None else quantized
 
     def __getattr__(self, name: str):
         return getattr(self.comm, name)
@@ -131,6 +133,54 @@ def activation_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                         comm=ProducerInputComm(comm or LinearComm(), cast), **linear_options)
 
 
+@dataclasses.dataclass
+class NormProducer:
+    """LayerNorm / RMSNorm in front of a linear, its parameters as the norm computes with them."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    normalization: str
+    eps: float
+
+    def output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return norm_output_dtype(x)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        return norm(x, self.weight, self.bias, normalization=self.normalization, eps=self.eps,
+                    out_dtype=self.output_dtype(x))
+
+    def fused_linear(self, x, weight, bias, recipe, **options) -> torch.Tensor:
+        return norm_linear(x, self.weight, self.bias, weight, bias, recipe, normalization=self.normalization,
+                           eps=self.eps, **options)
+
+
+@dataclasses.dataclass
+class ActivationProducer:
+    """GELU / SwiGLU of fc1's output in front of a linear."""
+
+    name: str
+
+    def output_dtype(self, h: torch.Tensor) -> torch.dtype:
+        return h.dtype
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return activation(h, activation=self.name)
+
+    def fused_linear(self, h, weight, bias, recipe, **options) -> torch.Tensor:
+        return activation_linear(h, weight, bias, recipe, activation_name=self.name, **options)
+
+
+def produced_linear(producer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
+                    *, weight_q: NVFP4Tensor, comm: LinearComm | None = None,
+                    reduce_amaxes: Callable[[list], object] | None = None, **linear_options) -> torch.Tensor:
+    """nvfp4_linear of a producer's output (NormProducer, ActivationProducer) given the producer's input x: fused
+    into the input's cast where fusion_applies, else the output formed first (the same bytes either way)."""
+    if fusion_applies(recipe, producer.output_dtype(x)):
+        return producer.fused_linear(x, weight, bias, recipe, weight_q=weight_q, comm=comm,
+                                     reduce_amaxes=reduce_amaxes, **linear_options)
+    return nvfp4_linear(producer.output(x), weight, bias, recipe, weight_q=weight_q, comm=comm, **linear_options)
+
+
 class LayerNormLinear(Linear):
     """A norm (LayerNorm or RMSNorm over in_features) followed by an NVFP4 linear, fused (TE's LayerNormLinear).
 
@@ -173,22 +223,21 @@ class LayerNormLinear(Linear):
         bias = None if self.layer_norm_bias is None else self.layer_norm_bias.to(dtype)
         return weight.to(dtype), bias
 
+    def producer(self, x: torch.Tensor) -> NormProducer:
+        """The norm in front of the linear, for input x."""
+        weight, bias = self.norm_parameters(x.dtype)
+        return NormProducer(weight, bias, self.normalization, self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
-        norm_weight, norm_bias = self.norm_parameters(x.dtype)
-        out_dtype = norm_output_dtype(x)
+        producer = self.producer(x)
         store = self.wgrad_store if self.delay_wgrad else None
         options = dict(accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
         if self.bf16_fallback or not nvfp4_enabled():
-            y = norm(x, norm_weight, norm_bias, normalization=self.normalization, eps=self.eps, out_dtype=out_dtype)
-            return bf16_linear(y, self.weight, self.bias, **options)
+            return bf16_linear(producer.output(x), self.weight, self.bias, **options)
         recipe = resolve_recipe(self.recipe)
         weight_q = self.weight_cache.get(self.weight, recipe, columnwise=not recipe.row_scaled_activation)
-        if fusion_applies(recipe, out_dtype):
-            return norm_linear(x, norm_weight, norm_bias, self.weight, self.bias, recipe,
-                               normalization=self.normalization, eps=self.eps, weight_q=weight_q, **options)
-        y = norm(x, norm_weight, norm_bias, normalization=self.normalization, eps=self.eps, out_dtype=out_dtype)
-        return nvfp4_linear(y, self.weight, self.bias, recipe, weight_q=weight_q, **options)
+        return produced_linear(producer, x, self.weight, self.bias, recipe, weight_q=weight_q, **options)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}"
@@ -221,18 +270,14 @@ class LayerNormMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        fc2 = self.fc2
+        fc2, producer = self.fc2, ActivationProducer(self.activation)
         store = fc2.wgrad_store if fc2.delay_wgrad else None
         options = dict(accumulate_into_main_grad=fc2.accumulate_into_main_grad, wgrad_store=store)
         if fc2.bf16_fallback or not nvfp4_enabled():
-            return bf16_linear(activation(h, activation=self.activation), fc2.weight, fc2.bias, **options)
+            return bf16_linear(producer.output(h), fc2.weight, fc2.bias, **options)
         recipe = resolve_recipe(fc2.recipe)
         weight_q = fc2.weight_cache.get(fc2.weight, recipe, columnwise=not recipe.row_scaled_activation)
-        if fusion_applies(recipe, h.dtype):
-            return activation_linear(h, fc2.weight, fc2.bias, recipe, activation_name=self.activation,
-                                     weight_q=weight_q, **options)
-        return nvfp4_linear(activation(h, activation=self.activation), fc2.weight, fc2.bias, recipe,
-                            weight_q=weight_q, **options)
+        return produced_linear(producer, h, fc2.weight, fc2.bias, recipe, weight_q=weight_q, **options)
 
     def backward_dw(self) -> None:
         """Run both linears' deferred wgrad GEMMs (delay_wgrad=True)."""

@@ -462,3 +462,74 @@ def test_benchmark_speedups_pair_the_chains_of_each_case(bench):
                dict(producer="RMSNorm", copies="c", width=4096, tokens=8192, chain="fused", ms=2.0),
                dict(producer="gelu", copies="c", width=14336, tokens=8192, chain="fused", ms=1.0)]
     assert bench.speedups(results) == [dict(producer="RMSNorm", copies="c", width=4096, tokens=8192, speedup=1.5)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parallel layers on gloo ranks: the norm in front of a column-parallel layer (SP: the amax all-reduce between
+# its passes, its copies into the NVFP4 all-gather) and the activation in front of a row-parallel one
+
+PARALLEL_RECIPES = {
+    "rht": nv.NVFP4Recipe(),
+    "row_scaled": RECIPES["row_scaled"],
+    "overlap_keep_input": nv.NVFP4Recipe(overlap=True, overlap_min_chunk_gflops=0),
+}
+
+
+def _parallel_run(layer, x, dy, **forward_kwargs):
+    x = x.clone().requires_grad_(True)
+    y, _ = layer(x, **forward_kwargs)
+    torch.manual_seed(9)
+    y.backward(dy)
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    for p in layer.parameters():
+        p.grad = None
+    return y.detach(), x.grad, grads
+
+
+def _check_parallel_producers(rank, world_size):
+    from linear_emulation import fprop, quantize_weight
+    from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
+    generator = torch.Generator().manual_seed(5)
+    seq, batch, hidden, local = 16 * world_size, 2, 64, 32
+    x_full = (torch.randn(seq, batch, hidden, generator=generator) + 0.5).bfloat16()
+    dy_column = torch.randn(seq, batch, local * world_size, generator=generator).bfloat16()
+    h_full = torch.randn(seq, batch, 2 * local * world_size, generator=generator).bfloat16()
+    dy_row = torch.randn(seq, batch, hidden, generator=generator).bfloat16()
+    column_weight = torch.randn(local * world_size, hidden, generator=generator) * 0.1
+    row_weight = torch.randn(hidden, local * world_size, generator=generator) * 0.1
+    norm_weight = 1 + 0.2 * torch.randn(hidden, generator=generator)
+    norm_bias = 0.1 * torch.randn(hidden, generator=generator)
+    for name, recipe in PARALLEL_RECIPES.items():
+        for sequence_parallel in (True, False):
+            what = f"{name} sp={sequence_parallel} rank={rank}"
+            column = ColumnParallelLinear(hidden, local * world_size, sequence_parallel=sequence_parallel,
+                                          recipe=recipe, input_norm="LayerNorm", init_method=lambda w: w.copy_(column_weight),
+                                          keep_input_columnwise=recipe.overlap)
+            with torch.no_grad():
+                column.layer_norm_weight.copy_(norm_weight)
+                column.layer_norm_bias.copy_(norm_bias)
+            assert column.layer_norm_weight.sequence_parallel == sequence_parallel
+            x_in = x_full.chunk(world_size)[rank] if sequence_parallel else x_full
+            dy_in = dy_column.chunk(world_size, dim=-1)[rank]
+            fused_run = _parallel_run(column, x_in, dy_in)
+            column.recipe = recipe.replace(fused_producers=False)
+            assert_runs_equal(fused_run, _parallel_run(column, x_in, dy_in))
+            # the gathered copies are those of the full norm output (docs/numerics.md §9)
+            y_norm = fused.norm(x_full, norm_weight.bfloat16(), norm_bias.bfloat16()).reshape(-1, hidden)
+            xq = R.quantize_tensor(y_norm, columnwise=False, row_scaled=recipe.row_scaled_activation)
+            wq = quantize_weight(column_weight.chunk(world_size)[rank], recipe)
+            expected = fprop(xq, wq, column.bias, torch.bfloat16).reshape(seq, batch, local)
+            assert torch.equal(fused_run[0], expected), what + " column output"
+
+            row = RowParallelLinear(local * world_size, hidden, sequence_parallel=sequence_parallel, recipe=recipe,
+                                    init_method=lambda w: w.copy_(row_weight))
+            h_in = torch.cat([half.chunk(world_size, dim=-1)[rank] for half in h_full.chunk(2, dim=-1)], dim=-1)
+            dy_in = dy_row.chunk(world_size)[rank] if sequence_parallel else dy_row
+            fused_run = _parallel_run(row, h_in, dy_in, activation="swiglu")
+            row.recipe = recipe.replace(fused_producers=False)
+            assert_runs_equal(fused_run, _parallel_run(row, h_in, dy_in, activation="swiglu"))
+
+
+def test_parallel_layers_fuse_their_producers():
+    from distributed_utils import run_distributed
+    run_distributed(_check_parallel_producers, 2)
