@@ -468,10 +468,10 @@ def test_benchmark_speedups_pair_the_chains_of_each_case(bench):
 # Parallel layers on gloo ranks: the norm in front of a column-parallel layer (SP: the amax all-reduce between
 # its passes, its copies into the NVFP4 all-gather) and the activation in front of a row-parallel one
 
-PARALLEL_RECIPES = {
-    "rht": nv.NVFP4Recipe(),
-    "row_scaled": RECIPES["row_scaled"],
-    "overlap_keep_input": nv.NVFP4Recipe(overlap=True, overlap_min_chunk_gflops=0),
+PARALLEL_RECIPES = {  # the reference GEMM, so that the outputs can be compared with the emulation on any device
+    "rht": nv.NVFP4Recipe(gemm_backend="reference"),
+    "row_scaled": RECIPES["row_scaled"].replace(gemm_backend="reference"),
+    "overlap_keep_input": nv.NVFP4Recipe(gemm_backend="reference", overlap=True, overlap_min_chunk_gflops=0),
 }
 
 
@@ -486,24 +486,29 @@ def _parallel_run(layer, x, dy, **forward_kwargs):
     return y.detach(), x.grad, grads
 
 
-def _check_parallel_producers(rank, world_size):
+def check_parallel_producers(rank, world_size, device="cpu", hidden=64, local=32, seq_per_rank=16):
+    """Each rank: the fused layers equal the unfused ones byte for byte, and the column-parallel output is the
+    GEMM of the full norm output's copies (the amax all-reduce between the passes makes the gathered copies
+    those of the full tensor) with this rank's weight shard."""
     from linear_emulation import fprop, quantize_weight
     from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
     generator = torch.Generator().manual_seed(5)
-    seq, batch, hidden, local = 16 * world_size, 2, 64, 32
-    x_full = (torch.randn(seq, batch, hidden, generator=generator) + 0.5).bfloat16()
-    dy_column = torch.randn(seq, batch, local * world_size, generator=generator).bfloat16()
-    h_full = torch.randn(seq, batch, 2 * local * world_size, generator=generator).bfloat16()
-    dy_row = torch.randn(seq, batch, hidden, generator=generator).bfloat16()
-    column_weight = torch.randn(local * world_size, hidden, generator=generator) * 0.1
-    row_weight = torch.randn(hidden, local * world_size, generator=generator) * 0.1
-    norm_weight = 1 + 0.2 * torch.randn(hidden, generator=generator)
-    norm_bias = 0.1 * torch.randn(hidden, generator=generator)
+    seq, batch = seq_per_rank * world_size, 2
+    tensors = [torch.randn(seq, batch, hidden, generator=generator) + 0.5,
+               torch.randn(seq, batch, local * world_size, generator=generator),
+               torch.randn(seq, batch, 2 * local * world_size, generator=generator),
+               torch.randn(seq, batch, hidden, generator=generator)]
+    x_full, dy_column, h_full, dy_row = (t.bfloat16().to(device) for t in tensors)
+    column_weight = (torch.randn(local * world_size, hidden, generator=generator) * 0.1).to(device)
+    row_weight = (torch.randn(hidden, local * world_size, generator=generator) * 0.1).to(device)
+    norm_weight = (1 + 0.2 * torch.randn(hidden, generator=generator)).to(device)
+    norm_bias = (0.1 * torch.randn(hidden, generator=generator)).to(device)
     for name, recipe in PARALLEL_RECIPES.items():
         for sequence_parallel in (True, False):
             what = f"{name} sp={sequence_parallel} rank={rank}"
             column = ColumnParallelLinear(hidden, local * world_size, sequence_parallel=sequence_parallel,
-                                          recipe=recipe, input_norm="LayerNorm", init_method=lambda w: w.copy_(column_weight),
+                                          recipe=recipe, input_norm="LayerNorm", device=device,
+                                          init_method=lambda w: w.copy_(column_weight),
                                           keep_input_columnwise=recipe.overlap)
             with torch.no_grad():
                 column.layer_norm_weight.copy_(norm_weight)
@@ -522,7 +527,7 @@ def _check_parallel_producers(rank, world_size):
             assert torch.equal(fused_run[0], expected), what + " column output"
 
             row = RowParallelLinear(local * world_size, hidden, sequence_parallel=sequence_parallel, recipe=recipe,
-                                    init_method=lambda w: w.copy_(row_weight))
+                                    device=device, init_method=lambda w: w.copy_(row_weight))
             h_in = torch.cat([half.chunk(world_size, dim=-1)[rank] for half in h_full.chunk(2, dim=-1)], dim=-1)
             dy_in = dy_row.chunk(world_size)[rank] if sequence_parallel else dy_row
             fused_run = _parallel_run(row, h_in, dy_in, activation="swiglu")
@@ -532,4 +537,4 @@ def _check_parallel_producers(rank, world_size):
 
 def test_parallel_layers_fuse_their_producers():
     from distributed_utils import run_distributed
-    run_distributed(_check_parallel_producers, 2)
+    run_distributed(check_parallel_producers, 2)
