@@ -97,7 +97,8 @@ def _check_rows(rows: int, columnwise: bool, row_scaled: bool) -> None:
     if columnwise and rows % BLOCK_SIZE:
         raise ValueError(f"{rows} rows: a columnwise copy needs a multiple of {BLOCK_SIZE}")
     if columnwise and row_scaled:
-        raise ValueError("columnwise=True with row_scaled=True: row-scaled copies are rowwise only (docs/numerics.md §6)")
+        raise ValueError("columnwise=True with row_scaled=True: row-scaled copies are rowwise only "
+                         "(docs/numerics.md §6)")
 
 
 def norm_amaxes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, normalization: str,

@@ -9,9 +9,9 @@ Column-parallel, weight [out/tp, in]:
             gathered again in NVFP4 (default) or kept from forward (keep_input_columnwise=True)
 Row-parallel, weight [out, in/tp]:
   forward   fprop -> BF16 reduce-scatter (SP) / all-reduce -> + bias
+  backward  dy_local -> amax all-reduce -> quantize (SR) -> NVFP4 all-gather (SP) -> dgrad and wgrad
 A column-parallel layer may normalize its input first (input_norm) and a row-parallel one apply fc1's activation
 (forward(x, activation=...)); each producer is fused into the cast of the layer's input (nvfp4_dist/fused.py).
-  backward  dy_local -> amax all-reduce -> quantize (SR) -> NVFP4 all-gather (SP) -> dgrad and wgrad
 
 Stochastic rounding of a sharded gradient uses the same seed on every rank (drawn from torch's CPU
 generator: ranks must share torch.manual_seed) and this rank's row offset, so the gathered gradient
@@ -265,8 +265,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if input_norm is None:
             return
         factory = dict(dtype=dtype, device=device)
-        self.layer_norm_weight = torch.nn.Parameter(torch.full((self.in_features,), 0.0 if zero_centered_gamma else 1.0,
-                                                               **factory))
+        gamma = 0.0 if zero_centered_gamma else 1.0
+        self.layer_norm_weight = torch.nn.Parameter(torch.full((self.in_features,), gamma, **factory))
         self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(self.in_features, **factory))
                                 if input_norm == "LayerNorm" else None)
         for param in (self.layer_norm_weight, self.layer_norm_bias):

@@ -76,7 +76,8 @@ void norm_rows(const float* x, long rows, long cols, const float* weight, const 
     mean[r] = m;
     rstd[r] = s;
     for (long c = 0; c < cols; ++c) {
-      const float out = layer_norm ? layer_norm_of_centred(v[c], s, weight[c], bias[c]) : rms_norm_of(v[c], s, weight[c]);
+      const float out =
+          layer_norm ? layer_norm_of_centred(v[c], s, weight[c], bias[c]) : rms_norm_of(v[c], s, weight[c]);
       y[r * cols + c] = rounded_to_bf16(out);
     }
   }

@@ -363,7 +363,8 @@ def _fused_producers_worker(rank, world_size):
     def checkpoint_keys(model):  # the keys in the checkpoint: after the layers' sharded_state_dict_keys_map
         return sorted(value.key for value in model.sharded_state_dict(metadata=metadata).values())
     assert checkpoint_keys(fused) == checkpoint_keys(megatron_local)
-    moved = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    moved = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
     def renamed(key):
         for old, new in moved.items():

@@ -49,7 +49,8 @@ def activation_input(shape, dtype=torch.bfloat16, seed=0, offset=0.0, device="cu
 def norm_parameters(hidden, normalization, seed=1):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     weight = (1 + 0.3 * torch.randn(hidden, generator=generator, device="cuda")).bfloat16()
-    bias = (0.2 * torch.randn(hidden, generator=generator, device="cuda")).bfloat16() if normalization == "LayerNorm" else None
+    bias = 0.2 * torch.randn(hidden, generator=generator, device="cuda")
+    bias = bias.bfloat16() if normalization == "LayerNorm" else None
     return weight, bias
 
 
@@ -65,7 +66,8 @@ def assert_bits(got, want, name):
     assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
     raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
     differ = got.view(raw) != want.view(raw)
-    assert not differ.any(), f"{name}: {int(differ.sum())} of {got.numel()} differ, first at {differ.nonzero()[:3].tolist()}"
+    assert not differ.any(), (f"{name}: {int(differ.sum())} of {got.numel()} differ, "
+                              f"first at {differ.nonzero()[:3].tolist()}")
 
 
 def assert_same_copies(q, r):

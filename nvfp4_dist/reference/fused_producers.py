@@ -3,9 +3,9 @@
 The norm and the activation are defined here with every FP32 operation in a fixed order (elementwise
 torch ops only: they round alike on every device), so that a kernel can reproduce them bit for bit:
 - the row sum of a norm is a halving tree (pairs (i, i + n/2), then (i, i + n/4), ...) over each
-  16-element block (the last one padded with zeros), then a halving tree over the blocks' sums, their count padded with zeros to a power
-  of two (adding +0 to a sum of squares changes nothing, so any power of two >= the count gives the
-  same result);
+  16-element block (the last one padded with zeros), then a halving tree over the blocks' sums, their
+  count padded with zeros to a power of two (adding +0 changes no sum but the sign of a zero, so any power
+  of two >= the count gives the same statistics);
 - LayerNorm: mean = sum(x) / K; var = sum((x - mean)^2) / K; rstd = 1 / sqrt(var + eps);
   y = ((x - mean) * rstd) * w + b.  RMSNorm: rstd = 1 / sqrt(sum(x * x) / K + eps); y = (x * rstd) * w;
 - exp by Cody-Waite reduction and a degree-7 polynomial; SiLU(x) = x / (1 + exp(-x)); SwiGLU(g, u) =
