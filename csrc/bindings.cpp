@@ -232,6 +232,155 @@ void swap_first_dims(const at::Tensor& gathered, int64_t world_size, at::Tensor&
                "swap_first_dims");
 }
 
+// Fused producers (norm_quantize.cu, activation_quantize.cu). x / h contiguous and 16-byte aligned; weight and bias
+// FP32 [cols]; mean, rstd FP32 [rows]; the copies as quantize's.
+nvfp4::NormArgs norm_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          int64_t normalization, double eps, const std::optional<at::Tensor>& mean,
+                          const at::Tensor& rstd) {
+  check_input(x);
+  check_device_tensor(weight, "weight");
+  check_device_tensor(rstd, "rstd");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1) && rstd.scalar_type() == at::kFloat &&
+                  rstd.numel() == x.size(0),
+              "nvfp4_dist._C: norm weight FP32 [cols], rstd FP32 [rows]");
+  const bool layer_norm = normalization == static_cast<int64_t>(nvfp4::Normalization::kLayerNorm);
+  TORCH_CHECK(layer_norm == bias.has_value() && layer_norm == mean.has_value(),
+              "nvfp4_dist._C: LayerNorm takes a bias and a mean, RMSNorm neither");
+  if (layer_norm) {
+    check_device_tensor(*bias, "bias");
+    check_device_tensor(*mean, "mean");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == x.size(1) && mean->scalar_type() == at::kFloat &&
+                    mean->numel() == x.size(0),
+                "nvfp4_dist._C: norm bias FP32 [cols], mean FP32 [rows]");
+  }
+  nvfp4::NormArgs args{};
+  args.x = x.data_ptr();
+  args.type = input_type(x);
+  args.rows = x.size(0);
+  args.cols = x.size(1);
+  args.weight = weight.data_ptr<float>();
+  args.bias = optional_floats(bias);
+  args.normalization = layer_norm ? nvfp4::Normalization::kLayerNorm : nvfp4::Normalization::kRMSNorm;
+  args.eps = static_cast<float>(eps);
+  args.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
+  args.rstd = rstd.data_ptr<float>();
+  return args;
+}
+
+nvfp4::ProducerCastArgs producer_cast_args(int64_t rows, int64_t cols, const std::optional<at::Tensor>& amax_rowwise,
+                                           const std::optional<at::Tensor>& amax_columnwise,
+                                           const std::optional<at::Tensor>& rowwise_data,
+                                           const std::optional<at::Tensor>& rowwise_scale,
+                                           const std::optional<at::Tensor>& columnwise_data,
+                                           const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool rht,
+                                           bool rht_random_sign) {
+  TORCH_CHECK(rowwise_data.has_value() == amax_rowwise.has_value() && rowwise_data.has_value() == rowwise_scale.has_value(),
+              "nvfp4_dist._C: the rowwise copy needs its data, scale and amax");
+  TORCH_CHECK(columnwise_data.has_value() == amax_columnwise.has_value() &&
+                  columnwise_data.has_value() == columnwise_scale.has_value(),
+              "nvfp4_dist._C: the columnwise copy needs its data, scale and amax");
+  TORCH_CHECK(!rowwise_data.has_value() || (rowwise_data->numel() == rows * cols / 2 &&
+                                            rowwise_scale->numel() == rows * cols / 16 &&
+                                            amax_rowwise->numel() == (row_scaled ? rows : 1)),
+              "nvfp4_dist._C: rowwise copy [rows, cols/2], scales [rows, cols/16], amax (1,) or (rows,)");
+  TORCH_CHECK(!columnwise_data.has_value() || (columnwise_data->numel() == rows * cols / 2 &&
+                                               columnwise_scale->numel() == rows * cols / 16 &&
+                                               amax_columnwise->numel() == 1),
+              "nvfp4_dist._C: columnwise copy [cols, rows/2], scales [cols, rows/16], amax (1,)");
+  nvfp4::ProducerCastArgs args{};
+  args.rows = rows;
+  args.cols = cols;
+  args.amax_rowwise = optional_floats(amax_rowwise);
+  args.amax_columnwise = optional_floats(amax_columnwise);
+  args.rowwise_data = optional_bytes(rowwise_data);
+  args.rowwise_scale = optional_bytes(rowwise_scale);
+  args.columnwise_data = optional_bytes(columnwise_data);
+  args.columnwise_scale = optional_bytes(columnwise_scale);
+  args.row_scaled = row_scaled;
+  args.rht = rht;
+  args.rht_random_sign = rht_random_sign;
+  return args;
+}
+
+void norm_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               int64_t normalization, double eps, const std::optional<at::Tensor>& mean, at::Tensor& rstd,
+               const std::optional<at::Tensor>& y, const std::optional<at::Tensor>& amax_rowwise, bool row_scaled,
+               const std::optional<at::Tensor>& amax_rht, bool rht_random_sign, int64_t stream) {
+  const nvfp4::NormArgs args = norm_args(x, weight, bias, normalization, eps, mean, rstd);
+  if (y.has_value()) {
+    check_device_tensor(*y, "y");
+    TORCH_CHECK(y->numel() == x.numel(), "nvfp4_dist._C.norm_rows: y [rows, cols]");
+  }
+  TORCH_CHECK(!amax_rowwise.has_value() || amax_rowwise->numel() == (row_scaled ? x.size(0) : 1),
+              "nvfp4_dist._C.norm_rows: amax_rowwise (1,) or (rows,)");
+  check_launch(nvfp4::launch_norm_rows(args, y.has_value() ? y->data_ptr() : nullptr,
+                                       y.has_value() ? input_type(*y) : nvfp4::InputType::kBFloat16,
+                                       amax_rowwise.has_value() ? amax_rowwise->data_ptr<float>() : nullptr, row_scaled,
+                                       amax_rht.has_value() ? amax_rht->data_ptr<float>() : nullptr, rht_random_sign,
+                                       as_stream(stream)),
+               "norm_rows");
+}
+
+void norm_cast(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               int64_t normalization, const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
+               const std::optional<at::Tensor>& amax_rowwise, const std::optional<at::Tensor>& amax_columnwise,
+               const std::optional<at::Tensor>& rowwise_data, const std::optional<at::Tensor>& rowwise_scale,
+               const std::optional<at::Tensor>& columnwise_data, const std::optional<at::Tensor>& columnwise_scale,
+               bool row_scaled, bool rht, bool rht_random_sign, int64_t stream) {
+  const nvfp4::NormArgs args = norm_args(x, weight, bias, normalization, 1.0, mean, rstd);
+  check_launch(nvfp4::launch_norm_cast(args,
+                                       producer_cast_args(x.size(0), x.size(1), amax_rowwise, amax_columnwise, rowwise_data,
+                                                          rowwise_scale, columnwise_data, columnwise_scale, row_scaled,
+                                                          rht, rht_random_sign),
+                                       as_stream(stream)),
+               "norm_cast");
+}
+
+nvfp4::ActivationArgs activation_args(const at::Tensor& h, int64_t activation) {
+  check_input(h);
+  const bool swiglu = activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu);
+  TORCH_CHECK(!swiglu || h.size(1) % 2 == 0, "nvfp4_dist._C: SwiGLU takes [rows, 2 cols]");
+  nvfp4::ActivationArgs args{};
+  args.h = h.data_ptr();
+  args.type = input_type(h);
+  args.rows = h.size(0);
+  args.cols = swiglu ? h.size(1) / 2 : h.size(1);
+  args.activation = swiglu ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu;
+  return args;
+}
+
+void activation_forward(const at::Tensor& h, int64_t activation, at::Tensor& out, int64_t stream) {
+  const nvfp4::ActivationArgs args = activation_args(h, activation);
+  check_device_tensor(out, "out");
+  TORCH_CHECK(out.scalar_type() == h.scalar_type() && out.numel() == args.rows * args.cols,
+              "nvfp4_dist._C.activation_forward: out [rows, cols] of h's dtype");
+  check_launch(nvfp4::launch_activation(args, out.data_ptr(), as_stream(stream)), "activation_forward");
+}
+
+void activation_amaxes(const at::Tensor& h, int64_t activation, at::Tensor& amax_rowwise, bool row_scaled,
+                       const std::optional<at::Tensor>& amax_rht, bool rht_random_sign, int64_t stream) {
+  const nvfp4::ActivationArgs args = activation_args(h, activation);
+  TORCH_CHECK(amax_rowwise.numel() == (row_scaled ? args.rows : 1), "nvfp4_dist._C.activation_amaxes: amax (1,) or (rows,)");
+  check_launch(nvfp4::launch_activation_amaxes(args, amax_rowwise.data_ptr<float>(), row_scaled,
+                                               amax_rht.has_value() ? amax_rht->data_ptr<float>() : nullptr,
+                                               rht_random_sign, as_stream(stream)),
+               "activation_amaxes");
+}
+
+void activation_cast(const at::Tensor& h, int64_t activation, const std::optional<at::Tensor>& amax_rowwise,
+                     const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
+                     const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
+                     const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool rht, bool rht_random_sign,
+                     int64_t stream) {
+  const nvfp4::ActivationArgs args = activation_args(h, activation);
+  check_launch(nvfp4::launch_activation_cast(args,
+                                             producer_cast_args(args.rows, args.cols, amax_rowwise, amax_columnwise,
+                                                                rowwise_data, rowwise_scale, columnwise_data,
+                                                                columnwise_scale, row_scaled, rht, rht_random_sign),
+                                             as_stream(stream)),
+               "activation_cast");
+}
+
 // Peer-memory collectives: addresses (torch symmetric memory, valid in this process) as integers.
 nvfp4::PeerGatherArgs peer_pieces(const std::vector<std::vector<int64_t>>& sources,
                                   const std::vector<int64_t>& destinations, const std::vector<int64_t>& rows,
@@ -322,6 +471,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
+  m.def("norm_rows", &norm_rows, "norm statistics, and its output and the amaxes of its NVFP4 copies when asked");
+  m.def("norm_cast", &norm_cast, "NVFP4 copies of a norm's BF16 output from its statistics, the output not written");
+  m.def("activation_forward", &activation_forward, "GELU / SwiGLU of fc1's output");
+  m.def("activation_amaxes", &activation_amaxes, "amaxes of the NVFP4 copies of an activation's BF16 output");
+  m.def("activation_cast", &activation_cast, "NVFP4 copies of an activation's BF16 output, the output not written");
   m.def("peer_publish", &peer_publish, "this rank's pieces into its symmetric buffer, then a barrier over the ranks");
   m.def("peer_gather", &peer_gather, "every rank's published pieces into outputs, concatenated or interleaved");
   m.def("peer_barrier", &peer_barrier_only, "a barrier over the ranks' signal pads, on the stream");

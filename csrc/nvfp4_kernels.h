@@ -54,6 +54,57 @@ cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
 // quantize_4over6.cu: the cast of args.four_over_six (launch_quantize calls it).
 cudaError_t launch_quantize_4over6(const QuantizeArgs& args, cudaStream_t stream);
 
+// norm_quantize.cu, activation_quantize.cu: the fused producers (nvfp4_dist/reference/fused_producers.py) -------
+// The cast of a produced tensor [rows, cols]: the rowwise copy (data null: none) and the columnwise copy (data
+// null: none; rows % 16 == 0), of the producer's output rounded to BF16, never written.
+struct ProducerCastArgs {
+  int64_t rows, cols;
+  const float* amax_rowwise;     // (1,), or (rows,) when row_scaled
+  const float* amax_columnwise;  // (1,)
+  uint8_t* rowwise_data;         // [rows, cols/2]
+  uint8_t* rowwise_scale;        // [rows, cols/16]
+  uint8_t* columnwise_data;      // [cols, rows/2]
+  uint8_t* columnwise_scale;     // [cols, rows/16]
+  bool row_scaled;
+  bool rht;                      // columnwise copy of x^T . H
+  bool rht_random_sign;
+};
+
+enum class Normalization : int { kLayerNorm = 0, kRMSNorm = 1 };
+struct NormArgs {
+  const void* x;                 // [rows, cols] contiguous, 16-byte aligned; cols % 16 == 0 and at most 16384
+  InputType type;
+  int64_t rows, cols;
+  const float* weight;           // [cols]
+  const float* bias;             // [cols] (LayerNorm) or null (RMSNorm)
+  Normalization normalization;
+  float eps;
+  float* mean;                   // [rows] (LayerNorm; null for RMSNorm): written by the row pass, read by the cast
+  float* rstd;                   // [rows]
+};
+// The norm's row pass: mean and rstd of each row; its output y [rows, cols] of y_type (may be null); the amax of
+// its BF16 rounding into amax_rowwise ((1,), or (rows,) when row_scaled; may be null); the amax of the RHT'd,
+// BF16-rounded columnwise source into amax_rht ((1,); may be null; rows % 16 == 0).
+cudaError_t launch_norm_rows(const NormArgs& norm, void* y, InputType y_type, float* amax_rowwise, bool row_scaled,
+                             float* amax_rht, bool rht_random_sign, cudaStream_t stream);
+// The cast of the norm's output from the row pass's mean and rstd.
+cudaError_t launch_norm_cast(const NormArgs& norm, const ProducerCastArgs& cast, cudaStream_t stream);
+
+enum class Activation : int { kGelu = 0, kSwiglu = 1 };
+struct ActivationArgs {
+  const void* h;                 // fc1's output [rows, cols] (GELU) or [rows, 2 cols] (SwiGLU: [gate | up]),
+  InputType type;                //   contiguous, 16-byte aligned
+  int64_t rows, cols;            // of the activation's output; cols % 16 == 0
+  Activation activation;
+};
+// The activation into out [rows, cols] of h's type.
+cudaError_t launch_activation(const ActivationArgs& args, void* out, cudaStream_t stream);
+// The amax of the activation's BF16 output into amax_rowwise ((1,), or (rows,) when row_scaled), and of its RHT'd
+// columnwise source into amax_rht ((1,); may be null; rows % 16 == 0).
+cudaError_t launch_activation_amaxes(const ActivationArgs& args, float* amax_rowwise, bool row_scaled, float* amax_rht,
+                                     bool rht_random_sign, cudaStream_t stream);
+cudaError_t launch_activation_cast(const ActivationArgs& args, const ProducerCastArgs& cast, cudaStream_t stream);
+
 // dequantize.cu -----------------------------------------------------------------------------------
 // Rowwise copy [rows, cols/2] codes + [rows, cols/16] scales -> out [rows, cols] of out_type (all
 // contiguous). amax null: out = fp4 value * block scale * factor, without the global scale. e4m3_bound: B of the

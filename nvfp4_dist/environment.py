@@ -101,6 +101,8 @@ BF16_FIRST_LAYERS = Variable("NVFP4_BF16_FIRST_LAYERS", "recipe bf16_first_layer
                              "in BF16", COUNT, _count)
 BF16_LAST_LAYERS = Variable("NVFP4_BF16_LAST_LAYERS", "recipe bf16_last_layers: trailing transformer layers kept "
                             "in BF16", COUNT, _count)
+DISABLE_FUSED_PRODUCERS = Variable("NVFP4_DISABLE_FUSED_PRODUCERS", "1: recipe fused_producers=False (norms and "
+                                   "activations write their output for the linear's cast)", FLAG, _flag, False)
 OVERLAP = Variable("NVFP4_OVERLAP", "1: recipe overlap=True (pipeline tensor-parallel communication with the GEMMs)",
                    FLAG, _flag, False)
 OVERLAP_MIN_CHUNK_GFLOPS = Variable("NVFP4_OVERLAP_MIN_CHUNK_GFLOPS", "recipe overlap_min_chunk_gflops: the "
@@ -137,7 +139,7 @@ CHECK_TP_CONSISTENCY = Variable("NVFP4_CHECK_TP_CONSISTENCY", "1: every call of 
 BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build cache (default: a folder under "
                      "~/.cache/nvfp4_dist keyed by the torch and CUDA versions)", "a directory path", _path)
 
-VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, BF16_FIRST_LAYERS,
-             BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256,
-             FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH, FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY,
-             VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)
+VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, DISABLE_FUSED_PRODUCERS,
+             BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FOUR_OVER_SIX,
+             FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH, FORCE_REFERENCE,
+             HOPPER_GEMM, SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)

@@ -17,6 +17,7 @@ _FLAG_OVERRIDES = (
     (environment.RHT_NO_RANDOM_SIGN, "rht_random_sign", False),
     (environment.OVERLAP, "overlap", True),
     (environment.FOUR_OVER_SIX_ERR_USE_FAST_MATH, "nvfp4_4over6_err_use_fast_math", True),
+    (environment.DISABLE_FUSED_PRODUCERS, "fused_producers", False),
 )
 # Variable -> the field it sets when given.
 _VALUE_OVERRIDES = (
@@ -99,6 +100,9 @@ class NVFP4Recipe:
     nvfp4_4over6_e4m3_use_256: which 4over6 tensors take 256 as the global-scale bound (else 448).
     nvfp4_4over6_err_mode: MAE | MSE, the error that picks each block's candidate.
     nvfp4_4over6_err_use_fast_math: measure that error in the scaled domain (docs/numerics.md §12.4).
+    fused_producers: layers whose input comes from a norm or an activation (nvfp4_dist.layernorm_linear, the
+      parallel layers and Megatron specs built on them) quantize it in the producer's passes without writing it
+      (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only.
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     Every field must have its annotated type (rht=True, not rht="False"): RecipeTypeError names the field otherwise.
@@ -114,6 +118,7 @@ class NVFP4Recipe:
     gemm_backend: str = "auto"
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
+    fused_producers: bool = True
     check_finite: bool = True
     nvfp4_4over6: str = "none"
     nvfp4_4over6_e4m3_use_256: str = "all"

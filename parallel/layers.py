@@ -10,6 +10,8 @@ Column-parallel, weight [out/tp, in]:
 Row-parallel, weight [out, in/tp]:
   forward   fprop -> BF16 reduce-scatter (SP) / all-reduce -> + bias
   backward  dy_local -> amax all-reduce -> quantize (SR) -> NVFP4 all-gather (SP) -> dgrad and wgrad
+A column-parallel layer may normalize its input first (input_norm) and a row-parallel one apply fc1's activation
+(forward(x, activation=...)); each producer is fused into the cast of the layer's input (nvfp4_dist/fused.py).
 
 Stochastic rounding of a sharded gradient uses the same seed on every rank (drawn from torch's CPU
 generator: ranks must share torch.manual_seed) and this rank's row offset, so the gathered gradient
@@ -29,10 +31,12 @@ import torch.distributed as dist
 
 from nvfp4_dist import environment
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.layernorm_linear import ActivationProducer, NormProducer, produced_linear
 from nvfp4_dist.linear import (LinearComm, WeightCache, WeightParameter, bf16_linear, check_activation,
                                check_features, check_parameter_dtype, check_weight_dtype, describe_layer, nvfp4_linear,
                                quantize_weight)
 from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
+from nvfp4_dist.reference.fused_producers import ACTIVATIONS, NORMALIZATIONS
 from nvfp4_dist.parallel import collectives, group_checks
 from nvfp4_dist.parallel.overlap import overlapped_comm
 from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
@@ -190,10 +194,16 @@ class _ParallelLinear(torch.nn.Module):
         while self.wgrad_store:
             self.wgrad_store.pop(0)()
 
-    def _linear(self, x, bias, comm: LinearComm):
-        """The local NVFP4 (or BF16 fallback) linear; comm is used on the NVFP4 path only."""
+    def _linear(self, x, bias, comm: LinearComm, producer=None, reduce_amaxes=None):
+        """The local NVFP4 (or BF16 fallback) linear; comm is used on the NVFP4 path only.
+
+        producer: x is a norm's or an activation's input (nvfp4_dist.layernorm_linear NormProducer /
+        ActivationProducer) whose output is the linear's input: fused into its cast where the recipe allows
+        (reduce_amaxes: the amax all-reduce between its passes), else formed first.
+        """
         store = self.wgrad_store if self.delay_wgrad else None
         if not self._uses_nvfp4(x):
+            x = x if producer is None else producer.output(x)
             return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
@@ -204,10 +214,12 @@ class _ParallelLinear(torch.nn.Module):
         else:  # requantized at every forward anyway: hold no copy between forward and backward
             self.weight_cache.invalidate()
             weight_q = quantize_weight(self.weight, recipe, columnwise=False)
-        return nvfp4_linear(x, self.weight, bias, recipe, weight_q=weight_q, comm=comm,
-                            accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
-                            requantize_weight_in_backward=not self.keep_quantized_weight,
-                            layer_name=describe_layer(self))
+        options = dict(weight_q=weight_q, comm=comm, accumulate_into_main_grad=self.accumulate_into_main_grad,
+                       wgrad_store=store, requantize_weight_in_backward=not self.keep_quantized_weight,
+                       layer_name=describe_layer(self))
+        if producer is not None:
+            return produced_linear(producer, x, self.weight, bias, recipe, reduce_amaxes=reduce_amaxes, **options)
+        return nvfp4_linear(x, self.weight, bias, recipe, **options)
 
     def _overlapped(self, comm: LinearComm, min_chunk_gflops: int) -> LinearComm:
         """The ring-pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum ring-step
@@ -269,13 +281,19 @@ class ColumnParallelLinear(_ParallelLinear):
     sequence_parallel: x is [s/tp, b, in] and gathered along dim 0 (in NVFP4) before fprop.
     gather_output: all-gather the output along its last dim (BF16) to [.., out] (not with SP).
     keep_input_columnwise: keep the gathered columnwise input from forward instead of re-gathering it.
+    input_norm: "LayerNorm" or "RMSNorm" over x before the linear (TE's LayerNormColumnParallelLinear), with
+      parameters layer_norm_weight (and layer_norm_bias), replicated and marked `sequence_parallel` like
+      parallel/norm.py's (their gradients are partial sums under SP: Megatron all-reduces them); norm_eps,
+      zero_centered_gamma as there. The norm is fused into the input's cast where recipe.fused_producers allows
+      (under SP the amax all-reduce between its passes, its copies into the NVFP4 all-gather).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, tp_group=None,
                  sequence_parallel: bool = False, gather_output: bool = False, skip_bias_add: bool = False,
                  init_method=None, recipe: NVFP4Recipe | None = None, params_dtype: torch.dtype = torch.float32,
                  device=None, keep_input_columnwise: bool = False, bf16_fallback: bool = False,
-                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
+                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False, input_norm: str | None = None,
+                 norm_eps: float = 1e-5, zero_centered_gamma: bool = False):
         super().__init__(in_features, out_features, bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, init_method=init_method, recipe=recipe,
                          params_dtype=params_dtype, device=device, bf16_fallback=bf16_fallback,
@@ -290,21 +308,57 @@ class ColumnParallelLinear(_ParallelLinear):
                 setattr(self.bias, attribute, value)
         else:
             self.register_parameter("bias", None)
+        self._add_input_norm(input_norm, norm_eps, zero_centered_gamma, params_dtype, device)
         self.comm = ColumnParallelComm(self.tp_group, sequence_parallel, keep_input_columnwise)
 
     def _options(self):
         return [("gather_output", "int", self.gather_output),
-                ("keep_input_columnwise", "int", self.comm.keep_input_columnwise)]
+                ("keep_input_columnwise", "int", self.comm.keep_input_columnwise),
+                ("input_norm", "text", self.input_norm or "none")]
+
+    def _add_input_norm(self, input_norm, eps, zero_centered_gamma, dtype, device) -> None:
+        if input_norm is not None and input_norm not in NORMALIZATIONS:
+            raise ValueError(f"input_norm={input_norm!r}: allowed values are None and {NORMALIZATIONS}")
+        if input_norm is not None and (not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0):
+            raise ValueError(f"norm_eps={eps!r}: must be a finite number > 0")
+        self.input_norm, self.norm_eps, self.zero_centered_gamma = input_norm, float(eps), zero_centered_gamma
+        if input_norm is None:
+            return
+        factory = dict(dtype=dtype, device=device)
+        gamma = 0.0 if zero_centered_gamma else 1.0
+        self.layer_norm_weight = torch.nn.Parameter(torch.full((self.in_features,), gamma, **factory))
+        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(self.in_features, **factory))
+                                if input_norm == "LayerNorm" else None)
+        for param in (self.layer_norm_weight, self.layer_norm_bias):
+            if param is not None:
+                param.sequence_parallel = self.sequence_parallel
+
+    def input_producer(self, x: torch.Tensor) -> NormProducer | None:
+        """The input norm for input x (its parameters as it computes with them), or None without one."""
+        if self.input_norm is None:
+            return None
+        weight = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        bias = None if self.layer_norm_bias is None else self.layer_norm_bias.to(x.dtype)
+        return NormProducer(weight.to(x.dtype), bias, self.input_norm, self.norm_eps)
+
+    def _input_amax_reduction(self):
+        """The all-reduce of the input's amaxes under SP (the gathered copies share one scale, docs/numerics.md §9)."""
+        if not (self.sequence_parallel and self.world_size > 1):
+            return None
+        return lambda amaxes: collectives.all_reduce_amax(amaxes, self.tp_group)
 
     def forward(self, x: torch.Tensor):
         self.check_group_consistency(x, self.in_features)
         bias = None if self.skip_bias_add else self.bias
+        producer = self.input_producer(x)
         if not self._uses_nvfp4(x):  # the NVFP4 path communicates inside its autograd Function
+            if producer is not None:  # the norm on this rank's tokens, then the BF16 gather
+                x, producer = producer.output(x), None
             if self.sequence_parallel:
                 x = _GatherFromSequenceParallelRegion.apply(x, self.tp_group)
             elif self.world_size > 1:
                 x = _CopyToTensorParallelRegion.apply(x, self.tp_group)
-        y = self._linear(x, bias, self.comm)
+        y = self._linear(x, bias, self.comm, producer, self._input_amax_reduction())
         if self.gather_output and self.world_size > 1:
             y = _GatherFromTensorParallelRegion.apply(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -345,13 +399,21 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"input.shape={tuple(x.shape)}: with sequence_parallel the first dim must be divisible "
                              f"by the tensor-parallel size {self.world_size}")
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, *, activation: str | None = None):
+        """activation: x is fc1's output and the layer's input its activation ("gelu", or "swiglu" of x = [gate | up],
+        this rank's shards), fused into the input's cast where recipe.fused_producers allows."""
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: allowed values are None and {ACTIVATIONS}")
+        widen = 2 if activation == "swiglu" else 1
         scatter = not self.input_is_parallel and self.world_size > 1
-        self.check_group_consistency(x, self.in_features if scatter else self.in_features // self.world_size)
+        if scatter and activation is not None:
+            raise ValueError("activation with input_is_parallel=False: the activation takes this rank's shard of "
+                             "fc1's output; pass input_is_parallel=True")
+        self.check_group_consistency(x, self.in_features if scatter else widen * self.in_features // self.world_size)
         if scatter:
             x = _ScatterToTensorParallelRegion.apply(x, self.tp_group)
         nvfp4 = self._uses_nvfp4(x)
-        y = self._linear(x, None, self.comm)
+        y = self._linear(x, None, self.comm, None if activation is None else ActivationProducer(activation))
         if not nvfp4:  # the NVFP4 path reduces inside its autograd Function
             if self.sequence_parallel:
                 y = _ReduceScatterToSequenceParallelRegion.apply(y, self.tp_group)

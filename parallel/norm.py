@@ -5,11 +5,14 @@ with a full (replicated) copy of the norm's parameters, so each rank's parameter
 partial sum over its tokens. Megatron-Core's gradient finalization all-reduces, across the TP
 group, the gradients of parameters marked `sequence_parallel = True`; this module sets that mark.
 (Megatron's own local norm, WrappedTorchNorm, refuses sequence parallelism outright.)
+The norm itself is nvfp4_dist.fused.norm: FP32 in a fixed order, the same numbers as the norms that
+nvfp4_dist.layernorm_linear fuses into the NVFP4 cast of their output.
 """
 import logging
 
 import torch
-import torch.nn.functional as F
+
+from nvfp4_dist.fused import norm, norm_output_dtype
 
 logger = logging.getLogger("nvfp4_dist")
 
@@ -61,17 +64,11 @@ class SequenceParallelNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        weight = weight.to(x.dtype)
-        shape = (self.hidden_size,)
-        if self.normalization == "LayerNorm":
-            out = F.layer_norm(x, shape, weight, self.bias.to(x.dtype), self.eps)
-        else:
-            out = F.rms_norm(x, shape, weight, self.eps)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         # Under autocast the norm computes in FP32; hand the next layer the autocast dtype, as the
         # matmuls that follow produce it (Megatron's SP output layer needs input and gradient to agree).
-        if torch.is_autocast_enabled(x.device.type):
-            out = out.to(torch.get_autocast_dtype(x.device.type))
-        return out
+        return norm(x, weight.to(x.dtype), bias, normalization=self.normalization, eps=self.eps,
+                    out_dtype=norm_output_dtype(x))
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, normalization={self.normalization}, "

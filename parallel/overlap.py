@@ -264,7 +264,10 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
         self.input_carry: ColumnwiseCarry | None = None
 
     def quantize_input(self, x2d, recipe, *, columnwise):
-        xq = super().quantize_input(x2d, recipe, columnwise=columnwise)
+        return self.carry_input(super().quantize_input(x2d, recipe, columnwise=columnwise))
+
+    def carry_input(self, xq):
+        """Set up the ring carry of the quantized input's columnwise copy (keep_input_columnwise); returns xq."""
         kept = self.overlaps() and self.keep_input_columnwise and xq.has_columnwise
         self.input_carry = ColumnwiseCarry(xq.columnwise_only(), self.group) if kept else None
         return xq

@@ -265,12 +265,14 @@ def _gpt_loss(model):
 
 def _gpt_worker(rank, world_size):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from nvfp4_dist.parallel.megatron import (NVFP4ColumnParallelLinear, NVFP4Norm, NVFP4RowParallelLinear,
+    from megatron.core.transformer.identity_op import IdentityOp
+    from nvfp4_dist.parallel.megatron import (NVFP4LayerNormColumnParallelLinear, NVFP4Norm, NVFP4RowParallelLinear,
                                               get_gpt_decoder_block_nvfp4_spec, get_gpt_layer_nvfp4_spec)
     _init_megatron(TP)
     config = _config(gated_linear_unit=True, sequence_parallel=False)
     megatron_local = _gpt(config, get_gpt_layer_local_spec(), seed=11)
-    all_bf16 = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3), seed=11)
+    all_bf16 = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3, fused_producers=False),
+                    seed=11)
     # Same structure and checkpoint layout as Megatron's local spec.
     assert list(all_bf16.state_dict()) == list(megatron_local.state_dict())
     metadata = {"dp_cp_group": __import__("megatron.core.parallel_state", fromlist=["x"])
@@ -292,7 +294,8 @@ def _gpt_worker(rank, world_size):
 
     # Sequence parallelism (our SP norm; Megatron's local norm refuses it): same loss and grads.
     sp_config = _config(gated_linear_unit=True, sequence_parallel=True)
-    sp_bf16 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=3), seed=11)
+    sp_bf16 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=3, fused_producers=False),
+                   seed=11)
     torch.testing.assert_close(_gpt_loss(sp_bf16), reference_loss, rtol=1e-5, atol=1e-5)
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
     for param in sp_bf16.parameters():
@@ -315,12 +318,13 @@ def _gpt_worker(rank, world_size):
                  seed=11)
     layers = nvfp4.decoder.layers
     assert [layer.mlp.linear_fc1.bf16_fallback for layer in layers] == [True, False, True]
-    for layer in layers:
-        assert isinstance(layer.self_attention.linear_qkv, NVFP4ColumnParallelLinear)
+    for layer in layers:  # the norms inside linear_qkv and linear_fc1 (fused_producers, the default)
+        assert isinstance(layer.self_attention.linear_qkv, NVFP4LayerNormColumnParallelLinear)
         assert isinstance(layer.self_attention.linear_proj, NVFP4RowParallelLinear)
-        assert isinstance(layer.mlp.linear_fc1, NVFP4ColumnParallelLinear)
+        assert isinstance(layer.mlp.linear_fc1, NVFP4LayerNormColumnParallelLinear)
         assert isinstance(layer.mlp.linear_fc2, NVFP4RowParallelLinear)
-        assert isinstance(layer.input_layernorm, NVFP4Norm) and layer.input_layernorm.weight.sequence_parallel
+        assert isinstance(layer.input_layernorm, IdentityOp) and isinstance(layer.pre_mlp_layernorm, IdentityOp)
+        assert layer.self_attention.linear_qkv.layer_norm_weight.sequence_parallel
     assert isinstance(nvfp4.decoder.final_layernorm, NVFP4Norm)
     nvfp4_loss = _gpt_loss(nvfp4)
     assert torch.isfinite(nvfp4_loss)
@@ -335,6 +339,77 @@ def _gpt_worker(rank, world_size):
 
 def test_gpt_model_with_nvfp4_spec_at_tp2():
     run_distributed(_gpt_worker, TP)
+
+
+def _fused_producers_worker(rank, world_size):
+    """The default specs keep each norm inside linear_qkv / linear_fc1 and the activation inside linear_fc2, fused
+    into the NVFP4 casts: the local spec's distributed-checkpoint keys, its BF16 numbers, and in NVFP4 the same
+    bytes as with the fusion turned off (NVFP4_DISABLE_FUSED_PRODUCERS=1)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    import nvfp4_dist.layernorm_linear as fused_layers
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import build_module
+    from nvfp4_dist.parallel.megatron import (NVFP4MLP, get_gpt_decoder_block_nvfp4_spec, get_gpt_layer_nvfp4_spec,
+                                              with_sdpa_attention)
+    _init_megatron(TP)
+    metadata = {"dp_cp_group": __import__("megatron.core.parallel_state", fromlist=["x"])
+                .get_data_parallel_group(with_context_parallel=True)}
+    config = _config(gated_linear_unit=True, sequence_parallel=False)
+    megatron_local = _gpt(config, get_gpt_layer_local_spec(), seed=11)
+    unfused = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3, fused_producers=False),
+                   seed=11)
+    fused = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3), seed=11)
+    def checkpoint_keys(model):  # the keys in the checkpoint: after the layers' sharded_state_dict_keys_map
+        return sorted(value.key for value in model.sharded_state_dict(metadata=metadata).values())
+    assert checkpoint_keys(fused) == checkpoint_keys(megatron_local)
+    moved = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+    def renamed(key):
+        for old, new in moved.items():
+            key = key.replace(old, new)
+        return key
+    state = {renamed(key): value for key, value in unfused.state_dict().items()}
+    assert sorted(fused.state_dict()) == sorted(state)
+    fused.load_state_dict(state, strict=True)
+    assert torch.equal(_gpt_loss(fused), _gpt_loss(unfused))  # BF16: the same norm and linears in a new place
+
+    calls = {"norm": 0, "activation": 0}
+    for kind, name in (("norm", "quantize_norm_output"), ("activation", "quantize_activation_output")):
+        original = getattr(fused_layers, name)
+
+        def counted(*args, _original=original, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _original(*args, **kwargs)
+        setattr(fused_layers, name, counted)
+    swiglu = _config(gated_linear_unit=True, activation_func=F.silu, sequence_parallel=True,
+                     normalization="RMSNorm", params_dtype=torch.bfloat16)
+    torch.manual_seed(13)
+    layer = build_module(with_sdpa_attention(get_gpt_layer_nvfp4_spec()), config=swiglu, layer_number=1)
+    assert isinstance(layer.mlp, NVFP4MLP) and isinstance(layer.input_layernorm, IdentityOp)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=generator).bfloat16().chunk(TP)[rank]  # SP: this rank's tokens
+    dy = torch.randn(SEQ, BATCH, HIDDEN, generator=generator).bfloat16().chunk(TP)[rank]
+    runs = []
+    for disabled in ("0", "1"):
+        os.environ["NVFP4_DISABLE_FUSED_PRODUCERS"] = disabled
+        inp = x.clone().requires_grad_(True)
+        out = layer(hidden_states=inp, attention_mask=None)[0]
+        torch.manual_seed(17)
+        out.backward(dy)
+        runs.append([out.detach(), inp.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+        if disabled == "0":  # the two norms and the activation, each fused into its linear's cast
+            assert calls == {"norm": 2, "activation": 1}, calls
+    del os.environ["NVFP4_DISABLE_FUSED_PRODUCERS"]
+    assert calls == {"norm": 2, "activation": 1}, calls
+    for index, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), index
+
+
+def test_specs_fuse_the_producers_at_tp2():
+    run_distributed(_fused_producers_worker, TP)
 
 
 def test_bf16_layer_counts_precedence():

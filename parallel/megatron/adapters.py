@@ -96,13 +96,13 @@ class _MegatronLinearContract:
     # every forward, the weight is not kept between forward and backward (keep_quantized_weight).
     is_first_microbatch = None
 
-    def forward(self, input_: torch.Tensor):
+    def forward(self, input_: torch.Tensor, **layer_kwargs):
         self.keep_quantized_weight = self.is_first_microbatch is not None
         if self.is_first_microbatch is not False:
             self.invalidate_weight_cache()
         if self.is_first_microbatch:
             self.is_first_microbatch = False
-        return super().forward(input_)
+        return super().forward(input_, **layer_kwargs)
 
     @staticmethod
     def _layer_options(config, init_method, partition_dim: int, stride: int, tp_size: int, master,
@@ -172,13 +172,19 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
         super().__init__(
             input_size, output_size, bias=bias, tp_group=tp_group,
             sequence_parallel=sequence_parallel, gather_output=gather_output, skip_bias_add=skip_bias_add,
-            **self._layer_options(config, init_method, 0, stride, tp_size, master, recipe, bf16_fallback))
+            **self._layer_options(config, init_method, 0, stride, tp_size, master, recipe, bf16_fallback),
+            **self._input_norm_options(config))
         self._adopt_megatron_attributes(config, input_size=input_size, output_size=output_size, is_expert=is_expert,
                                         stride=stride, name=name, tp_comm_buffer_name=tp_comm_buffer_name,
                                         master=master)
         self.output_size_per_partition = output_size // tp_size
         if self.bias is not None:
             self.bias.partition_stride = stride
+
+    @staticmethod
+    def _input_norm_options(config) -> dict:
+        """ColumnParallelLinear's input-norm keywords: none here (see NVFP4LayerNormColumnParallelLinear)."""
+        return {}
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
@@ -203,11 +209,30 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
                 f"sequence_parallel={self.sequence_parallel}, bf16_fallback={self.bf16_fallback}")
 
 
+class NVFP4LayerNormColumnParallelLinear(NVFP4ColumnParallelLinear):
+    """NVFP4ColumnParallelLinear with the layer's norm inside (TE's TELayerNormColumnParallelLinear), for
+    linear_qkv and linear_fc1 behind an IdentityOp input_layernorm / pre_mlp_layernorm: the norm
+    (config.normalization, layernorm_epsilon, layernorm_zero_centered_gamma) is fused into the cast of the
+    linear's input where recipe.fused_producers allows. Its parameters layer_norm_weight / layer_norm_bias are
+    replicated (the checkpoint keys Megatron maps the local spec's norms to) and marked sequence_parallel
+    under SP, so Megatron all-reduces their gradients over the TP group.
+    """
+
+    @staticmethod
+    def _input_norm_options(config) -> dict:
+        if getattr(config, "apply_residual_connection_post_layernorm", False):
+            raise ValueError("config.apply_residual_connection_post_layernorm=True: the residual would take the "
+                             "norm's output, which this layer keeps inside; build the spec with fused_producers=False")
+        return dict(input_norm=config.normalization, norm_eps=config.layernorm_epsilon,
+                    zero_centered_gamma=bool(config.layernorm_zero_centered_gamma))
+
+
 class NVFP4RowParallelLinear(_MegatronLinearContract, RowParallelLinear):
     """NVFP4 RowParallelLinear with the constructor and forward of Megatron-Core's.
 
-    forward(input_) -> (output, bias or None). The bias is not sharded; under sequence parallelism it
-    is marked `sequence_parallel` so Megatron all-reduces its gradient over the TP group.
+    forward(input_, activation=None) -> (output, bias or None); activation (NVFP4MLP): input_ is fc1's output and
+    the layer applies the activation, fused into its input's cast. The bias is not sharded; under sequence
+    parallelism it is marked `sequence_parallel` so Megatron all-reduces its gradient over the TP group.
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable,

@@ -9,13 +9,17 @@ from typing import Any, Callable, Optional
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from nvfp4_dist.parallel.megatron.adapters import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+from nvfp4_dist.parallel.megatron.adapters import (NVFP4ColumnParallelLinear, NVFP4LayerNormColumnParallelLinear,
+                                                   NVFP4RowParallelLinear)
 from nvfp4_dist.parallel.megatron.attention import SDPACoreAttention
+from nvfp4_dist.parallel.megatron.mlp import NVFP4MLP
 from nvfp4_dist.parallel.megatron.norm import NVFP4Norm
 from nvfp4_dist.recipe import NVFP4Recipe
 
@@ -78,6 +82,34 @@ def _nvfp4_replacements(recipe: Optional[NVFP4Recipe], bf16: bool) -> Callable[[
     return replace
 
 
+def _norms_into_linears(layer_spec: ModuleSpec, recipe: Optional[NVFP4Recipe], bf16: bool) -> ModuleSpec:
+    """The layer with its input_layernorm inside linear_qkv and its pre_mlp_layernorm inside linear_fc1
+    (NVFP4LayerNormColumnParallelLinear, IdentityOp in the norms' places), its MLP an NVFP4MLP: the structure of
+    Megatron's Transformer Engine spec. Attention without a linear_qkv (multi-latent) and MLPs that are not
+    Megatron's MLP (MoE) keep their norm."""
+    params = {"recipe": recipe, "bf16_fallback": bf16}
+    fused_column = ModuleSpec(module=NVFP4LayerNormColumnParallelLinear, params=params)
+    layer = layer_spec.submodules
+    changes = {}
+    attention = layer.self_attention
+    if (isinstance(attention, ModuleSpec) and attention.submodules is not None
+            and getattr(attention.submodules, "linear_qkv", None) is megatron_layers.ColumnParallelLinear):
+        changes["input_layernorm"] = IdentityOp
+        changes["self_attention"] = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=fused_column))
+    mlp = layer.mlp
+    if (isinstance(mlp, ModuleSpec) and mlp.module is MLP and mlp.submodules is not None
+            and mlp.submodules.linear_fc1 is megatron_layers.ColumnParallelLinear):
+        changes["pre_mlp_layernorm"] = IdentityOp
+        changes["mlp"] = dataclasses.replace(mlp, module=NVFP4MLP,
+                                             submodules=dataclasses.replace(mlp.submodules, linear_fc1=fused_column))
+    keys_map = {old: new for old, new in getattr(layer, "sharded_state_dict_keys_map", {}).items()
+                if old.rstrip(".") not in changes}  # the moved norms' checkpoint keys are already the mapped ones
+    if hasattr(layer, "sharded_state_dict_keys_map"):
+        changes["sharded_state_dict_keys_map"] = keys_map
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer, **changes))
+
+
 def with_sdpa_attention(spec):
     """Any Megatron spec (layer or block) with DotProductAttention replaced by SDPACoreAttention."""
     def replace(field: str, value):
@@ -93,17 +125,26 @@ def with_sequence_parallel_norm(spec):
 
 
 def get_gpt_layer_nvfp4_spec(*, recipe: Optional[NVFP4Recipe] = None, bf16: bool = False,
-                             sdpa_attention: bool = False, **local_spec_kwargs) -> ModuleSpec:
+                             sdpa_attention: bool = False, fused_producers: bool = True,
+                             **local_spec_kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with linear_qkv/proj/fc1/fc2 in NVFP4 and SP-capable norms.
 
     local_spec_kwargs go to Megatron's get_gpt_layer_local_spec (num_experts, qk_layernorm,
     normalization, ...). recipe: per-layer NVFP4Recipe (None: nvfp4_dist.autocast, then environment).
     bf16: build the same layer with the adapters in their BF16 fallback.
     sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
+    fused_producers: the norms inside linear_qkv and linear_fc1 and the activation inside linear_fc2
+    (_norms_into_linears), so that each is fused into the NVFP4 cast of the linear's input where
+    recipe.fused_producers allows (NVFP4_DISABLE_FUSED_PRODUCERS=1 turns that off at run time, the same
+    bytes either way). Distributed checkpoints keep the local spec's keys (Megatron maps its norms there);
+    False: the local spec's structure and state_dict keys.
     With sequence parallelism use get_gpt_decoder_block_nvfp4_spec: given a layer spec, GPTModel
     builds the final norm from Megatron's local norm, which refuses sequence parallelism.
     """
-    spec = _swap_submodules(get_gpt_layer_local_spec(**local_spec_kwargs), _nvfp4_replacements(recipe, bf16))
+    spec = get_gpt_layer_local_spec(**local_spec_kwargs)
+    if fused_producers:
+        spec = _norms_into_linears(spec, recipe, bf16)
+    spec = _swap_submodules(spec, _nvfp4_replacements(recipe, bf16))
     return with_sdpa_attention(spec) if sdpa_attention else spec
 
 
@@ -132,15 +173,15 @@ def bf16_layer_counts(config, recipe: Optional[NVFP4Recipe] = None,
 def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = None,
                                      bf16_first_layers: Optional[int] = None,
                                      bf16_last_layers: Optional[int] = None,
-                                     sdpa_attention: bool = False, vp_stage: Optional[int] = None,
-                                     pp_rank: Optional[int] = None,
+                                     sdpa_attention: bool = False, fused_producers: bool = True,
+                                     vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
                                      **local_spec_kwargs) -> TransformerBlockSubmodules:
     """Decoder-block spec: NVFP4 layers except the first/last ones (see bf16_layer_counts) in BF16.
 
     Pass it to GPTModel(transformer_layer_spec=...). Only this pipeline stage's layers are listed
     (vp_stage / pp_rank as in Megatron's get_gpt_decoder_block_spec). local_spec_kwargs default to
-    the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention: see
-    get_gpt_layer_nvfp4_spec.
+    the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention, fused_producers:
+    see get_gpt_layer_nvfp4_spec.
     """
     if getattr(config, "num_moe_experts", None):
         raise ValueError(f"config.num_moe_experts={config.num_moe_experts}: the block builder is for "
@@ -149,9 +190,10 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
     local_spec_kwargs.setdefault("normalization", config.normalization)
     local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
     local_spec_kwargs.setdefault("multi_latent_attention", config.multi_latent_attention)
-    nvfp4_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, sdpa_attention=sdpa_attention, **local_spec_kwargs)
+    nvfp4_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, sdpa_attention=sdpa_attention,
+                                           fused_producers=fused_producers, **local_spec_kwargs)
     bf16_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, bf16=True, sdpa_attention=sdpa_attention,
-                                          **local_spec_kwargs)
+                                          fused_producers=fused_producers, **local_spec_kwargs)
     num_layers = config.num_layers
     layer_specs = [bf16_layer if (index < first or index >= num_layers - last) else nvfp4_layer
                    for index in range(num_layers)]

@@ -1,0 +1,384 @@
+// LayerNorm / RMSNorm (nvfp4_dist/reference/fused_producers.py), alone or fused with the NVFP4 cast of their output.
+//
+// Row pass (launch_norm_rows): a CTA takes bands of 16 rows, the rows of a band two (or one) at a time, the whole
+// CTA on each row: thread t holds blocks t + 256 k of the row in registers; the row's sums follow the reference's
+// halving tree (thread_share_of_row_sum, then block_halving_sums); LayerNorm's variance is taken from the centred
+// values in registers. It writes mean and rstd, and on request the norm's output, the amax of its BF16 rounding
+// (per tensor, or per row), and, for the RHT columnwise copy, the amax after the RHT: once a band's statistics are
+// known the CTA reads the band again (from L2: the grid is sized so that the bands in flight fit it) column pair
+// by column pair, forms the 16 normalized values of each column in registers and transforms them.
+// Cast pass (launch_norm_cast): producer_cast.cuh's tile cast with the norm as its producer, from the statistics.
+// The norm's output is never written by the fused passes.
+#include <algorithm>
+
+#include "nvfp4_device.cuh"
+#include "nvfp4_numerics.cuh"
+#include "producer_cast.cuh"
+#include "producer_numerics.cuh"
+
+namespace nvfp4 {
+namespace {
+
+using producer::block_halving_sums;
+
+constexpr int kNormThreads = 256;
+constexpr int kBandRows = 16;
+constexpr int kMaxBlocksPerThread = 4;  // rows up to 256 * 4 * 16 = 16384 wide
+
+enum ColumnPass : int { kNoColumnPass = 0, kRhtRandomSign = 1, kRhtPlain = 2 };
+
+struct RowPassArgs {
+  const void* x;
+  int64_t rows, cols;
+  const float* weight;
+  const float* bias;
+  float eps;
+  float* mean;
+  float* rstd;
+  void* y;
+  InputType y_type;
+  float* amax_rowwise;
+  bool row_scaled;
+  float* amax_rht;
+};
+
+// The 16 elements of block `block` of a row of T as FP32.
+template <typename T>
+__device__ __forceinline__ void load_block(const T* row, int64_t block, float (&values)[kBlockSize]) {
+  constexpr int kPerVector = 16 / sizeof(T);
+  const uint4* source = reinterpret_cast<const uint4*>(row + block * kBlockSize);
+#pragma unroll
+  for (int q = 0; q < kBlockSize / kPerVector; ++q) {
+    float part[kPerVector];
+    unpack_vector<T>(__ldg(source + q), part);
+#pragma unroll
+    for (int e = 0; e < kPerVector; ++e) values[q * kPerVector + e] = part[e];
+  }
+}
+
+// 16 consecutive floats (64-byte aligned).
+__device__ __forceinline__ void load_floats16(const float* address, float (&values)[kBlockSize]) {
+  const float4* source = reinterpret_cast<const float4*>(address);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 part = __ldg(source + q);
+    values[4 * q] = part.x;
+    values[4 * q + 1] = part.y;
+    values[4 * q + 2] = part.z;
+    values[4 * q + 3] = part.w;
+  }
+}
+
+// Two adjacent elements of T as FP32.
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* address) {
+  if constexpr (sizeof(T) == 4) {
+    return __ldg(reinterpret_cast<const float2*>(address));
+  } else {
+    const uint32_t word = __ldg(reinterpret_cast<const unsigned int*>(address));
+    const T* halves = reinterpret_cast<const T*>(&word);
+    return make_float2(to_float(halves[0]), to_float(halves[1]));
+  }
+}
+
+// 16 values of one block of the output, converted to `type` and stored (a runtime type: the norm's output dtype).
+__device__ __forceinline__ void store_block(void* y, InputType type, int64_t offset, const float (&values)[kBlockSize]) {
+  if (type == InputType::kFloat32) {
+    float4* out = reinterpret_cast<float4*>(static_cast<float*>(y) + offset);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) out[q] = make_float4(values[4 * q], values[4 * q + 1], values[4 * q + 2], values[4 * q + 3]);
+    return;
+  }
+  uint32_t words[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (type == InputType::kBFloat16) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(values[2 * i], values[2 * i + 1]);
+      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    } else {
+      const __half2 pair = __floats2half2_rn(values[2 * i], values[2 * i + 1]);
+      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+  }
+  uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(y) + offset);
+  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+}
+
+template <bool kLayerNorm>
+__device__ __forceinline__ float norm_of(float value, float mean, float rstd, float weight, float bias) {
+  if constexpr (kLayerNorm) {
+    return layer_norm_of_centred(value - mean, rstd, weight, bias);
+  } else {
+    return rms_norm_of(value, rstd, weight);
+  }
+}
+
+// kRows rows of a band at a time (their loads in flight together); kBlocks: blocks of a row per thread.
+template <typename T, bool kLayerNorm, int kBlocks, int kRows, int kColumnPass>
+__global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassArgs args) {
+  __shared__ float scratch[kRows][kNormThreads];
+  __shared__ float sums[kRows];
+  __shared__ uint32_t max_scratch[32];
+  __shared__ float band_mean[kBandRows], band_rstd[kBandRows];
+  const int tid = threadIdx.x;
+  const int64_t cols = args.cols, blocks_per_row = cols / kBlockSize;
+  const float width = static_cast<float>(cols);
+  const T* x = static_cast<const T*>(args.x);
+  const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
+  uint32_t tensor_amax = 0u;  // bits of the largest |BF16 output| (non-negative floats: unsigned order)
+  uint32_t rht_amax = 0u;
+
+  for (int64_t band = blockIdx.x; band < bands; band += gridDim.x) {
+    const int64_t first_row = band * kBandRows;
+    for (int r0 = 0; r0 < kBandRows && first_row + r0 < args.rows; r0 += kRows) {
+      float v[kRows][kBlocks][kBlockSize];
+      // the rows' blocks (zeros for blocks past the row's end and rows past the tensor's)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = first_row + r0 + r;
+#pragma unroll
+        for (int k = 0; k < kBlocks; ++k) {
+          const int64_t block = tid + k * kNormThreads;
+          if (row < args.rows && block < blocks_per_row) {
+            load_block<T>(x + row * cols, block, v[r][k]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kBlockSize; ++i) v[r][k][i] = 0.0f;
+          }
+        }
+      }
+      float mean[kRows], rstd[kRows];
+      if constexpr (kLayerNorm) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          float block_sums[kBlocks];
+#pragma unroll
+          for (int k = 0; k < kBlocks; ++k) block_sums[k] = halving_sum16(v[r][k]);
+          mean[r] = thread_share_of_row_sum<kBlocks>(block_sums);
+        }
+        block_halving_sums<kNormThreads, kRows>(mean, scratch, sums);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          mean[r] = mean_of_row(mean[r], width);
+#pragma unroll
+          for (int k = 0; k < kBlocks; ++k) {
+            if (tid + k * kNormThreads < blocks_per_row) {  // absent blocks stay zero, as the tree's padding
+#pragma unroll
+              for (int i = 0; i < kBlockSize; ++i) v[r][k][i] = v[r][k][i] - mean[r];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float block_sums[kBlocks];
+#pragma unroll
+        for (int k = 0; k < kBlocks; ++k) {
+          float squares[kBlockSize];
+#pragma unroll
+          for (int i = 0; i < kBlockSize; ++i) squares[i] = v[r][k][i] * v[r][k][i];
+          block_sums[k] = halving_sum16(squares);
+        }
+        rstd[r] = thread_share_of_row_sum<kBlocks>(block_sums);
+      }
+      block_halving_sums<kNormThreads, kRows>(rstd, scratch, sums);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        rstd[r] = rstd_of_row(rstd[r], width, args.eps);
+        const int64_t row = first_row + r0 + r;
+        const bool inside = row < args.rows;
+        if (tid == 0 && inside) {
+          args.rstd[row] = rstd[r];
+          if (kLayerNorm) args.mean[row] = mean[r];
+          band_mean[r0 + r] = kLayerNorm ? mean[r] : 0.0f;
+          band_rstd[r0 + r] = rstd[r];
+        }
+        uint32_t row_amax = 0u;
+#pragma unroll
+        for (int k = 0; k < kBlocks; ++k) {
+          const int64_t block = tid + k * kNormThreads;
+          if (!inside || block >= blocks_per_row) continue;
+          float weight[kBlockSize], bias[kBlockSize], out[kBlockSize];
+          load_floats16(args.weight + block * kBlockSize, weight);
+          if (kLayerNorm) load_floats16(args.bias + block * kBlockSize, bias);
+#pragma unroll
+          for (int i = 0; i < kBlockSize; ++i) {
+            // v holds x - mean for LayerNorm
+            out[i] = kLayerNorm ? layer_norm_of_centred(v[r][k][i], rstd[r], weight[i], bias[i])
+                                : rms_norm_of(v[r][k][i], rstd[r], weight[i]);
+            row_amax = max(row_amax, abs_bits(rounded_to_bf16(out[i])));
+          }
+          if (args.y != nullptr) store_block(args.y, args.y_type, row * cols + block * kBlockSize, out);
+        }
+        if (args.amax_rowwise != nullptr) {
+          if (args.row_scaled) {
+            row_amax = block_max_bits(row_amax, max_scratch);
+            if (tid == 0 && inside) args.amax_rowwise[row] = __uint_as_float(row_amax);
+          } else {
+            tensor_amax = max(tensor_amax, row_amax);
+          }
+        }
+      }
+    }
+
+    if constexpr (kColumnPass != kNoColumnPass) {
+      // The band again, column pair by column pair: its 16 normalized values per column, rounded to BF16, through
+      // the RHT (rounded to BF16 again), as reference/rht.py forms the columnwise copy's source.
+      __syncthreads();  // the band's statistics
+      for (int64_t pair = tid; pair < cols / 2; pair += kNormThreads) {
+        const int64_t col = 2 * pair;
+        const float w0 = __ldg(args.weight + col), w1 = __ldg(args.weight + col + 1);
+        const float b0 = kLayerNorm ? __ldg(args.bias + col) : 0.0f, b1 = kLayerNorm ? __ldg(args.bias + col + 1) : 0.0f;
+        float column0[kBlockSize], column1[kBlockSize];
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) {
+          const float2 both = load_pair<T>(x + (first_row + i) * cols + col);
+          column0[i] = rounded_to_bf16(norm_of<kLayerNorm>(both.x, band_mean[i], band_rstd[i], w0, b0));
+          column1[i] = rounded_to_bf16(norm_of<kLayerNorm>(both.y, band_mean[i], band_rstd[i], w1, b1));
+        }
+        float transformed0[kBlockSize], transformed1[kBlockSize];
+        rht_chunk_odd_negated<kColumnPass == kRhtRandomSign>(column0, transformed0);  // odd lanes negated: same |.|
+        rht_chunk_odd_negated<kColumnPass == kRhtRandomSign>(column1, transformed1);
+#pragma unroll
+        for (int j = 0; j < kBlockSize; ++j) {
+          rht_amax = max(rht_amax, max(abs_bits(rounded_to_bf16(transformed0[j])), abs_bits(rounded_to_bf16(transformed1[j]))));
+        }
+      }
+      __syncthreads();  // the band's statistics are read before the next band's rows overwrite them
+    }
+  }
+  if (args.amax_rowwise != nullptr && !args.row_scaled) {
+    tensor_amax = block_max_bits(tensor_amax, max_scratch);
+    if (tid == 0) atomic_max_bits(args.amax_rowwise, tensor_amax);
+  }
+  if constexpr (kColumnPass != kNoColumnPass) {
+    rht_amax = block_max_bits(rht_amax, max_scratch);
+    if (tid == 0) atomic_max_bits(args.amax_rht, rht_amax);
+  }
+}
+
+template <typename T, bool kLayerNorm, int kBlocks, int kColumnPass>
+cudaError_t launch_rows(const RowPassArgs& args, cudaStream_t stream) {
+  // two rows at a time where their blocks fit the registers (two blocks of 16 per thread and row at most)
+  constexpr int kRows = kBlocks * (sizeof(T) == 4 ? 2 : 1) <= 2 ? 2 : 1;
+  const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
+  const int64_t multiprocessors = device_multiprocessors();
+  int64_t grid = std::min<int64_t>(bands, multiprocessors * 8);
+  if constexpr (kColumnPass != kNoColumnPass) {
+    // the column pass reads its band again: as many bands in flight as half the L2 holds (one per multiprocessor
+    // at least), so that the second read hits it
+    int device = 0, l2_bytes = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+    const int64_t band_bytes = kBandRows * args.cols * static_cast<int64_t>(sizeof(T));
+    grid = std::min<int64_t>(bands, std::max<int64_t>(multiprocessors, (l2_bytes / 2) / std::max<int64_t>(band_bytes, 1)));
+  }
+  norm_rows_kernel<T, kLayerNorm, kBlocks, kRows, kColumnPass>
+      <<<static_cast<unsigned>(std::max<int64_t>(grid, 1)), kNormThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename T, bool kLayerNorm, int kColumnPass>
+cudaError_t launch_rows_for_width(const RowPassArgs& args, cudaStream_t stream) {
+  const int64_t blocks_per_thread = (args.cols / kBlockSize + kNormThreads - 1) / kNormThreads;
+  if (blocks_per_thread <= 1) return launch_rows<T, kLayerNorm, 1, kColumnPass>(args, stream);
+  if (blocks_per_thread <= 2) return launch_rows<T, kLayerNorm, 2, kColumnPass>(args, stream);
+  if (blocks_per_thread <= 4) return launch_rows<T, kLayerNorm, 4, kColumnPass>(args, stream);
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, bool kLayerNorm>
+cudaError_t launch_rows_for_pass(const RowPassArgs& args, bool rht_random_sign, cudaStream_t stream) {
+  if (args.amax_rht == nullptr) return launch_rows_for_width<T, kLayerNorm, kNoColumnPass>(args, stream);
+  return rht_random_sign ? launch_rows_for_width<T, kLayerNorm, kRhtRandomSign>(args, stream)
+                         : launch_rows_for_width<T, kLayerNorm, kRhtPlain>(args, stream);
+}
+
+// The norm as the cast's producer: the tile's rows' statistics and columns' weight and bias staged in shared memory.
+template <typename T, bool kLayerNorm>
+struct NormProducer {
+  const T* x;
+  int64_t cols;
+  const float* weight;
+  const float* bias;
+  const float* mean;
+  const float* rstd;
+
+  struct Tile {
+    float mean[producer::kCastTileRows], rstd[producer::kCastTileRows];
+    __align__(16) float weight[producer::kCastTileCols];
+    __align__(16) float bias[producer::kCastTileCols];
+  };
+
+  __device__ void stage(Tile& tile, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
+    if (tid < rows_in_tile) {
+      tile.rstd[tid] = rstd[m0 + tid];
+      tile.mean[tid] = kLayerNorm ? mean[m0 + tid] : 0.0f;
+    }
+    if (tid < cols_in_tile) {
+      tile.weight[tid] = weight[k0 + tid];
+      tile.bias[tid] = kLayerNorm ? bias[k0 + tid] : 0.0f;
+    }
+  }
+
+  __device__ void produce8(const Tile& tile, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const {
+    constexpr int kPerVector = 16 / sizeof(T);
+    const uint4* source = reinterpret_cast<const uint4*>(x + (m0 + r) * cols + k0 + c);
+    float values[8];
+#pragma unroll
+    for (int q = 0; q < 8 / kPerVector; ++q) {
+      float part[kPerVector];
+      unpack_vector<T>(load_streaming(source + q), part);
+#pragma unroll
+      for (int e = 0; e < kPerVector; ++e) values[q * kPerVector + e] = part[e];
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = norm_of<kLayerNorm>(values[e], tile.mean[r], tile.rstd[r], tile.weight[c + e], tile.bias[c + e]);
+  }
+};
+
+}  // namespace
+
+cudaError_t launch_norm_rows(const NormArgs& norm, void* y, InputType y_type, float* amax_rowwise, bool row_scaled,
+                             float* amax_rht, bool rht_random_sign, cudaStream_t stream) {
+  if (norm.cols <= 0 || norm.cols % kBlockSize != 0 || norm.cols > kNormThreads * kMaxBlocksPerThread * kBlockSize) {
+    return cudaErrorInvalidValue;
+  }
+  if (amax_rht != nullptr && norm.rows % kBandRows != 0) return cudaErrorInvalidValue;
+  if (norm.rows == 0) return cudaSuccess;
+  if (amax_rowwise != nullptr && !row_scaled) {
+    const cudaError_t status = cudaMemsetAsync(amax_rowwise, 0, sizeof(float), stream);
+    if (status != cudaSuccess) return status;
+  }
+  if (amax_rht != nullptr) {
+    const cudaError_t status = cudaMemsetAsync(amax_rht, 0, sizeof(float), stream);
+    if (status != cudaSuccess) return status;
+  }
+  const RowPassArgs args{norm.x, norm.rows, norm.cols, norm.weight, norm.bias, norm.eps, norm.mean, norm.rstd,
+                         y, y_type, amax_rowwise, row_scaled, amax_rht};
+  const bool layer_norm = norm.normalization == Normalization::kLayerNorm;
+  NVFP4_DISPATCH_INPUT_TYPE(norm.type, T,
+                            return layer_norm ? launch_rows_for_pass<T, true>(args, rht_random_sign, stream)
+                                              : launch_rows_for_pass<T, false>(args, rht_random_sign, stream));
+  return cudaSuccess;
+}
+
+cudaError_t launch_norm_cast(const NormArgs& norm, const ProducerCastArgs& cast, cudaStream_t stream) {
+  if (norm.cols % kBlockSize != 0 || cast.rows != norm.rows || cast.cols != norm.cols) return cudaErrorInvalidValue;
+  const bool layer_norm = norm.normalization == Normalization::kLayerNorm;
+  NVFP4_DISPATCH_INPUT_TYPE(
+      norm.type, T,
+      if (layer_norm) {
+        return producer::launch_produce_and_cast(
+            NormProducer<T, true>{static_cast<const T*>(norm.x), norm.cols, norm.weight, norm.bias, norm.mean, norm.rstd},
+            cast, stream);
+      } else {
+        return producer::launch_produce_and_cast(
+            NormProducer<T, false>{static_cast<const T*>(norm.x), norm.cols, norm.weight, norm.bias, norm.mean, norm.rstd},
+            cast, stream);
+      });
+  return cudaSuccess;
+}
+
+}  // namespace nvfp4

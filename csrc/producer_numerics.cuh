@@ -1,0 +1,129 @@
+// The numerics of the fused producers (nvfp4_dist/reference/fused_producers.py), element by element: the
+// fixed-order row sums and the norm of a value, exp / erfc and the activations, BF16 rounding. Each function is
+// __host__ __device__, so a host build checks it against the reference bit for bit (tests/test_fused_kernels_cpu.py).
+// All arithmetic is FP32 in the reference's order; compile without fast-math and with -fmad=false.
+#pragma once
+
+#include "nvfp4_numerics.cuh"
+
+namespace nvfp4 {
+
+// --- the fixed-order row sum: a halving tree over each 16-block, then over the blocks -------------------------
+
+// (v[i] + v[i + 8]), then (i, i + 4), (i, i + 2), (i, i + 1): the halving tree of one block.
+NVFP4_HD float halving_sum16(const float (&v)[kBlockSize]) {
+  float t[kBlockSize / 2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) t[i] = v[i] + v[i + 8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  return t[0] + t[1];
+}
+
+// The halving tree of kCount (a power of two) values, in place; returns the sum.
+template <int kCount>
+NVFP4_HD float halving_sum(float (&t)[kCount]) {
+  static_assert((kCount & (kCount - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int n = kCount / 2; n >= 1; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) t[i] = t[i] + t[i + n];
+  }
+  return t[0];
+}
+
+// A thread's share of a row's sum when thread t of kThreads holds blocks t + k * kThreads (k < kBlocks, a power of
+// two; absent blocks zero): the tree's levels of stride kThreads and above, which pair a thread's own blocks.
+// The levels below (kThreads / 2 .. 1) pair threads.
+template <int kBlocks>
+NVFP4_HD float thread_share_of_row_sum(const float (&block_sums)[kBlocks]) {
+  float t[kBlocks];
+#pragma unroll
+  for (int k = 0; k < kBlocks; ++k) t[k] = block_sums[k];
+  return halving_sum<kBlocks>(t);
+}
+
+// --- norm statistics and the norm of one value -----------------------------------------------------------------
+
+NVFP4_HD float mean_of_row(float row_sum, float cols) { return row_sum / cols; }
+
+// rstd = 1 / sqrt(sum / cols + eps): the sum of (x - mean)^2 (LayerNorm) or of x^2 (RMSNorm). Correctly
+// rounded division and square root (no fast-math).
+NVFP4_HD float rstd_of_row(float sum_of_squares, float cols, float eps) {
+  return 1.0f / sqrtf(sum_of_squares / cols + eps);
+}
+
+// LayerNorm of x - mean (the centred value, as the variance took it): (centred * rstd) * w + b.
+NVFP4_HD float layer_norm_of_centred(float centred, float rstd, float weight, float bias) {
+  return (centred * rstd) * weight + bias;
+}
+
+// RMSNorm: (x * rstd) * w.
+NVFP4_HD float rms_norm_of(float x, float rstd, float weight) { return (x * rstd) * weight; }
+
+// RNE to BF16, back in FP32 (a NaN stays a NaN).
+NVFP4_HD float rounded_to_bf16(float v) {
+#ifdef __CUDA_ARCH__
+  return __bfloat162float(__float2bfloat16_rn(v));
+#else
+  uint32_t u = float_bits(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bits_float((u | 0x00400000u) & 0xFFFF0000u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return bits_float(u & 0xFFFF0000u);
+#endif
+}
+
+// --- exp, erfc and the activations ---------------------------------------------------------------------------
+
+// exp: n = rint(x * log2(e)); r = (x - n * LN2_HI) - n * LN2_LO (LN2_HI has 14 significant bits: n * LN2_HI is
+// exact); p(r) by Horner's rule on 1/k!; e^x = (p * 2^floor(n/2)) * 2^(n - floor(n/2)) (one rounding, also into
+// the subnormals).
+constexpr float kLog2e = 0x1.715476p+0f;
+constexpr float kLn2Hi = 0x1.62e400p-1f;
+constexpr float kLn2Lo = 0x1.7f7d1cp-20f;
+constexpr float kExpMax = 0x1.62e42ep+6f;   // above: +inf
+constexpr float kExpMin = -0x1.9fe368p+6f;  // below: 0
+constexpr float kFrac1Sqrt2 = 0x1.6a09e6p-1f;
+
+// 2^k for an integer-valued k in [-126, 127], from the exponent bits.
+NVFP4_HD float power_of_two(float k) { return bits_float(static_cast<uint32_t>(static_cast<int>(k) + 127) << 23); }
+
+NVFP4_HD float fixed_order_exp(float x) {
+  constexpr float kPoly[8] = {1.0f, 1.0f, 0.5f, 0x1.555556p-3f, 0x1.555556p-5f, 0x1.111112p-7f, 0x1.6c16c2p-10f,
+                              0x1.a01a02p-13f};
+  if (x != x) return x;
+  const float clamped = fminf(fmaxf(x, kExpMin), kExpMax);
+  const float n = rintf(clamped * kLog2e);
+  const float r = (clamped - n * kLn2Hi) - n * kLn2Lo;
+  float p = kPoly[7];
+#pragma unroll
+  for (int i = 6; i >= 0; --i) p = kPoly[i] + r * p;
+  const float half = floorf(n * 0.5f);
+  const float y = (p * power_of_two(half)) * power_of_two(n - half);
+  return x > kExpMax ? bits_float(0x7F800000u) : (x < kExpMin ? 0.0f : y);
+}
+
+// erfc(z) = t * exp((c0 - |z|^2) + t * (c1 + t * (... + t * c9))), t = 1 / (1 + |z| / 2); 2 - that for z < 0
+// (Numerical Recipes' erfcc, its coefficients rounded to FP32).
+NVFP4_HD float fixed_order_erfc(float z) {
+  constexpr float kPoly[10] = {-0x1.43f89cp+0f, 0x1.00018ep+0f, 0x1.7f11f6p-2f, 0x1.8c6d92p-4f, -0x1.7d8498p-3f,
+                               0x1.1d8f98p-2f,  -0x1.229cbap+0f, 0x1.7d0f60p+0f, -0x1.a4f124p-1f, 0x1.5df28ap-3f};
+  const float a = fabsf(z);
+  const float t = 1.0f / (1.0f + 0.5f * a);
+  float q = kPoly[9];
+#pragma unroll
+  for (int i = 8; i >= 1; --i) q = kPoly[i] + t * q;
+  const float r = t * fixed_order_exp((kPoly[0] - a * a) + t * q);
+  return z < 0.0f ? 2.0f - r : r;
+}
+
+NVFP4_HD float silu_of(float x) { return x / (1.0f + fixed_order_exp(-x)); }
+
+// The exact (erf) GELU: (0.5 * x) * erfc(-x / sqrt(2)).
+NVFP4_HD float gelu_of(float x) { return (0.5f * x) * fixed_order_erfc(x * -kFrac1Sqrt2); }
+
+NVFP4_HD float swiglu_of(float gate, float up) { return silu_of(gate) * up; }
+
+}  // namespace nvfp4

@@ -1,0 +1,242 @@
+"""CPU-side checks of the fused-producer kernels (csrc/norm_quantize.cu, csrc/activation_quantize.cu): no GPU needed.
+
+- nvfp4_dist.fused_kernels imports without CUDA and mirrors the reference's signatures;
+- the kernels' element numerics (csrc/producer_numerics.cuh, host-compiled with nvcc) equal the reference
+  bit for bit: the fixed-order row sum as the kernels split it over threads, the norm statistics and the norm
+  of each value, the BF16 rounding, exp / erfc and the activations.
+"""
+import ctypes
+import inspect
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from nvfp4_dist import fused_kernels
+from nvfp4_dist.reference import fused_producers as R
+
+CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
+
+# Host entry points over csrc/producer_numerics.cuh, composed as csrc/norm_quantize.cu composes them: thread t of
+# `threads` holds blocks t + k * threads of a row (k < K, the kernel's blocks per thread); its share of the row sum
+# is thread_share_of_row_sum<K>, and the threads' shares meet in the halving tree of stride threads / 2 .. 1.
+HARNESS = r"""
+#include <vector>
+#include "producer_numerics.cuh"
+using namespace nvfp4;
+
+template <int K>
+static float row_sum(const std::vector<float>& row, int threads) {
+  const long blocks = static_cast<long>(row.size()) / kBlockSize;
+  std::vector<float> shares(threads);
+  for (int t = 0; t < threads; ++t) {
+    float block_sums[K];
+    for (int k = 0; k < K; ++k) {
+      const long block = t + static_cast<long>(k) * threads;
+      float v[kBlockSize] = {};
+      if (block < blocks) for (int i = 0; i < kBlockSize; ++i) v[i] = row[block * kBlockSize + i];
+      block_sums[k] = halving_sum16(v);
+    }
+    shares[t] = thread_share_of_row_sum<K>(block_sums);
+  }
+  for (int n = threads / 2; n >= 1; n /= 2)
+    for (int i = 0; i < n; ++i) shares[i] = shares[i] + shares[i + n];
+  return shares[0];
+}
+
+static float row_sum_of(const std::vector<float>& row, int threads, int blocks_per_thread) {
+  switch (blocks_per_thread) {
+    case 1: return row_sum<1>(row, threads);
+    case 2: return row_sum<2>(row, threads);
+    case 4: return row_sum<4>(row, threads);
+    default: return row_sum<8>(row, threads);
+  }
+}
+
+extern "C" {
+// LayerNorm (layer_norm != 0) or RMSNorm of each row, as the norm kernel's row pass: mean, rstd and the output
+// rounded to BF16 (returned as FP32).
+void norm_rows(const float* x, long rows, long cols, const float* weight, const float* bias, int layer_norm,
+               float eps, int threads, int blocks_per_thread, float* mean, float* rstd, float* y) {
+  const float width = static_cast<float>(cols);
+  for (long r = 0; r < rows; ++r) {
+    std::vector<float> v(x + r * cols, x + (r + 1) * cols);
+    float m = 0.0f;
+    if (layer_norm) {
+      m = mean_of_row(row_sum_of(v, threads, blocks_per_thread), width);
+      for (auto& value : v) value = value - m;
+    }
+    std::vector<float> squares(v.size());
+    for (size_t i = 0; i < v.size(); ++i) squares[i] = v[i] * v[i];
+    const float s = rstd_of_row(row_sum_of(squares, threads, blocks_per_thread), width, eps);
+    mean[r] = m;
+    rstd[r] = s;
+    for (long c = 0; c < cols; ++c) {
+      const float out =
+          layer_norm ? layer_norm_of_centred(v[c], s, weight[c], bias[c]) : rms_norm_of(v[c], s, weight[c]);
+      y[r * cols + c] = rounded_to_bf16(out);
+    }
+  }
+}
+
+// kind 0: exp, 1: erfc, 2: SiLU, 3: GELU, 4: SwiGLU of (x, up), 5: BF16 rounding.
+void elementwise(const float* x, const float* up, long n, int kind, float* out) {
+  for (long i = 0; i < n; ++i) {
+    switch (kind) {
+      case 0: out[i] = fixed_order_exp(x[i]); break;
+      case 1: out[i] = fixed_order_erfc(x[i]); break;
+      case 2: out[i] = silu_of(x[i]); break;
+      case 3: out[i] = gelu_of(x[i]); break;
+      case 4: out[i] = swiglu_of(x[i], up[i]); break;
+      default: out[i] = rounded_to_bf16(x[i]); break;
+    }
+  }
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def numerics(tmp_path_factory):
+    """The harness compiled by nvcc for the host, loaded through ctypes."""
+    directory = tmp_path_factory.mktemp("producer_numerics")
+    source = directory / "harness.cu"
+    source.write_text(HARNESS)
+    library = directory / "libharness.so"
+    subprocess.run(["nvcc", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", f"-I{CSRC}",
+                    str(source), "-o", str(library)], check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(library))
+
+
+def pointer(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.c_void_p)
+
+
+def f32(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().to(torch.float32).numpy())
+
+
+def assert_bits_equal(got: np.ndarray, want: torch.Tensor, what: str):
+    got_t = torch.from_numpy(got)
+    want = want.to(torch.float32).contiguous()
+    both_nan = torch.isnan(got_t) & torch.isnan(want)
+    differ = (got_t.view(torch.int32) != want.view(torch.int32)) & ~both_nan
+    index = differ.nonzero()[:5].tolist()
+    assert not differ.any(), f"{what}: {int(differ.sum())} differ, at {index}"
+
+
+def test_fused_kernels_mirror_reference_signatures():
+    for name in ("norm_forward", "norm_amaxes", "norm_quantize", "activation_forward", "activation_amaxes",
+                 "activation_quantize"):
+        ours, theirs = inspect.signature(getattr(fused_kernels, name)), inspect.signature(getattr(R, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+        assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()], name
+
+
+def test_fused_kernels_reject_cpu_tensors_with_value_error():
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        fused_kernels.activation_forward(torch.randn(16, 32), activation="gelu", out_dtype=torch.bfloat16)
+
+
+def test_norm_kernel_widths():
+    """The blocks each of the row pass's threads holds: the power of two that covers the row."""
+    assert fused_kernels.norm_blocks_per_thread(4096) == 1
+    assert fused_kernels.norm_blocks_per_thread(4112) == 2
+    assert fused_kernels.norm_blocks_per_thread(8192) == 2
+    assert fused_kernels.norm_blocks_per_thread(16384) == 4
+    assert fused_kernels.takes_norm_width(16384, torch.bfloat16)
+    assert not fused_kernels.takes_norm_width(16400, torch.bfloat16)
+    assert not fused_kernels.takes_norm_width(40, torch.bfloat16)  # not whole 16-blocks
+
+
+def spread(rows, cols, seed, offset=0.0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=generator)
+    scale = torch.exp2(torch.randint(-8, 9, (rows, 1), generator=generator).float())
+    return (x * scale + offset * scale).to(torch.bfloat16).float()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("normalization", R.NORMALIZATIONS)
+@pytest.mark.parametrize("cols", [16, 272, 4096, 5120, 8192, 16384])
+def test_norm_rows_match_reference(numerics, normalization, cols):
+    x = spread(24, cols, seed=cols, offset=1.5)
+    x[3] = 0.0
+    x[4, ::3] = 1e30
+    generator = torch.Generator().manual_seed(1)
+    weight = (1 + 0.3 * torch.randn(cols, generator=generator)).bfloat16().float()
+    bias = (0.2 * torch.randn(cols, generator=generator)).bfloat16().float()
+    layer_norm = normalization == "LayerNorm"
+    y_ref, mean_ref, rstd_ref = R.norm_forward(x, weight, bias if layer_norm else None, normalization=normalization,
+                                               eps=1e-5, out_dtype=torch.bfloat16)
+    rows = x.shape[0]
+    mean, rstd, y = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, cols), np.float32)
+    numerics.norm_rows(pointer(f32(x)), ctypes.c_long(rows), ctypes.c_long(cols), pointer(f32(weight)),
+                       pointer(f32(bias)), ctypes.c_int(layer_norm), ctypes.c_float(1e-5),
+                       ctypes.c_int(fused_kernels.NORM_THREADS),
+                       ctypes.c_int(fused_kernels.norm_blocks_per_thread(cols)), pointer(mean), pointer(rstd),
+                       pointer(y))
+    assert_bits_equal(rstd, rstd_ref, "rstd")
+    if layer_norm:
+        assert_bits_equal(mean, mean_ref, "mean")
+    assert_bits_equal(y, y_ref, "y")
+
+
+@needs_nvcc
+def test_row_sum_split_over_threads_is_the_reference_tree(numerics):
+    """Any power-of-two thread count and blocks per thread covering the row give the reference's sum (the
+    tree's zero padding changes nothing): the kernels may pick their split."""
+    x = spread(6, 3000 // 16 * 16, seed=9)
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.ones(x.shape[1])
+    expected = R.norm_statistics(x, "RMSNorm", 1e-5)[1]
+    for threads, blocks in ((256, 1), (128, 2), (64, 4), (32, 8), (256, 4)):
+        rows, cols = x.shape
+        mean, rstd, y = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, cols), np.float32)
+        numerics.norm_rows(pointer(f32(x)), ctypes.c_long(rows), ctypes.c_long(cols), pointer(f32(weight)),
+                           pointer(f32(weight)), ctypes.c_int(0), ctypes.c_float(1e-5), ctypes.c_int(threads),
+                           ctypes.c_int(blocks), pointer(mean), pointer(rstd), pointer(y))
+        assert_bits_equal(rstd, expected, f"{threads} threads x {blocks} blocks")
+    del generator
+
+
+def elementwise(numerics, kind, x, up=None):
+    x_np = f32(x.reshape(-1))
+    up_np = f32(up.reshape(-1)) if up is not None else x_np
+    out = np.zeros_like(x_np)
+    numerics.elementwise(pointer(x_np), pointer(up_np), ctypes.c_long(x_np.size), ctypes.c_int(kind), pointer(out))
+    return out
+
+
+def probe_values():
+    """A dense sweep, the ranges' edges, special values and every 2^-17 step's neighbours near 0."""
+    sweep = torch.linspace(-110, 95, 300001)
+    fine = torch.linspace(-8, 8, 200001)
+    edges = torch.tensor([R._EXP_MAX, R._EXP_MIN, 88.7228, -103.97, 0.0, -0.0, 1e-45, -1e-45, 1e-30, 3.4e38, -3.4e38,
+                          float("inf"), -float("inf"), float("nan")])
+    near_edges = torch.cat([torch.nextafter(edges[:2], torch.tensor(float("inf"))),
+                            torch.nextafter(edges[:2], torch.tensor(-float("inf")))])
+    return torch.cat([sweep, fine, edges, near_edges])
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind,function", [(0, R.exp), (1, R.erfc), (2, R.silu), (3, R.gelu)],
+                         ids=["exp", "erfc", "silu", "gelu"])
+def test_activation_numerics_match_reference(numerics, kind, function):
+    x = probe_values()
+    assert_bits_equal(elementwise(numerics, kind, x), function(x), function.__name__)
+
+
+@needs_nvcc
+def test_swiglu_and_bf16_rounding_match_reference(numerics):
+    gate, up = probe_values(), torch.flip(probe_values(), [0])
+    h = torch.stack([gate, up], dim=0).t().reshape(-1, 2)
+    want = R.activated(torch.cat([h[:, :1], h[:, 1:]], dim=1), "swiglu")[:, 0]
+    assert_bits_equal(elementwise(numerics, 4, gate, up), want, "swiglu")
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), generator=torch.Generator().manual_seed(4),
+                         dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert_bits_equal(elementwise(numerics, 5, bits), bits.to(torch.bfloat16).float(), "bf16 rounding")
