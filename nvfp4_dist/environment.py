@@ -107,6 +107,8 @@ OVERLAP = Variable("NVFP4_OVERLAP", "1: recipe overlap=True (pipeline tensor-par
                    FLAG, _flag, False)
 OVERLAP_MIN_CHUNK_GFLOPS = Variable("NVFP4_OVERLAP_MIN_CHUNK_GFLOPS", "recipe overlap_min_chunk_gflops: the "
                                     "smallest ring-step GEMM (GFLOP) that overlap pipelines", COUNT, _count)
+OVERLAP_IGNORE_LINKS = Variable("NVFP4_OVERLAP_IGNORE_LINKS", "1: recipe overlap_measure_links=False (the overlap "
+                                "choice ignores the measured link speed)", FLAG, _flag, False)
 GEMM_BACKEND = Variable("NVFP4_GEMM_BACKEND", "the GEMM backend when neither the call nor the recipe names one "
                         "(and recipe gemm_backend)", ", ".join(GEMM_BACKENDS), _choice(GEMM_BACKENDS))
 FOUR_OVER_SIX = Variable("NVFP4_4OVER6", "recipe nvfp4_4over6: the tensors quantized with 4over6 adaptive block "
@@ -140,6 +142,6 @@ BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build ca
                      "~/.cache/nvfp4_dist keyed by the torch and CUDA versions)", "a directory path", _path)
 
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, DISABLE_FUSED_PRODUCERS,
-             BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, GEMM_BACKEND, FOUR_OVER_SIX,
-             FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH, FORCE_REFERENCE,
-             HOPPER_GEMM, SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)
+             BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, OVERLAP_IGNORE_LINKS, GEMM_BACKEND,
+             FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH,
+             FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)

@@ -234,6 +234,14 @@ class LinearComm:
         """dx = dy . W [tokens, in] for this rank's input."""
         return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
 
+    def dgrad_and_wgrad(self, dyq: NVFP4Tensor, wq: NVFP4Tensor, *, out_dtype: torch.dtype, recipe: NVFP4Recipe,
+                        wgrad_step: Callable[[], None]) -> torch.Tensor:
+        """dgrad(), with wgrad_step() (the layer's weight-gradient step) run exactly once where it hides the most
+        communication; here after dgrad. The overlapped comms run it inside their transfers."""
+        dx = self.dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
+        wgrad_step()
+        return dx
+
 
 @dataclasses.dataclass
 class LinearOptions:
@@ -324,10 +332,11 @@ class NVFP4LinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
         grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-        dx2d, wgrad = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
-                                     need_dgrad, need_wgrad, options.layer_name)
+        dx2d, grad_weight = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
+                                           need_dgrad, need_wgrad,
+                                           lambda wgrad: schedule_weight_grad(weight, wgrad, options),
+                                           options.layer_name)
         grad_x = dx2d.reshape(ctx.x_shape) if need_dgrad else None
-        grad_weight = schedule_weight_grad(weight, wgrad, options) if need_wgrad else None
         return grad_x, grad_weight, grad_bias, None, None
 
 
@@ -347,25 +356,40 @@ def requantized_weight(weight: torch.Tensor, forward_version: tuple, forward_ama
 
 
 def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad,
-                   layer_name: str = "Linear"):
-    """(dx [tokens, in] or None, wgrad compute function or None) with dgrad and wgrad in NVFP4."""
+                   deliver_wgrad: Callable, layer_name: str = "Linear"):
+    """(dx [tokens, in] or None, deliver_wgrad(wgrad compute function) or None) with dgrad and wgrad in NVFP4.
+
+    deliver_wgrad computes (or queues) the weight gradient; the comm runs it inside dgrad where that hides
+    communication (LinearComm.dgrad_and_wgrad)."""
     if not (need_dgrad or need_wgrad):
         return None, None
     sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
     dyq = comm.quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=need_dgrad, columnwise=need_wgrad)
     if recipe.check_finite:
         comm.check_finite({"gradient": dyq}, layer_name)
-    if need_wgrad:  # start the wgrad operands' gathers now, so they overlap the dgrad GEMM
-        finish_x = comm.input_for_wgrad(saved_x)
-        finish_dy = comm.grad_output_for_wgrad(dyq.columnwise_only())
-    dx2d = comm.dgrad(dyq.rowwise_only(), weight_q, out_dtype=x_dtype, recipe=recipe) if need_dgrad else None
     if not need_wgrad:
-        return dx2d, None
+        return comm.dgrad(dyq.rowwise_only(), weight_q, out_dtype=x_dtype, recipe=recipe), None
+    # Start the wgrad operands' gathers now, so they overlap the dgrad GEMM.
+    finish_x = comm.input_for_wgrad(saved_x)
+    finish_dy = comm.grad_output_for_wgrad(dyq.columnwise_only())
 
     def wgrad(accumulate_into):
         return gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
                     out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
-    return dx2d, wgrad
+
+    delivered = []
+
+    def wgrad_step():
+        if delivered:
+            raise RuntimeError(f"{type(comm).__name__}.dgrad_and_wgrad ran the wgrad step twice")
+        delivered.append(deliver_wgrad(wgrad))
+    if not need_dgrad:
+        wgrad_step()
+        return None, delivered[0]
+    dx2d = comm.dgrad_and_wgrad(dyq.rowwise_only(), weight_q, out_dtype=x_dtype, recipe=recipe, wgrad_step=wgrad_step)
+    if not delivered:
+        raise RuntimeError(f"{type(comm).__name__}.dgrad_and_wgrad returned without running the wgrad step")
+    return dx2d, delivered[0]
 
 
 class BF16LinearFunction(torch.autograd.Function):

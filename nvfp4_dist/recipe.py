@@ -16,6 +16,7 @@ _FLAG_OVERRIDES = (
     (environment.ROW_SCALED_ACTIVATION, "row_scaled_activation", True),
     (environment.RHT_NO_RANDOM_SIGN, "rht_random_sign", False),
     (environment.OVERLAP, "overlap", True),
+    (environment.OVERLAP_IGNORE_LINKS, "overlap_measure_links", False),
     (environment.FOUR_OVER_SIX_ERR_USE_FAST_MATH, "nvfp4_4over6_err_use_fast_math", True),
     (environment.DISABLE_FUSED_PRODUCERS, "fused_producers", False),
 )
@@ -94,6 +95,9 @@ class NVFP4Recipe:
     overlap_min_chunk_gflops: with overlap, a layer pipelines only where each ring step's GEMM has at least this
       many GFLOP (2 * rows * out * in of one chunk); smaller ones take the plain path, as each ring step costs
       host time that small GEMMs cannot hide (docs/performance.md says where overlap pays).
+    overlap_measure_links: with overlap, also measure the group's links once (ring vs collective transfer time,
+      GEMM rate) and pipeline only layers whose rings are expected to beat the plain path (docs/slow_links.md);
+      False: the GEMM-size floor alone decides.
     nvfp4_4over6: 4over6 adaptive block scaling (docs/numerics.md §12) for none | weights | activations | all;
       activations are the forward inputs, never the gradients (which keep the RHT and SR), as in Transformer
       Engine's NVFP4BlockScaling. Not with the RHT on activations (rht=False for activations or all).
@@ -118,6 +122,7 @@ class NVFP4Recipe:
     gemm_backend: str = "auto"
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
+    overlap_measure_links: bool = True
     fused_producers: bool = True
     check_finite: bool = True
     nvfp4_4over6: str = "none"

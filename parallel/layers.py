@@ -208,7 +208,7 @@ class _ParallelLinear(torch.nn.Module):
                                wgrad_store=store)
         recipe = resolve_recipe(self.recipe)
         if recipe.overlap and self.world_size > 1:
-            comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops)
+            comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links)
         if self.keep_quantized_weight:
             weight_q = self.weight_cache.get(self.weight, recipe)
         else:  # requantized at every forward anyway: hold no copy between forward and backward
@@ -221,10 +221,11 @@ class _ParallelLinear(torch.nn.Module):
             return produced_linear(producer, x, self.weight, bias, recipe, reduce_amaxes=reduce_amaxes, **options)
         return nvfp4_linear(x, self.weight, bias, recipe, **options)
 
-    def _overlapped(self, comm: LinearComm, min_chunk_gflops: int) -> LinearComm:
+    def _overlapped(self, comm: LinearComm, min_chunk_gflops: int, measure_links: bool) -> LinearComm:
         """The ring-pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum ring-step
-        size follows the recipe of each call."""
-        self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops)
+        size and whether it weighs the measured link speed follow the recipe of each call."""
+        self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops,
+                                                measure_links)
         return self._overlapped_comm
 
     def _uses_nvfp4(self, x: torch.Tensor) -> bool:

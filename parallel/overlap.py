@@ -22,6 +22,10 @@ overlapped_comm(plain_comm):
   columnwise copy riding along for the wgrad GEMM that follows;
 - column-parallel backward: the dgrad GEMM runs per destination rank into the reduce-scatter ring, while
   the input's columnwise copy is re-gathered by an asynchronous all-gather issued before it.
+Backward runs no GEMM with nothing in flight where it can help it: the column-parallel layer's wgrad GEMM runs
+during its reduce-scatter ring's last transfer, and the row-parallel layer starts the all-gather of the
+column-parallel input that precedes it (InputRegathers) right before its own wgrad GEMM. The choice of ring or
+plain path is _RingChoice's (a GEMM-size floor and, with measured link speeds, parallel/link_speed.py's model).
 The all-gather side is bit-identical to the plain path when the GEMM's rows do not depend on how many rows
 it is given (reference backend, the fused Hopper kernel). The reduce-scatter side sums in ring order (FP32
 adds, rounded to the output dtype each hop) on NCCL, or in rank order in FP32 rounded once on copy engines:
@@ -30,17 +34,25 @@ each, like the plain reduce-scatter, is within W-1 roundings of the exact sum.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import statistics
+import time
+import weakref
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from nvfp4_dist import ops
 from nvfp4_dist.gemm import gemm, operand
 from nvfp4_dist.linear import LinearComm
 from nvfp4_dist.tensor import NVFP4Tensor
 from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import symmetric
 from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
+from nvfp4_dist.parallel.link_speed import LinkSpeed, RingLoad, known_link_speed, nvfp4_bytes, set_link_speed
+
+log = logging.getLogger("nvfp4_dist")
 
 
 def all_gather_order(rank: int, world_size: int) -> list[int]:
@@ -91,26 +103,33 @@ def ring_all_gather_consume(local_chunk: Sequence[torch.Tensor], consume: Callab
             current = incoming
 
 
-def ring_reduce_scatter_produce(produce: Callable[[int], torch.Tensor], group=None) -> torch.Tensor:
+def ring_reduce_scatter_produce(produce: Callable[[int], torch.Tensor], group=None,
+                                during_last_transfer: Callable[[], None] | None = None) -> torch.Tensor:
     """Sum over ranks of produce(chunk) for this rank's chunk, with transfers overlapping produce().
 
     produce(c) returns this rank's partial output for chunk c (the rows destined for rank c); all
     chunks share a shape and dtype. The running sum travels in that dtype and is added in FP32, rounded once
     per hop (torch's BF16/FP16 add computes in FP32: one kernel, no FP32 copies).
+    during_last_transfer: called once, after the last produce() and before waiting for the last transfer
+    (work that does not depend on the sum, such as a wgrad GEMM, hides that transfer).
     """
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     order = reduce_scatter_order(rank, world_size)
     if _on_copy_engines([], group):
-        return symmetric.reduce_scatter_produce(produce, order, group)
+        return symmetric.reduce_scatter_produce(produce, order, group, during_last_transfer=during_last_transfer)
     running = produce(order[0]).contiguous()
-    for chunk in order[1:]:
+    for step, chunk in enumerate(order[1:], start=2):
         incoming = torch.empty_like(running)
         works = _exchange([running], [incoming], group, world_size, rank)
         partial = produce(chunk)            # computed while the running sum travels
+        if step == world_size and during_last_transfer is not None:
+            during_last_transfer()
         for work in works:
             work.wait()
         running = torch.add(incoming, partial)
+    if world_size == 1 and during_last_transfer is not None:
+        during_last_transfer()
     return running
 
 
@@ -201,11 +220,13 @@ def ring_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype
 
 
 def ring_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
-                             bias: torch.Tensor | None = None, recipe=None, group=None) -> torch.Tensor:
+                             bias: torch.Tensor | None = None, recipe=None, group=None,
+                             during_last_transfer: Callable[[], None] | None = None) -> torch.Tensor:
     """Reduce-scatter over the group of gemm(a, b) [M, N] -> [M/W, N], one destination's rows at a time.
 
     The GEMM of rows [c*M/W, (c+1)*M/W) (destined for rank c) runs while the running sum of the previous
-    destination travels; sums are FP32 adds rounded to out_dtype at each hop.
+    destination travels; sums are FP32 adds rounded to out_dtype at each hop. during_last_transfer: see
+    ring_reduce_scatter_produce.
     """
     world_size = dist.get_world_size(group)
     if a.rows % world_size:
@@ -217,15 +238,102 @@ def ring_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out
         return gemm(a.rowwise_rows(chunk * rows, (chunk + 1) * rows), b, a_copy="rowwise", b_copy=b_copy,
                     out_dtype=out_dtype, bias=bias, recipe=recipe)
 
-    return ring_reduce_scatter_produce(produce, group)
+    return ring_reduce_scatter_produce(produce, group, during_last_transfer)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The group's link speed (parallel/link_speed.py), measured on the rings and collectives the layers run.
+
+PROBE_SHAPES = {  # device type: (all-gather chunk per rank [rows, cols], reduce-scatter chunk per rank, GEMM size)
+    "cuda": ((1024, 8192), (1024, 2048), 4096),  # 4.5 MiB of NVFP4, 4 MiB of BF16; a 137 GFLOP GEMM
+    "cpu": ((32, 256), (32, 128), 128),
+}
+
+
+def _median_ms(step: Callable[[], object], device: torch.device, repeats: int, group=None) -> float:
+    """Median ms of step() over `repeats` runs after one warm-up; with a group, its ranks start each run together."""
+    step()
+    times = []
+    for _ in range(repeats):
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - began) * 1e3)
+    return max(statistics.median(times), 1e-6)
+
+
+def measure_link_speed(group=None, device=None, repeats: int = 5) -> LinkSpeed:
+    """Time the group's rings (ring_all_gather_consume, ring_reduce_scatter_produce) against the plain path's
+    collectives (all_gather_nvfp4, reduce_scatter_bf16) on a few MB per rank, and the NVFP4 GEMM on `device`
+    (default: the current GPU on NCCL, else the CPU); agreed over the ranks (LinkSpeed.agreed). A collective:
+    every rank of the group calls it."""
+    world_size = dist.get_world_size(group)
+    if world_size < 2:
+        raise ValueError(f"group of {world_size} rank: link speeds need at least 2 ranks")
+    if device is None:
+        on_gpu = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = torch.device(device)
+    if device.type not in PROBE_SHAPES:
+        raise ValueError(f"device={device}: link speeds are measured on {tuple(PROBE_SHAPES)} devices")
+    (gather_rows, gather_cols), (scatter_rows, scatter_cols), size = PROBE_SHAPES[device.type]
+    gathered = ops.quantize(torch.randn(gather_rows, gather_cols, device=device, dtype=torch.bfloat16),
+                            "activation", columnwise=False)
+    pieces = rowwise_pieces(gathered)
+    partial = torch.randn(world_size * scatter_rows, scatter_cols, device=device, dtype=torch.bfloat16)
+    chunks = partial.chunk(world_size)
+    ms = {"all_gather": lambda: collectives.all_gather_nvfp4(gathered, group),
+          "ring_all_gather": lambda: ring_all_gather_consume(pieces, lambda tensors, source: None, group),
+          "reduce_scatter": lambda: collectives.reduce_scatter_bf16(partial, group),
+          "ring_reduce_scatter": lambda: ring_reduce_scatter_produce(lambda chunk: chunks[chunk], group)}
+    ms = {name: _median_ms(step, device, repeats, group) for name, step in ms.items()}
+    a = ops.quantize(torch.randn(size, size, device=device, dtype=torch.bfloat16), "activation", columnwise=False)
+    b = ops.quantize(torch.randn(size, size, device=device, dtype=torch.bfloat16), "weight", columnwise=False)
+    gemm_ms = _median_ms(lambda: gemm(a, b, out_dtype=torch.bfloat16), device, repeats)
+    gather_mb = (world_size - 1) * nvfp4_bytes(gather_rows, gather_cols) / 2 ** 20  # what one rank receives
+    scatter_mb = (world_size - 1) * scatter_rows * scatter_cols * 2 / 2 ** 20
+    return LinkSpeed(all_gather_ms_per_mb=ms["all_gather"] / gather_mb,
+                     ring_all_gather_ms_per_mb=ms["ring_all_gather"] / gather_mb,
+                     reduce_scatter_ms_per_mb=ms["reduce_scatter"] / scatter_mb,
+                     ring_reduce_scatter_ms_per_mb=ms["ring_reduce_scatter"] / scatter_mb,
+                     gemm_ms_per_gflop=gemm_ms / ring_step_gflops(size, size, size)).agreed(group)
+
+
+def group_link_speed(group, device: torch.device) -> LinkSpeed | None:
+    """The group's LinkSpeed: set_link_speed's, else measured at the first call (every rank of the group makes
+    it at the same point: the first forward that weighs a ring) and kept. None while a CUDA graph is being
+    captured before any measurement (nothing can be timed inside a capture)."""
+    speed = known_link_speed(group)
+    if speed is not None:
+        return speed
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        log.warning("overlap: no link speed measured for the group before CUDA graph capture; the GEMM-size floor "
+                    "alone decides (run one forward before capturing)")
+        return None
+    speed = measure_link_speed(group, device)
+    set_link_speed(group, speed)
+    log.info("overlap: link speed of the %d-rank group: %s", dist.get_world_size(group), speed.describe())
+    return speed
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The overlapped communication of the tensor-parallel layers (sequence parallelism; without it they are the
-# plain comms: the all-reduce paths are not pipelined). A layer pipelines only where one ring step's GEMM has
-# at least min_chunk_gflops (recipe.overlap_min_chunk_gflops): each step costs host time (launches, Python)
-# that a small GEMM cannot hide, so small layers take the plain path. Forward decides; the backward GEMMs of
-# the same layer have the same size per ring step and follow the forward's choice.
+# plain comms: the all-reduce paths are not pipelined). A layer pipelines only where one ring step's GEMM has at
+# least min_chunk_gflops (recipe.overlap_min_chunk_gflops): each step costs host time (launches, Python) that a
+# small GEMM cannot hide. With measure_links (recipe.overlap_measure_links) it also needs its rings, forward and
+# backward, to be expected to beat the plain path on the group's measured links (LinkSpeed.ring_saving_ms).
+# Forward decides; the backward GEMMs of the same layer have the same size per ring step and follow the
+# forward's choice. Every input of the choice is the same on all ranks, and so is the path.
 
 def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) -> float:
     """GFLOP of one ring step's GEMM: [rows_per_step, in_features] x [in_features, out_features]."""
@@ -234,33 +342,135 @@ def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) ->
 
 class _RingChoice:
     """Whether an overlapped comm goes round the ring: sequence parallel over more than one rank, and (decided
-    in forward by choose(), followed in backward by pipelines()) ring steps of at least min_chunk_gflops."""
+    in forward by choose(), followed in backward by pipelines()) ring steps of at least min_chunk_gflops that,
+    with measure_links, are expected to win on the group's links."""
 
     min_chunk_gflops: float = 0
+    measure_links: bool = False
     pipelined: bool = True  # whether the last forward went round the ring (its backward does too)
 
     def overlaps(self) -> bool:
         return self.sequence_parallel and self.world_size > 1
 
-    def choose(self, rows_per_step: int, out_features: int, in_features: int) -> bool:
-        self.pipelined = self.overlaps() and ring_step_gflops(rows_per_step, out_features,
-                                                              in_features) >= self.min_chunk_gflops
-        return self.pipelined
+    def choose(self, step_gflops: float, loads: Sequence[RingLoad], device: torch.device) -> bool:
+        """Decide this forward's path from one ring step's GEMM size and the rings (forward and backward) it runs."""
+        pipelined = self.overlaps() and step_gflops >= self.min_chunk_gflops
+        if pipelined and self.measure_links:
+            speed = group_link_speed(self.group, device)
+            pipelined = speed is None or speed.ring_saving_ms(loads, self.world_size) > 0
+        self.pipelined = pipelined
+        return pipelined
 
     def pipelines(self) -> bool:
         return self.overlaps() and self.pipelined
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Early re-gathers of column-parallel inputs.
+
+def _tensor_key(saved: NVFP4Tensor) -> tuple:
+    """What identifies a saved NVFP4Tensor from forward to backward: its first storage tensor's address."""
+    tensor = saved.device_tensor()
+    return tensor.device, tensor.data_ptr()
+
+
+class _SavedInput:
+    """A column-parallel layer's saved input (this rank's columnwise copy), held weakly, and its gather once started."""
+
+    def __init__(self, saved: NVFP4Tensor):
+        self.key = _tensor_key(saved)
+        self.metadata = saved.metadata()
+        self.refs = tuple(None if t is None else weakref.ref(t) for t in saved.tensors())
+        self.finish: Callable[[], NVFP4Tensor] | None = None
+
+    def tensor(self) -> NVFP4Tensor | None:
+        """The saved input, or None once any of its storage was freed."""
+        tensors = tuple(None if ref is None else ref() for ref in self.refs)
+        if any(ref is not None and t is None for ref, t in zip(self.refs, tensors)):
+            return None
+        return self.metadata.with_tensors(tensors)
+
+
+class InputRegathers:
+    """The all-gathers of one group's column-parallel inputs that the following row-parallel layer starts early.
+
+    A column-parallel layer (not keep_input_columnwise) gathers its input's columnwise copy again in backward for
+    its wgrad GEMM. Its backward comes right after that of the row-parallel layer that followed it in forward,
+    whose wgrad GEMM has no transfer to hide. So: in forward the column layer announces its saved input and the
+    next row layer of the group claims the newest announcement; in backward that row layer starts the gather
+    right before its wgrad GEMM and the column layer takes it (the same collective on the same bytes, issued
+    earlier). Entries are keyed by the saved tensors and dropped when those are freed: nothing outlives the graph.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.announced: dict = {}  # column layers' saved inputs not claimed yet, oldest first
+        self.claimed: dict = {}    # a row layer's saved input -> the column layer's saved input it gathers
+        self.started: dict = {}    # a column layer's saved input -> its gather in flight
+
+    def announce(self, column_input: NVFP4Tensor) -> None:
+        entry = _SavedInput(column_input)
+        self.announced[entry.key] = entry
+        weakref.finalize(column_input.device_tensor(), self._forget, entry.key)
+
+    def claim(self, row_input: NVFP4Tensor) -> None:
+        """Bind the newest announcement to this row layer's saved input; older ones cannot directly precede it."""
+        if not self.announced:
+            return
+        newest = self.announced[next(reversed(self.announced))]
+        self.announced.clear()
+        key = _tensor_key(row_input)
+        self.claimed[key] = newest
+        weakref.finalize(row_input.device_tensor(), self.claimed.pop, key, None)
+
+    def take_claim(self, row_input: NVFP4Tensor) -> _SavedInput | None:
+        return self.claimed.pop(_tensor_key(row_input), None)
+
+    def start(self, entry: _SavedInput) -> None:
+        """Start the asynchronous all-gather of a claimed column input (a collective: every rank starts it)."""
+        column_input = entry.tensor()
+        if column_input is None:
+            return
+        entry.finish = collectives.all_gather_nvfp4(column_input, self.group, async_op=True)[1]
+        self.started[entry.key] = entry
+
+    def take_started(self, column_input: NVFP4Tensor) -> Callable[[], NVFP4Tensor] | None:
+        """The finish() of this column input's gather when a row layer started it, else None."""
+        key = _tensor_key(column_input)
+        self.announced.pop(key, None)
+        entry = self.started.pop(key, None)
+        return None if entry is None else entry.finish
+
+    def _forget(self, key) -> None:
+        self.announced.pop(key, None)
+        self.started.pop(key, None)
+
+
+_input_regathers: dict = {}
+
+
+def input_regathers(group) -> InputRegathers:
+    """The group's InputRegathers (one per group object)."""
+    if group not in _input_regathers:
+        _input_regathers[group] = InputRegathers(group)
+    return _input_regathers[group]
+
+
+# ----------------------------------------------------------------------------------------------------------
+
 class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
     """ColumnParallelComm with the input all-gather pipelined into fprop and dgrad into the reduce-scatter.
 
     keep_input_columnwise: the input's columnwise copy rides the fprop ring. Otherwise backward re-gathers
-    it with an asynchronous all-gather issued before the dgrad GEMM (ColumnParallelComm.input_for_wgrad).
+    it with an asynchronous all-gather, started by the following row-parallel layer's backward
+    (InputRegathers), else before the dgrad GEMM (ColumnParallelComm.input_for_wgrad). The wgrad GEMM runs
+    during the dgrad ring's last transfer.
     """
 
-    def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool, min_chunk_gflops: float = 0):
+    def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool, min_chunk_gflops: float = 0,
+                 measure_links: bool = False):
         super().__init__(group, sequence_parallel, keep_input_columnwise)
-        self.min_chunk_gflops = min_chunk_gflops
+        self.min_chunk_gflops, self.measure_links = min_chunk_gflops, measure_links
         self.input_carry: ColumnwiseCarry | None = None
 
     def quantize_input(self, x2d, recipe, *, columnwise):
@@ -273,16 +483,32 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
         return xq
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        if not self.choose(xq.rows, wq.rows, xq.cols):  # a kept columnwise copy: gathered by carry.finish()
+        rows, out_features, in_features = xq.rows, wq.rows, xq.cols
+        step_gflops = ring_step_gflops(rows, out_features, in_features)
+        copies = 1 if self.input_carry is None else 2  # a kept columnwise copy rides the same ring
+        loads = [RingLoad("all_gather", copies * nvfp4_bytes(rows, in_features), step_gflops)]
+        if not recipe.row_scaled_activation:  # backward: the dgrad partials, reduce-scattered on the ring
+            loads.append(RingLoad("reduce_scatter", rows * in_features * out_dtype.itemsize, step_gflops))
+        if not self.choose(step_gflops, loads, xq.device):  # a kept columnwise copy: gathered by carry.finish()
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
                                   group=self.group, carry=self.input_carry)
+
+    def _regathers_input(self) -> bool:
+        return self.overlaps() and not self.keep_input_columnwise
 
     def input_to_save(self, xq):
         carry, self.input_carry = self.input_carry, None
         if carry is not None and carry.local.columnwise_data is xq.columnwise_data:
             return carry.finish()
-        return super().input_to_save(xq)
+        saved = super().input_to_save(xq)
+        if self._regathers_input() and saved.has_columnwise:
+            input_regathers(self.group).announce(saved)
+        return saved
+
+    def input_for_wgrad(self, saved_input):
+        started = input_regathers(self.group).take_started(saved_input) if self._regathers_input() else None
+        return started or super().input_for_wgrad(saved_input)
 
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
         if not self.pipelines():
@@ -290,24 +516,46 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
         return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
                                         group=self.group)
 
+    def dgrad_and_wgrad(self, dyq, wq, *, out_dtype, recipe, wgrad_step):
+        if not self.pipelines():
+            return super().dgrad_and_wgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe, wgrad_step=wgrad_step)
+        return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
+                                        group=self.group, during_last_transfer=wgrad_step)
+
 
 class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
     """RowParallelComm with fprop pipelined into the reduce-scatter and the gradient all-gather into dgrad.
 
     The output gradient's columnwise copy (wgrad) rides the dgrad ring; without a dgrad it is gathered
-    when the wgrad GEMM asks for it.
+    when the wgrad GEMM asks for it. Right before its wgrad GEMM, backward starts the re-gather of the
+    column-parallel input that preceded this layer in forward (InputRegathers).
     """
 
-    def __init__(self, group, sequence_parallel: bool, min_chunk_gflops: float = 0):
+    def __init__(self, group, sequence_parallel: bool, min_chunk_gflops: float = 0, measure_links: bool = False):
         super().__init__(group, sequence_parallel)
-        self.min_chunk_gflops = min_chunk_gflops
+        self.min_chunk_gflops, self.measure_links = min_chunk_gflops, measure_links
         self.grad_output_carry: ColumnwiseCarry | None = None
+        self.next_regather: _SavedInput | None = None
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        if not self.choose(xq.rows // self.world_size, wq.rows, xq.cols):
+        rows, out_features, in_features = xq.rows // self.world_size, wq.rows, xq.cols
+        step_gflops = ring_step_gflops(rows, out_features, in_features)
+        loads = [RingLoad("reduce_scatter", rows * out_features * out_dtype.itemsize, step_gflops)]
+        if not recipe.row_scaled_activation:  # backward: the output gradient's two copies, gathered on the ring
+            loads.append(RingLoad("all_gather", 2 * nvfp4_bytes(rows, out_features), step_gflops))
+        if not self.choose(step_gflops, loads, xq.device):
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
                                         group=self.group)
+
+    def input_to_save(self, xq):
+        if self.overlaps() and xq.has_columnwise:
+            input_regathers(self.group).claim(xq)
+        return super().input_to_save(xq)
+
+    def input_for_wgrad(self, saved_input):
+        self.next_regather = input_regathers(self.group).take_claim(saved_input) if self.overlaps() else None
+        return super().input_for_wgrad(saved_input)
 
     def quantize_grad_output(self, dy2d, recipe, *, sr_seed, rowwise, columnwise):
         self.grad_output_carry = None  # a new backward: nothing left to carry from an earlier one
@@ -326,18 +574,29 @@ class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
         return ring_gathered_gemm(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
                                   group=self.group, carry=carry)
 
+    def dgrad_and_wgrad(self, dyq, wq, *, out_dtype, recipe, wgrad_step):
+        dx = self.dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
+        regather, self.next_regather = self.next_regather, None
+        if regather is not None:
+            input_regathers(self.group).start(regather)  # in flight during the wgrad GEMM below
+        wgrad_step()
+        return dx
 
-def overlapped_comm(comm: LinearComm, min_chunk_gflops: float = 0) -> LinearComm:
+
+def overlapped_comm(comm: LinearComm, min_chunk_gflops: float = 0, measure_links: bool = False) -> LinearComm:
     """The overlapped twin of a layer's ColumnParallelComm / RowParallelComm (same group and options),
-    pipelining ring steps of at least min_chunk_gflops (an overlapped comm given here gets that threshold)."""
+    pipelining ring steps of at least min_chunk_gflops and, with measure_links, only where the rings are expected
+    to win on the group's measured links (an overlapped comm given here gets these settings)."""
     if min_chunk_gflops < 0:
         raise ValueError(f"min_chunk_gflops={min_chunk_gflops}: must be >= 0")
+    if not isinstance(measure_links, bool):
+        raise ValueError(f"measure_links={measure_links!r}: must be True or False")
     if isinstance(comm, (OverlappedColumnParallelComm, OverlappedRowParallelComm)):
-        comm.min_chunk_gflops = min_chunk_gflops
+        comm.min_chunk_gflops, comm.measure_links = min_chunk_gflops, measure_links
         return comm
     if isinstance(comm, ColumnParallelComm):
         return OverlappedColumnParallelComm(comm.group, comm.sequence_parallel, comm.keep_input_columnwise,
-                                            min_chunk_gflops)
+                                            min_chunk_gflops, measure_links)
     if isinstance(comm, RowParallelComm):
-        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops)
+        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links)
     raise ValueError(f"comm={type(comm).__name__}: overlap applies to ColumnParallelComm and RowParallelComm")

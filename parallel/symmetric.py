@@ -250,11 +250,12 @@ def all_gather_consume(local_chunk, consume, order: list, group=None) -> None:
         consume(received, source)
 
 
-def reduce_scatter_produce(produce, order: list, group=None) -> torch.Tensor:
+def reduce_scatter_produce(produce, order: list, group=None, during_last_transfer=None) -> torch.Tensor:
     """parallel/overlap.py's ring_reduce_scatter_produce contract: the sum over ranks of produce(chunk) for this
     rank's chunk. produce(c) for each c in `order` runs on the current stream; copy engines push each partial
-    into rank c's buffer (this rank's slot) while the next one is produced; after a barrier each rank adds its
-    W slots in FP32, in rank order, rounded once to the partials' dtype (deterministic)."""
+    into rank c's buffer (this rank's slot) while the next one is produced (and during_last_transfer() runs
+    while the last one is pushed); after a barrier each rank adds its W slots in FP32, in rank order, rounded
+    once to the partials' dtype (deterministic)."""
     workspace = _workspaces[_resolved(group)]
     rank, world_size = workspace.rank, workspace.world_size
     current, side = torch.cuda.current_stream(), _side_stream()
@@ -268,6 +269,8 @@ def reduce_scatter_produce(produce, order: list, group=None) -> torch.Tensor:
         with torch.cuda.stream(side):
             _peer_view(workspace, chunk, half + rank * slot_bytes, partial.shape, partial.dtype).copy_(partial)
         partial.record_stream(side)
+    if during_last_transfer is not None:
+        during_last_transfer()
     current.wait_stream(side)
     load_extension().peer_barrier(*workspace.barrier_args(), stream_handle())  # every rank's pushes have landed
     slot_elements = slot_bytes // first.element_size()

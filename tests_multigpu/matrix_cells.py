@@ -145,9 +145,10 @@ def enumerate_cells(world: int, *, quick: bool = False, profile: str | None = No
 
 def make_recipe(cell: Cell, *, overlap: bool | None = None) -> nvfp4_dist.NVFP4Recipe:
     """The cell's recipe, explicit (environment overrides do not reach the matrix); overlap cells pipeline every
-    layer, however small (overlap_min_chunk_gflops=0), as the matrix checks the ring schedules."""
+    layer, however small and whatever the links (overlap_min_chunk_gflops=0, overlap_measure_links=False), as the
+    matrix checks the ring schedules."""
     return nvfp4_dist.NVFP4Recipe(**RECIPES[cell.recipe], overlap=cell.overlap if overlap is None else overlap,
-                                  overlap_min_chunk_gflops=0)
+                                  overlap_min_chunk_gflops=0, overlap_measure_links=False)
 
 
 # ------------------------------------------------------------------------------------------------------
