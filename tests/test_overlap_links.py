@@ -1,0 +1,252 @@
+"""The overlap's link-aware choice (parallel/link_speed.py, overlap._RingChoice) on its own and on gloo groups.
+
+The model: a ring step saves (c + g - max(r, g)) over the plain path, c / r the collective's / ring's transfer of
+the step's bytes, g its GEMM. Checked by hand on small numbers, on the speeds that 4 x H100 links show (NVLink,
+no peer-to-peer through host memory, NCCL's socket transport) for the MLP pair (16384 tokens, 8192 -> 28672 ->
+8192, TP4), and through real processes: the measurement runs on the group's own rings and collectives, is
+agreed (MAX of ring times, MIN of collective and GEMM times) so every rank takes the same path even where
+their own timings disagree, is measured once per group, and the layers' results equal the plain path's.
+"""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nvfp4_dist as nv
+from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
+from nvfp4_dist.parallel import link_speed as L
+from nvfp4_dist.parallel import overlap as O
+from distributed_utils import run_distributed
+
+MB = 2 ** 20
+TOKENS, HIDDEN, FFN, TP = 16384, 8192, 28672, 4
+
+
+def speed(collective_ms_per_mb, ring_over_collective, gemm_ms_per_gflop):
+    return L.LinkSpeed(all_gather_ms_per_mb=collective_ms_per_mb,
+                       ring_all_gather_ms_per_mb=collective_ms_per_mb * ring_over_collective,
+                       reduce_scatter_ms_per_mb=collective_ms_per_mb,
+                       ring_reduce_scatter_ms_per_mb=collective_ms_per_mb * ring_over_collective,
+                       gemm_ms_per_gflop=gemm_ms_per_gflop)
+
+
+def test_saving_follows_the_step_model():
+    link = speed(1.0, 2.0, 1.0)  # c = 1 ms/MB, r = 2 ms/MB, g = 1 ms/GFLOP
+    # r > g: (W-1) (c + g - r); 2 MB, 3 GFLOP per step on 4 ranks: 3 * (2 + 3 - 4) = 3
+    assert link.ring_saving_ms([L.RingLoad("all_gather", 2 * MB, 3.0)], 4) == pytest.approx(3.0)
+    # r <= g: the whole collective is saved, 3 * c
+    assert link.ring_saving_ms([L.RingLoad("reduce_scatter", 1 * MB, 5.0)], 4) == pytest.approx(3.0)
+    # transfers much slower than the GEMM can hide, and slower on the ring: a loss of 3 * (4 + 0.5 - 8)
+    assert link.ring_saving_ms([L.RingLoad("all_gather", 4 * MB, 0.5)], 4) == pytest.approx(-10.5)
+    # the rings of a layer add up
+    loads = [L.RingLoad("all_gather", 2 * MB, 3.0), L.RingLoad("all_gather", 4 * MB, 0.5)]
+    assert link.ring_saving_ms(loads, 4) == pytest.approx(3.0 - 10.5)
+    assert L.nvfp4_bytes(32, 64) == 32 * 64 // 2 + 32 * 64 // 16
+
+
+def mlp_pair_loads():
+    """The rings of the MLP pair's column and row layer (forward and backward), as the comms describe them."""
+    rows, ffn_local = TOKENS // TP, FFN // TP
+    step_gflops = O.ring_step_gflops(rows, ffn_local, HIDDEN)  # the same for both layers
+    column = [L.RingLoad("all_gather", L.nvfp4_bytes(rows, HIDDEN), step_gflops),
+              L.RingLoad("reduce_scatter", rows * HIDDEN * 2, step_gflops)]
+    row = [L.RingLoad("reduce_scatter", rows * HIDDEN * 2, step_gflops),
+           L.RingLoad("all_gather", 2 * L.nvfp4_bytes(rows, HIDDEN), step_gflops)]
+    return column, row
+
+
+# ms per MB of one ring step and ms per GFLOP, in the class of 4 x H100 links: NVLink (~250 GB/s bus), no
+# peer-to-peer through host memory (~25 GB/s; ring 9 % slower), NCCL sockets over loopback (~2.8 GB/s; ring 1.6x).
+H100_GEMM_MS_PER_GFLOP = 16.4 / (6 * 4 * 481.0)   # the pair's 24 ring-step GEMMs of 481 GFLOP in 16.4 ms
+LINKS = {"nvlink": speed(0.004, 1.14, H100_GEMM_MS_PER_GFLOP),
+         "slow": speed(0.04, 1.09, H100_GEMM_MS_PER_GFLOP),
+         "socket": speed(0.36, 1.6, H100_GEMM_MS_PER_GFLOP)}
+
+
+@pytest.mark.parametrize("links, ring_wins", [("nvlink", True), ("slow", True), ("socket", False)])
+def test_mlp_pair_choice_by_link_class(links, ring_wins):
+    for loads in mlp_pair_loads():
+        assert (LINKS[links].ring_saving_ms(loads, TP) > 0) == ring_wins
+
+
+def test_bad_speeds_and_loads_are_refused():
+    with pytest.raises(ValueError, match="gemm_ms_per_gflop=0"):
+        dataclasses.replace(LINKS["slow"], gemm_ms_per_gflop=0)
+    with pytest.raises(ValueError, match="all_gather_ms_per_mb=nan"):
+        dataclasses.replace(LINKS["slow"], all_gather_ms_per_mb=float("nan"))
+    with pytest.raises(ValueError, match="kind='broadcast'"):
+        L.RingLoad("broadcast", 1, 1.0)
+    with pytest.raises(ValueError, match="step_bytes=-1"):
+        L.RingLoad("all_gather", -1, 1.0)
+    with pytest.raises(ValueError, match="speed must be a LinkSpeed"):
+        L.set_link_speed(None, 1.0)
+    with pytest.raises(ValueError, match="measure_links=1"):
+        O.overlapped_comm(O.OverlappedRowParallelComm(None, True), 0, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On gloo groups.
+
+TOKENS_PER_RANK, LAYER_HIDDEN, LAYER_FFN_LOCAL = 32, 64, 32
+PROBE_NAMES = ("all_gather", "ring_all_gather", "reduce_scatter", "ring_reduce_scatter", "gemm")
+
+
+def fake_timings(per_rank_ms):
+    """A stand-in for overlap._median_ms: the probes' ms in measure_link_speed's call order (4 transfers, GEMM)."""
+    calls = []
+
+    def median_ms(step, device, repeats, group=None):
+        calls.append(step)
+        return per_rank_ms[PROBE_NAMES[len(calls) - 1]]
+    return median_ms, calls
+
+
+def gathered(value):
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def check_agreement_across_ranks(rank, world_size):
+    # Each rank sees other timings; alone, rank 0 would go round the ring (ring transfers faster than the
+    # collective) and the last rank would not (ring 3x slower, tiny GEMMs).
+    ring = 0.5 if rank == 0 else 3.0
+    mine = {"all_gather": 1.0 + rank, "ring_all_gather": ring, "reduce_scatter": 2.0 - 0.1 * rank,
+            "ring_reduce_scatter": ring, "gemm": 1e-3 * (rank + 1)}
+    original = O._median_ms
+    O._median_ms, calls = fake_timings(mine)
+    try:
+        link = O.measure_link_speed()
+    finally:
+        O._median_ms = original
+    assert len(calls) == len(PROBE_NAMES)
+    steps = world_size - 1
+    gather_mb = steps * L.nvfp4_bytes(*O.PROBE_SHAPES["cpu"][0]) / MB
+    scatter_mb = steps * O.PROBE_SHAPES["cpu"][1][0] * O.PROBE_SHAPES["cpu"][1][1] * 2 / MB
+    size = O.PROBE_SHAPES["cpu"][2]
+    expected = L.LinkSpeed(all_gather_ms_per_mb=1.0 / gather_mb, ring_all_gather_ms_per_mb=3.0 / gather_mb,
+                           reduce_scatter_ms_per_mb=(2.0 - 0.1 * (world_size - 1)) / scatter_mb,
+                           ring_reduce_scatter_ms_per_mb=3.0 / scatter_mb,
+                           gemm_ms_per_gflop=1e-3 / O.ring_step_gflops(size, size, size))
+    for name in PROBE_NAMES[:-1]:
+        field = f"{name}_ms_per_mb"
+        assert getattr(link, field) == pytest.approx(getattr(expected, field), rel=1e-12), field
+    assert link.gemm_ms_per_gflop == pytest.approx(expected.gemm_ms_per_gflop, rel=1e-12)
+    assert len(set(gathered(link))) == 1
+    loads = [L.RingLoad("all_gather", 4096, 1e-4)]
+    assert gathered(link.ring_saving_ms(loads, world_size) > 0) == [False] * world_size
+
+
+def check_real_measurement(rank, world_size):
+    """measure_link_speed on the gloo group's own rings and collectives: positive, the same on every rank, measured
+    at the first use only."""
+    assert L.known_link_speed(None) is None
+    counted = []
+    original = O.measure_link_speed
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return original(*args, **kwargs)
+    O.measure_link_speed = counting
+    try:
+        first = O.group_link_speed(None, torch.device("cpu"))
+        again = O.group_link_speed(dist.group.WORLD, torch.device("cpu"))
+    finally:
+        O.measure_link_speed = original
+    assert counted == [1] and again is first and L.known_link_speed(None) is first
+    assert all(getattr(first, field.name) > 0 for field in dataclasses.fields(first))
+    assert len(set(gathered(first))) == 1
+    L.set_link_speed(None, None)
+    assert L.known_link_speed(dist.group.WORLD) is None
+
+
+def run_pair(column, row, x, dy):
+    x = x.clone().requires_grad_(True)
+    y = row(torch.nn.functional.gelu(column(x)[0]))[0]
+    torch.manual_seed(7)
+    y.backward(dy)
+    return [y.detach(), x.grad, column.weight.grad, column.bias.grad, row.weight.grad, row.bias.grad]
+
+
+def make_pair(world_size, recipe):
+    torch.manual_seed(3)
+    column = ColumnParallelLinear(LAYER_HIDDEN, LAYER_FFN_LOCAL * world_size, sequence_parallel=True, recipe=recipe)
+    row = RowParallelLinear(LAYER_FFN_LOCAL * world_size, LAYER_HIDDEN, sequence_parallel=True, recipe=recipe)
+    return column, row
+
+
+def check_layers_follow_the_agreed_choice(rank, world_size):
+    """recipe.overlap=True with measured links: plain where the rings lose, ring where they win, the same on every
+    rank; recipe.overlap_measure_links=False: the floor alone (no measurement). Results equal the plain pair's
+    (exactly: the ring's reduce-scatter adds in another order, so only a two-rank group is compared bit for bit)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(world_size * TOKENS_PER_RANK, LAYER_HIDDEN, generator=generator).bfloat16().chunk(world_size)[rank]
+    dy = torch.randn(world_size * TOKENS_PER_RANK, LAYER_HIDDEN, generator=generator).bfloat16().chunk(world_size)[rank]
+    base = nv.NVFP4Recipe(overlap_min_chunk_gflops=0)
+    plain = run_pair(*make_pair(world_size, base), x, dy)
+    cases = {"losing rings": ({"all_gather": 1.0, "ring_all_gather": 1.6 + 0.1 * rank, "reduce_scatter": 1.0,
+                               "ring_reduce_scatter": 1.6, "gemm": 1e-9}, False),
+             "winning rings": ({"all_gather": 1.0, "ring_all_gather": 0.8 + 0.05 * rank, "reduce_scatter": 1.0,
+                                "ring_reduce_scatter": 0.9, "gemm": 1e-9}, True)}
+    for name, (timings, expect_ring) in cases.items():
+        L.set_link_speed(None, None)
+        original = O._median_ms
+        O._median_ms, _ = fake_timings(timings)
+        try:
+            column, row = make_pair(world_size, base.replace(overlap=True))
+            with count_rings() as rings:
+                got = run_pair(column, row, x, dy)
+        finally:
+            O._median_ms = original
+        choices = (column._overlapped_comm.pipelined, row._overlapped_comm.pipelined)
+        assert gathered(choices) == [(expect_ring, expect_ring)] * world_size, name
+        # Forward and backward: column all-gather + row reduce-scatter, row all-gather + column reduce-scatter.
+        assert rings == ({"gather": 2, "scatter": 2} if expect_ring else {"gather": 0, "scatter": 0}), (name, rings)
+        for index in (2, 3, 4, 5):  # weight and bias gradients: all-gather side, bit-identical on either path
+            assert torch.equal(got[index], plain[index]), (name, index)
+        if world_size == 2 or not expect_ring:
+            for a, b in zip(got, plain):
+                assert torch.equal(a, b), name
+    # The override: the floor alone decides, no measurement (the cached speed says the rings lose).
+    measured = []
+    original = O.measure_link_speed
+    O.measure_link_speed = lambda *a, **k: measured.append(1)
+    try:
+        L.set_link_speed(None, None)
+        column, row = make_pair(world_size, base.replace(overlap=True, overlap_measure_links=False))
+        with count_rings() as rings:
+            run_pair(column, row, x, dy)
+    finally:
+        O.measure_link_speed = original
+    assert not measured and rings["gather"] == 2 and rings["scatter"] == 2
+
+
+class count_rings:
+    def __enter__(self):
+        self.counts = {"gather": 0, "scatter": 0}
+        self.originals = (O.ring_all_gather_consume, O.ring_reduce_scatter_produce)
+
+        def gather(*args, **kwargs):
+            self.counts["gather"] += 1
+            return self.originals[0](*args, **kwargs)
+
+        def scatter(*args, **kwargs):
+            self.counts["scatter"] += 1
+            return self.originals[1](*args, **kwargs)
+        O.ring_all_gather_consume, O.ring_reduce_scatter_produce = gather, scatter
+        return self.counts
+
+    def __exit__(self, *exc):
+        O.ring_all_gather_consume, O.ring_reduce_scatter_produce = self.originals
+
+
+def _check(rank, world_size, which):
+    {"agreement": check_agreement_across_ranks, "measurement": check_real_measurement,
+     "layers": check_layers_follow_the_agreed_choice}[which](rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("which", ["agreement", "measurement", "layers"])
+def test_link_choice_on_gloo(which, world_size):
+    run_distributed(_check, world_size, which)
