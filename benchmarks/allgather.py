@@ -9,9 +9,9 @@ one call. Targets on 4 H200s: >= 3.0x at 256 MB and above,
 >= 2.4x at 64 MB, >= 1.5x at 16 MB.
 NVFP4 runs both transports: the default (NVLink peer memory, parallel/symmetric.py, where enabled) and NCCL. The
 baseline is NCCL's BF16 all-gather; for a like-for-like view the BF16 tensor is also gathered through the same
-peer-memory kernel ("ratio vs peer BF16").
+peer-memory kernel ("ratio vs peer BF16"). --links picks the link class (benchmarks/torchrun_setup.py).
 
-    torchrun --nproc-per-node 4 benchmarks/allgather.py [--sizes-mb 16 64 256 512] [--out PATH]
+    torchrun --nproc-per-node 4 benchmarks/allgather.py [--links nvlink|slow|two-node] [--sizes-mb 16 64 256 512]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import nvfp4_dist as nv
 from nvfp4_dist.parallel import all_gather_bf16, all_gather_nvfp4, all_reduce_amax, symmetric
 from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
-from torchrun_setup import init_nccl  # noqa: E402
+from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_record, result_path  # noqa: E402
 
 TARGETS = {16: 1.5, 64: 2.4, 256: 3.0, 512: 3.0}
 _SLEEP_CYCLES = 20_000_000  # about 10 ms at H100/H200 clocks: room to enqueue 10 calls
@@ -108,16 +108,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256, 512])
     parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--out", default=None, help="default benchmarks/results/allgather_tp<W>.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/allgather_<gpu>_x<W>_<links>.json")
+    add_links_argument(parser)
     args = parser.parse_args()
-    rank, world_size = init_nccl()
+    rank, world_size = init_nccl(args.links)
     rows = [bench_size(size, args.hidden, world_size, rank) for size in args.sizes_mb]
     if rank == 0:
         header = (f"{'MB':>4} | {'BF16 ms':>8} {'peer':>7} | {'amax':>6} {'nccl':>6} | {'gather':>6} {'nccl':>6} | "
                   f"{'NVFP4 ms':>8} {'nccl':>6} {'bus GB/s':>8} | {'ratio':>6} {'nccl':>6} {'vs peer':>7} {'target':>6} | "
                   f"{'host ms':>7} {'BF16':>6}")
-        print(f"all-gather over {world_size} x {torch.cuda.get_device_name()} (NVFP4 default transport: "
-              f"{rows[0]['transport']})")
+        print(f"all-gather over {world_size} x {torch.cuda.get_device_name()}, links {args.links} (NVFP4 default "
+              f"transport: {rows[0]['transport']})")
         print(header)
         print("-" * len(header))
         for r in rows:
@@ -128,9 +129,10 @@ def main() -> None:
                   f"{r['amax_allreduce_nccl_ms']:>6.3f} | {r['nvfp4_gather_only_ms']:>6.3f} {r['nvfp4_gather_only_nccl_ms']:>6.3f} | "
                   f"{r['nvfp4_ms']:>8.3f} {r['nvfp4_nccl_ms']:>6.3f} {r['nvfp4_bus_gbps']:>8.1f} | {r['ratio']:>5.2f}x "
                   f"{r['ratio_nccl']:>5.2f}x {vs_peer} {target:>6} | {r['nvfp4_host_ms']:>7.3f} {r['bf16_host_ms']:>6.3f}")
-        out = pathlib.Path(args.out or f"benchmarks/results/allgather_tp{world_size}.json")
+        out = pathlib.Path(args.out or result_path(f"allgather_{gpu_label()}_x{world_size}", args.links))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(benchmark="allgather", world_size=world_size, gpu=torch.cuda.get_device_name(),
+                                       **links_record(args.links),
                                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                        commit=git_commit(), command=command_line(), torch=torch.__version__,
                                        results=rows), indent=1))

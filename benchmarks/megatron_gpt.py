@@ -6,9 +6,10 @@ would only dilute the memory ratio) of a model whose linears dominate: hidden 81
 materialise [b, heads, s, s] scores) and the SP-capable NVFP4Norm (Megatron's local norm refuses SP);
 the baseline's linears are Megatron's own ColumnParallelLinear / RowParallelLinear in BF16.
 Reports tokens/s, peak memory (and memory held at the end of forward: parameters, gradients and what
-autograd saved) and the NVFP4/BF16 ratios (targets: >= 1.10x tokens/s, <= 0.8x memory).
+autograd saved) and the NVFP4/BF16 ratios (targets: tokens/s >= 1.10x over NVLink, >= 1.8x over slow links;
+memory <= 0.8x). --links picks the link class (benchmarks/torchrun_setup.py); both specs run over the same links.
 
-    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--no-overlap] [--out benchmarks/results/megatron_gpt.json]
+    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap] [--out PATH]
 """
 import argparse
 import datetime
@@ -31,7 +32,10 @@ from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
                                           with_sdpa_attention, with_sequence_parallel_norm)
 from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
-from torchrun_setup import init_nccl  # noqa: E402
+from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_record, result_path  # noqa: E402
+
+TOKENS_PER_S_TARGETS = {"nvlink": 1.10, "slow": 1.8}  # NVFP4 / BF16, by link class
+MEMORY_TARGET = 0.80
 
 
 def parse_args():
@@ -47,7 +51,8 @@ def parse_args():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="NVFP4 recipe.overlap: ring-pipelined TP communication (default on)")
-    parser.add_argument("--out", default="benchmarks/results/megatron_gpt.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
+    add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one step per spec: GPU time by kernel kind and the top kernels, into DIR")
     return parser.parse_args()
@@ -190,7 +195,7 @@ def stream_gap_lines(events: list, top: int = 20) -> list:
 
 def main():
     args = parse_args()
-    _, tp = init_nccl()
+    _, tp = init_nccl(args.links)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
@@ -199,22 +204,28 @@ def main():
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
         print(f"GPT {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, seq {args.seq}, "
-              f"micro-batch {args.micro_batch}, TP={tp} SP, overlap={args.overlap}, CUDA_DEVICE_MAX_CONNECTIONS="
+              f"micro-batch {args.micro_batch}, TP={tp} SP, links {args.links}, overlap={args.overlap}, "
+              f"CUDA_DEVICE_MAX_CONNECTIONS="
               f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset (8)')}")
         print(f"{'spec':<12}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'fwd GiB':>9}{'loss':>9}")
         for name, r in results.items():
             print(f"{name:<12}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['peak_memory_gib']:>10.2f}"
                   f"{r['memory_after_forward_gib']:>9.2f}{r['loss']:>9.4f}")
-        print(f"NVFP4/BF16: tokens/s {speedup:.3f}x (target >= 1.10), peak memory {memory:.3f}x (target <= 0.80)")
+        target = TOKENS_PER_S_TARGETS.get(args.links)
+        print(f"NVFP4/BF16: tokens/s {speedup:.3f}x" + (f" (target >= {target:.2f})" if target else "")
+              + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
         record = {"benchmark": "megatron_gpt", "device": torch.cuda.get_device_name(), "gpus": tp,
+                  **links_record(args.links), "tokens_per_s_target": target,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
                   "command": command_line(),
                   "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
+        out = args.out or result_path(f"megatron_gpt_{gpu_label()}x{tp}", args.links)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as handle:
             json.dump(record, handle, indent=1)
+        print(f"wrote {out}")
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

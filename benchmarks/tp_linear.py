@@ -2,9 +2,11 @@
 
 Compares, on the same group and shapes: the NVFP4 layers, the same layers in their BF16 fallback, and
 Megatron-Core's own BF16 ColumnParallelLinear/RowParallelLinear when megatron-core is importable.
-Median time over ranks (max), speedups against both BF16 baselines.
+Median time over ranks (max), speedups against both BF16 baselines. --links picks the link class
+(benchmarks/torchrun_setup.py).
 
-    torchrun --nproc-per-node 4 benchmarks/tp_linear.py [--seq 4096 --batch 2 --hidden 8192 --ffn 28672] [--out PATH]
+    torchrun --nproc-per-node 4 benchmarks/tp_linear.py [--links nvlink|slow|two-node] [--seq 4096 --batch 2
+        --hidden 8192 --ffn 28672] [--out PATH]
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
-from torchrun_setup import init_nccl  # noqa: E402
+from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_record, result_path  # noqa: E402
 
 
 def median_ms(fn, warmup: int = 3, iterations: int = 10) -> float:
@@ -84,9 +86,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
-    parser.add_argument("--out", default=None, help="default benchmarks/results/tp_linear_tp<W>.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/tp_linear_<gpu>_tp<W>_<links>.json")
+    add_links_argument(parser)
     args = parser.parse_args()
-    rank, world_size = init_nccl()
+    rank, world_size = init_nccl(args.links)
     torch.manual_seed(0)
     x = torch.randn(args.seq // world_size, args.batch, args.hidden, device="cuda", dtype=torch.bfloat16)
     x.requires_grad_(True)
@@ -101,7 +104,7 @@ def main() -> None:
         results["speedup_vs_megatron_bf16"] = results["megatron_bf16_ms"] / results["nvfp4_ms"]
     if rank == 0:
         print(f"MLP block fwd+bwd, TP={world_size} with SP, x [{args.seq}/{world_size}, {args.batch}, {args.hidden}], "
-              f"ffn {args.ffn}, {torch.cuda.get_device_name()}")
+              f"ffn {args.ffn}, {torch.cuda.get_device_name()}, links {args.links}")
         print(f"  NVFP4 layers           {results['nvfp4_ms']:8.2f} ms")
         print(f"  same layers, BF16      {results['bf16_fallback_ms']:8.2f} ms   speedup "
               f"{results['speedup_vs_bf16_fallback']:.2f}x")
@@ -110,9 +113,10 @@ def main() -> None:
                   f"{results['speedup_vs_megatron_bf16']:.2f}x")
         else:
             print("  Megatron-Core BF16     (megatron-core not importable)")
-        out = pathlib.Path(args.out or f"benchmarks/results/tp_linear_tp{world_size}.json")
+        out = pathlib.Path(args.out or result_path(f"tp_linear_{gpu_label()}_tp{world_size}", args.links))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(benchmark="tp_linear", world_size=world_size, gpu=torch.cuda.get_device_name(),
+                                       **links_record(args.links),
                                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                        commit=git_commit(), command=command_line(), torch=torch.__version__,
                                        seq=args.seq, batch=args.batch,
