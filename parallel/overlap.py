@@ -287,18 +287,21 @@ def measure_link_speed(group=None, device=None, repeats: int = 5) -> LinkSpeed:
     if device.type not in PROBE_SHAPES:
         raise ValueError(f"device={device}: link speeds are measured on {tuple(PROBE_SHAPES)} devices")
     (gather_rows, gather_cols), (scatter_rows, scatter_cols), size = PROBE_SHAPES[device.type]
-    gathered = ops.quantize(torch.randn(gather_rows, gather_cols, device=device, dtype=torch.bfloat16),
-                            "activation", columnwise=False)
+    generator = torch.Generator(device=device).manual_seed(0)  # leaves torch's generators (SR seeds, dropout) alone
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.bfloat16)
+    gathered = ops.quantize(random(gather_rows, gather_cols), "activation", columnwise=False)
     pieces = rowwise_pieces(gathered)
-    partial = torch.randn(world_size * scatter_rows, scatter_cols, device=device, dtype=torch.bfloat16)
+    partial = random(world_size * scatter_rows, scatter_cols)
     chunks = partial.chunk(world_size)
     ms = {"all_gather": lambda: collectives.all_gather_nvfp4(gathered, group),
           "ring_all_gather": lambda: ring_all_gather_consume(pieces, lambda tensors, source: None, group),
           "reduce_scatter": lambda: collectives.reduce_scatter_bf16(partial, group),
           "ring_reduce_scatter": lambda: ring_reduce_scatter_produce(lambda chunk: chunks[chunk], group)}
     ms = {name: _median_ms(step, device, repeats, group) for name, step in ms.items()}
-    a = ops.quantize(torch.randn(size, size, device=device, dtype=torch.bfloat16), "activation", columnwise=False)
-    b = ops.quantize(torch.randn(size, size, device=device, dtype=torch.bfloat16), "weight", columnwise=False)
+    a = ops.quantize(random(size, size), "activation", columnwise=False)
+    b = ops.quantize(random(size, size), "weight", columnwise=False)
     gemm_ms = _median_ms(lambda: gemm(a, b, out_dtype=torch.bfloat16), device, repeats)
     gather_mb = (world_size - 1) * nvfp4_bytes(gather_rows, gather_cols) / 2 ** 20  # what one rank receives
     scatter_mb = (world_size - 1) * scatter_rows * scatter_cols * 2 / 2 ** 20

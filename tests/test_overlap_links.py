@@ -140,7 +140,7 @@ def check_agreement_across_ranks(rank, world_size):
 
 def check_real_measurement(rank, world_size):
     """measure_link_speed on the gloo group's own rings and collectives: positive, the same on every rank, measured
-    at the first use only."""
+    at the first use only, without drawing from torch's generator."""
     assert L.known_link_speed(None) is None
     counted = []
     original = O.measure_link_speed
@@ -149,12 +149,14 @@ def check_real_measurement(rank, world_size):
         counted.append(1)
         return original(*args, **kwargs)
     O.measure_link_speed = counting
+    rng_state = torch.get_rng_state()
     try:
         first = O.group_link_speed(None, torch.device("cpu"))
         again = O.group_link_speed(dist.group.WORLD, torch.device("cpu"))
     finally:
         O.measure_link_speed = original
     assert counted == [1] and again is first and L.known_link_speed(None) is first
+    assert torch.equal(torch.get_rng_state(), rng_state)  # SR seeds are drawn from it: the probes leave it alone
     assert all(getattr(first, field.name) > 0 for field in dataclasses.fields(first))
     assert len(set(gathered(first))) == 1
     L.set_link_speed(None, None)

@@ -1,7 +1,10 @@
-"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on 2 and 4 GPUs with NCCL.
+"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on 2 and 4 GPUs with NCCL, over each link class.
 
-Run: `pytest -q tests_multigpu/test_overlap_gpu.py` (each test launches torchrun on 2 or 4 local GPUs), or one
-world directly: `torchrun --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py`.
+Run: `pytest -q tests_multigpu/test_overlap_gpu.py` (each test launches torchrun on 2 or 4 local GPUs: NVLink at
+TP2 and TP4, slow links and two nodes on one host at TP4; docs/slow_links.md), or one world directly:
+`torchrun --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py`, with a link class's environment
+(`eval "$(python benchmarks/torchrun_setup.py --links slow)"` first), or
+`tests_multigpu/two_node_local.sh tests_multigpu/test_overlap_gpu.py`.
 Build the CUDA kernels first (`python -m nvfp4_dist.build`): the ranks quantize with them.
 
 Expected, per GEMM path of the Hopper emulated backend (both are run, whichever is the default):
@@ -13,8 +16,13 @@ Expected, per GEMM path of the Hopper emulated backend (both are run, whichever 
 The reduce-scatter side (row fprop, column dgrad) sums in ring order (FP32, rounded to BF16 each hop) against
 NCCL's own order: each is within (W-1) * 2^-8 * S of the exact sum, S = sum over ranks of |partial|, so they
 differ by at most twice that (plus the GEMM tolerance above on the dequantize path).
+The pair check also runs the automatic choice (measured links, overlap_measure_links): every rank takes the same
+path and the weight gradients equal the plain pair's; and the overlapped pair's row layer starts the column
+layer's input re-gather (its wgrad GEMM then runs with that transfer in flight).
 """
+import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -26,17 +34,32 @@ TOKENS_PER_RANK = 512          # [seq/tp = 256, batch = 2]
 HIDDEN, LOCAL_FFN = 1024, 512
 BACKWARD_SEED = 7
 GEMM_PATHS = ("fused", "dequantize")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_overlapped_layers_match_plain_on_gpus(world_size):
+def link_environment(links):
+    """benchmarks/torchrun_setup.py's environment of a link class (checked against the current one)."""
+    spec = importlib.util.spec_from_file_location("torchrun_setup", ROOT / "benchmarks" / "torchrun_setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.link_environment(links)
+
+
+@pytest.mark.parametrize("world_size, links", [(2, "nvlink"), (4, "nvlink"), (4, "slow"), (4, "two-node")])
+def test_overlapped_layers_match_plain_on_gpus(world_size, links):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               __file__]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    environment = dict(os.environ, **link_environment(links), PYTHON=sys.executable)
+    if links == "two-node":
+        command = ["bash", str(ROOT / "tests_multigpu" / "two_node_local.sh"), "--gpus", str(world_size), __file__]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+                   __file__]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment, cwd=ROOT)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    assert f"overlap GPU checks passed on {world_size} ranks" in result.stdout
+    nodes, symmetric = (2, "off") if links == "two-node" else (1, "off" if links == "slow" else "on")
+    assert (f"overlap GPU checks passed on {world_size} ranks ({nodes} torchrun node(s), symmetric memory "
+            f"{symmetric})") in result.stdout, result.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -164,36 +187,69 @@ def check_row(recipe, exact_gemms):
 
 
 def check_pair(recipe):
-    """Column -> gelu -> row with SP, forward and backward: weight grads exact (fused GEMM), y and dx near."""
+    """Column -> gelu -> row with SP, forward and backward: weight grads exact (fused GEMM), y and dx near; plain,
+    overlapped (every layer on the ring, the row layer starting the column input's re-gather) and automatic."""
     from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, overlap
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x, dy = inputs(world_size, HIDDEN, HIDDEN, 3)
-    results = []
-    for overlapped in (False, True):
+    results, early_starts, choices = {}, [], None
+    original_start = overlap.InputRegathers.start
+    for mode in ("plain", "overlapped", "auto"):
         torch.manual_seed(4)
-        column = ColumnParallelLinear(HIDDEN, LOCAL_FFN * world_size, sequence_parallel=True, recipe=recipe,
+        layer_recipe = recipe.replace(overlap=True, overlap_min_chunk_gflops=0) if mode == "auto" else recipe
+        column = ColumnParallelLinear(HIDDEN, LOCAL_FFN * world_size, sequence_parallel=True, recipe=layer_recipe,
                                       device="cuda")
-        row = RowParallelLinear(LOCAL_FFN * world_size, HIDDEN, sequence_parallel=True, recipe=recipe, device="cuda")
-        if overlapped:
+        row = RowParallelLinear(LOCAL_FFN * world_size, HIDDEN, sequence_parallel=True, recipe=layer_recipe,
+                                device="cuda")
+        if mode == "overlapped":
             column.comm, row.comm = overlap.overlapped_comm(column.comm), overlap.overlapped_comm(row.comm)
         x_local = x.chunk(world_size)[rank].clone().requires_grad_(True)
         y = row(torch.nn.functional.gelu(column(x_local)[0]))[0]
         torch.manual_seed(BACKWARD_SEED)
-        y.backward(dy.chunk(world_size)[rank])
-        results.append((y.detach(), x_local.grad, column.weight.grad, row.weight.grad))
-    (y0, dx0, dwc0, dwr0), (y1, dx1, dwc1, dwr1) = results
+        overlap.InputRegathers.start = lambda self, entry: (early_starts.append(mode), original_start(self, entry))[1]
+        try:
+            y.backward(dy.chunk(world_size)[rank])
+        finally:
+            overlap.InputRegathers.start = original_start
+        results[mode] = (y.detach(), x_local.grad, column.weight.grad, row.weight.grad)
+        if mode == "auto":
+            choices = (column._overlapped_comm.pipelined, row._overlapped_comm.pipelined)
     what = f"pair {recipe} rank={rank}"
-    for got, expected, name in ((y1, y0, "y"), (dx1, dx0, "dx")):
-        distance = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
-        assert distance <= 1e-2, f"{what} {name}: relative distance {distance:.2e}"
-    # The column output is exact, so the row layer's input and everything backward of y is too, up to the
-    # column dgrad's reduce-scatter (dx).
-    assert_equal(dwr1, dwr0, what + " row dW")
-    assert_equal(dwc1, dwc0, what + " column dW")
+    assert early_starts.count("overlapped") == 1, (what, early_starts)
+    y0, dx0, dwc0, dwr0 = results["plain"]
+    for mode in ("overlapped", "auto"):
+        y1, dx1, dwc1, dwr1 = results[mode]
+        for got, expected, name in ((y1, y0, "y"), (dx1, dx0, "dx")):
+            distance = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+            assert distance <= 1e-2, f"{what} {mode} {name}: relative distance {distance:.2e}"
+        # The column output is exact, so the row layer's input and everything backward of y is too, up to the
+        # column dgrad's reduce-scatter (dx).
+        assert_equal(dwr1, dwr0, f"{what} {mode} row dW")
+        assert_equal(dwc1, dwc0, f"{what} {mode} column dW")
+    all_choices = [None] * world_size
+    dist.all_gather_object(all_choices, choices)
+    assert len(set(all_choices)) == 1, f"{what}: ranks took different paths {all_choices}"
+    return choices
+
+
+def check_link_speed():
+    """The group's measured link speed: the same on every rank; what it says of the MLP pair (TP4 shapes)."""
+    from nvfp4_dist.parallel import link_speed, overlap
+    world_size = dist.get_world_size()
+    speed = overlap.group_link_speed(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
+    speeds = [None] * world_size
+    dist.all_gather_object(speeds, speed)
+    assert len(set(speeds)) == 1, f"ranks disagree on the link speed: {speeds}"
+    rows, ffn_local, hidden = 16384 // world_size, 28672 // world_size, 8192
+    step_gflops = overlap.ring_step_gflops(rows, ffn_local, hidden)
+    loads = [link_speed.RingLoad("all_gather", link_speed.nvfp4_bytes(rows, hidden), step_gflops),
+             link_speed.RingLoad("reduce_scatter", rows * hidden * 2, step_gflops)]
+    return speed, speed.ring_saving_ms(loads, world_size)
 
 
 def main():
     import nvfp4_dist as nv
+    from nvfp4_dist.parallel import symmetric
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -208,11 +264,18 @@ def main():
                 check_row(recipe, exact)
             check_column(recipes[0], exact, keep_input_columnwise=True)
         os.environ["NVFP4_HOPPER_GEMM"] = "fused"
-        check_pair(recipes[0])
+        speed, pair_saving_ms = check_link_speed()
+        choices = check_pair(recipes[0])
+        symmetric_memory = "on" if symmetric.enabled() else "off"
         torch.cuda.synchronize()
         dist.barrier()
         if dist.get_rank() == 0:
-            print(f"overlap GPU checks passed on {dist.get_world_size()} ranks", flush=True)
+            nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+            print(f"link speed: {speed.describe()}; MLP pair (16384, 8192, 28672) column layer's rings expected to "
+                  f"save {pair_saving_ms:.2f} ms; this test's small pair, automatic choice: "
+                  f"{'ring' if choices[0] else 'plain'}", flush=True)
+            print(f"overlap GPU checks passed on {dist.get_world_size()} ranks ({nodes} torchrun node(s), "
+                  f"symmetric memory {symmetric_memory})", flush=True)
     finally:
         dist.destroy_process_group()
 
