@@ -244,10 +244,10 @@ def ring_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out
 # ----------------------------------------------------------------------------------------------------------
 # The group's link speed (parallel/link_speed.py), measured on the rings and collectives the layers run.
 
-PROBE_SHAPES = {  # device type: (all-gather chunk per rank [rows, cols], reduce-scatter chunk per rank, GEMM size)
-    "cuda": ((1024, 8192), (1024, 2048), 4096),  # 4.5 MiB of NVFP4, 4 MiB of BF16; a 137 GFLOP GEMM
-    "cpu": ((32, 256), (32, 128), 128),
-}
+# Device type: (all-gather chunk per rank [rows, cols], reduce-scatter chunk per rank, GEMM size). On GPUs the
+# chunks are as large as a big layer's ring step (18 MiB of NVFP4, 16 MiB of BF16), where per-transfer latency no
+# longer skews the ring against the collective; the GEMM has 137 GFLOP.
+PROBE_SHAPES = {"cuda": ((4096, 8192), (2048, 4096), 4096), "cpu": ((32, 256), (32, 128), 128)}
 
 
 def _median_ms(step: Callable[[], object], device: torch.device, repeats: int, group=None) -> float:
@@ -274,7 +274,7 @@ def _median_ms(step: Callable[[], object], device: torch.device, repeats: int, g
 
 def measure_link_speed(group=None, device=None, repeats: int = 5) -> LinkSpeed:
     """Time the group's rings (ring_all_gather_consume, ring_reduce_scatter_produce) against the plain path's
-    collectives (all_gather_nvfp4, reduce_scatter_bf16) on a few MB per rank, and the NVFP4 GEMM on `device`
+    collectives (all_gather_nvfp4, reduce_scatter_bf16) on PROBE_SHAPES' chunks, and the NVFP4 GEMM on `device`
     (default: the current GPU on NCCL, else the CPU); agreed over the ranks (LinkSpeed.agreed). A collective:
     every rank of the group calls it."""
     world_size = dist.get_world_size(group)
