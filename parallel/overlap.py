@@ -20,12 +20,12 @@ overlapped_comm(plain_comm):
   round the ring;
 - row-parallel backward: the quantized output gradient goes round the ring into the dgrad GEMM, its
   columnwise copy riding along for the wgrad GEMM that follows;
-- column-parallel backward: the dgrad GEMM runs per destination rank into the reduce-scatter ring, while
-  the input's columnwise copy is re-gathered by an asynchronous all-gather issued before it.
-Backward runs no GEMM with nothing in flight where it can help it: the column-parallel layer's wgrad GEMM runs
-during its reduce-scatter ring's last transfer, and the row-parallel layer starts the all-gather of the
-column-parallel input that precedes it (InputRegathers) right before its own wgrad GEMM. The choice of ring or
-plain path is _RingChoice's (a GEMM-size floor and, with measured link speeds, parallel/link_speed.py's model).
+- column-parallel backward: the dgrad GEMM runs per destination rank into the reduce-scatter ring and the
+  wgrad GEMM during the ring's last transfer; the input's columnwise copy is re-gathered by an asynchronous
+  all-gather that the following row-parallel layer starts right before its own wgrad GEMM (InputRegathers),
+  so that GEMM too runs with a transfer in flight (without such a row layer: issued before the dgrad ring).
+Whether a layer goes round the ring is _RingChoice's decision: a GEMM-size floor and, with measured link
+speeds, parallel/link_speed.py's model.
 The all-gather side is bit-identical to the plain path when the GEMM's rows do not depend on how many rows
 it is given (reference backend, the fused Hopper kernel). The reduce-scatter side sums in ring order (FP32
 adds, rounded to the output dtype each hop) on NCCL, or in rank order in FP32 rounded once on copy engines:
@@ -295,11 +295,11 @@ def measure_link_speed(group=None, device=None, repeats: int = 5) -> LinkSpeed:
     pieces = rowwise_pieces(gathered)
     partial = random(world_size * scatter_rows, scatter_cols)
     chunks = partial.chunk(world_size)
-    ms = {"all_gather": lambda: collectives.all_gather_nvfp4(gathered, group),
-          "ring_all_gather": lambda: ring_all_gather_consume(pieces, lambda tensors, source: None, group),
-          "reduce_scatter": lambda: collectives.reduce_scatter_bf16(partial, group),
-          "ring_reduce_scatter": lambda: ring_reduce_scatter_produce(lambda chunk: chunks[chunk], group)}
-    ms = {name: _median_ms(step, device, repeats, group) for name, step in ms.items()}
+    probes = {"all_gather": lambda: collectives.all_gather_nvfp4(gathered, group),
+              "ring_all_gather": lambda: ring_all_gather_consume(pieces, lambda tensors, source: None, group),
+              "reduce_scatter": lambda: collectives.reduce_scatter_bf16(partial, group),
+              "ring_reduce_scatter": lambda: ring_reduce_scatter_produce(lambda chunk: chunks[chunk], group)}
+    ms = {name: _median_ms(step, device, repeats, group) for name, step in probes.items()}
     a = ops.quantize(random(size, size), "activation", columnwise=False)
     b = ops.quantize(random(size, size), "weight", columnwise=False)
     gemm_ms = _median_ms(lambda: gemm(a, b, out_dtype=torch.bfloat16), device, repeats)

@@ -252,3 +252,10 @@ def _check(rank, world_size, which):
 @pytest.mark.parametrize("which", ["agreement", "measurement", "layers"])
 def test_link_choice_on_gloo(which, world_size):
     run_distributed(_check, world_size, which)
+
+
+def test_recipe_switch(monkeypatch):
+    monkeypatch.delenv("NVFP4_OVERLAP_IGNORE_LINKS", raising=False)
+    assert nv.NVFP4Recipe().overlap_measure_links and nv.NVFP4Recipe.from_env().overlap_measure_links
+    monkeypatch.setenv("NVFP4_OVERLAP_IGNORE_LINKS", "1")
+    assert not nv.NVFP4Recipe.from_env(overlap=True).overlap_measure_links
