@@ -418,9 +418,10 @@ class InputRegathers:
 
     def claim(self, row_input: NVFP4Tensor) -> None:
         """Bind the newest announcement to this row layer's saved input; older ones cannot directly precede it."""
-        if not self.announced:
+        try:
+            _, newest = self.announced.popitem()  # the newest (dicts pop last in, first out)
+        except KeyError:
             return
-        newest = self.announced[next(reversed(self.announced))]
         self.announced.clear()
         key = _tensor_key(row_input)
         self.claimed[key] = newest
