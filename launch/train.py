@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--sp", action="store_true", help="sequence parallelism")
     where.add_argument("--overlap", action="store_true",
                        help="overlap TP communication with the GEMMs, in layers whose ring steps have at least "
-                            "NVFP4_OVERLAP_MIN_CHUNK_GFLOPS GFLOP (default 256; smaller ones stay plain)")
+                            "NVFP4_OVERLAP_MIN_CHUNK_GFLOPS GFLOP (default 256; smaller ones stay plain) and whose "
+                            "rings beat the plain path on the measured links (NVFP4_OVERLAP_IGNORE_LINKS=1: size "
+                            "alone; docs/slow_links.md)")
     where.add_argument("--layers", type=int, default=2, help="transformer layers")
     where.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 16 x --tp)")
     where.add_argument("--heads", type=int, default=4, help="attention heads (a multiple of --tp)")
