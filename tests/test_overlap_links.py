@@ -180,8 +180,9 @@ def make_pair(world_size, recipe):
 
 def check_layers_follow_the_agreed_choice(rank, world_size):
     """recipe.overlap=True with measured links: plain where the rings lose, ring where they win, the same on every
-    rank; recipe.overlap_measure_links=False: the floor alone (no measurement). Results equal the plain pair's
-    (exactly: the ring's reduce-scatter adds in another order, so only a two-rank group is compared bit for bit)."""
+    rank; recipe.overlap_measure_links=False: the floor alone (no measurement). Weight and bias gradients equal the
+    plain pair's bit for bit; outputs and input gradients too where the path is plain or the group has two ranks
+    (the ring's reduce-scatter adds in another order)."""
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(world_size * TOKENS_PER_RANK, LAYER_HIDDEN, generator=generator).bfloat16().chunk(world_size)[rank]
     dy = torch.randn(world_size * TOKENS_PER_RANK, LAYER_HIDDEN, generator=generator).bfloat16().chunk(world_size)[rank]
@@ -210,7 +211,7 @@ def check_layers_follow_the_agreed_choice(rank, world_size):
         if world_size == 2 or not expect_ring:
             for a, b in zip(got, plain):
                 assert torch.equal(a, b), name
-    # The override: the floor alone decides, no measurement (the cached speed says the rings lose).
+    # The override: the floor alone decides, and nothing is measured.
     measured = []
     original = O.measure_link_speed
     O.measure_link_speed = lambda *a, **k: measured.append(1)
