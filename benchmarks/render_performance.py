@@ -297,7 +297,9 @@ class Result:
 
     @property
     def variant(self) -> str:
-        return ", ".join(f"{name}={self.settings[name]}" for name in VARIANT_SETTINGS if name in self.settings)
+        links = self.record.get("links", "nvlink")  # benchmarks/torchrun_setup.py's link class (--links)
+        settings = [f"{name}={self.settings[name]}" for name in VARIANT_SETTINGS if name in self.settings]
+        return ", ".join(([] if links == "nvlink" else [f"links {links}"]) + settings)
 
     @property
     def command(self) -> str:

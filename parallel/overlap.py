@@ -490,9 +490,9 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
         rows, out_features, in_features = xq.rows, wq.rows, xq.cols
         step_gflops = ring_step_gflops(rows, out_features, in_features)
         copies = 1 if self.input_carry is None else 2  # a kept columnwise copy rides the same ring
-        loads = [RingLoad("all_gather", copies * nvfp4_bytes(rows, in_features), step_gflops)]
-        if not recipe.row_scaled_activation:  # backward: the dgrad partials, reduce-scattered on the ring
-            loads.append(RingLoad("reduce_scatter", rows * in_features * out_dtype.itemsize, step_gflops))
+        loads = [RingLoad("all_gather", copies * nvfp4_bytes(rows, in_features), step_gflops),
+                 # backward: the dgrad partials, reduce-scattered on the ring
+                 RingLoad("reduce_scatter", rows * in_features * out_dtype.itemsize, step_gflops)]
         if not self.choose(step_gflops, loads, xq.device):  # a kept columnwise copy: gathered by carry.finish()
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
@@ -544,9 +544,9 @@ class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
         rows, out_features, in_features = xq.rows // self.world_size, wq.rows, xq.cols
         step_gflops = ring_step_gflops(rows, out_features, in_features)
-        loads = [RingLoad("reduce_scatter", rows * out_features * out_dtype.itemsize, step_gflops)]
-        if not recipe.row_scaled_activation:  # backward: the output gradient's two copies, gathered on the ring
-            loads.append(RingLoad("all_gather", 2 * nvfp4_bytes(rows, out_features), step_gflops))
+        loads = [RingLoad("reduce_scatter", rows * out_features * out_dtype.itemsize, step_gflops),
+                 # backward: the output gradient's two copies, gathered on the ring
+                 RingLoad("all_gather", 2 * nvfp4_bytes(rows, out_features), step_gflops)]
         if not self.choose(step_gflops, loads, xq.device):
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
         return ring_gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,

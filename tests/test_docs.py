@@ -92,6 +92,17 @@ def test_a_variant_is_its_own_row(tmp_path):
     assert "(CUDA_DEVICE_MAX_CONNECTIONS=1)" in rows[1] and "`CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun" in rows[1]
 
 
+def test_each_link_class_is_its_own_row(tmp_path):
+    _copy_result("overlap_h200_tp4.json", tmp_path, "overlap_h200_tp4_nvlink.json", links="nvlink")
+    for links in ("slow", "two-node"):
+        _copy_result("overlap_h200_tp4.json", tmp_path, f"overlap_h200_tp4_{links}.json", links=links)
+    page = render_performance.render(render_performance.load_results(tmp_path))
+    rows = [line for line in page.splitlines() if line.startswith("| communication/GEMM overlap")]
+    assert [row.split(" | ")[0] for row in rows] == ["| communication/GEMM overlap",
+                                                      "| communication/GEMM overlap (links slow)",
+                                                      "| communication/GEMM overlap (links two-node)"]
+
+
 def test_a_recorded_command_is_shown_without_output_flags(tmp_path):
     _copy_result("allgather_h200_x4.json", tmp_path, "allgather_h200_x4.json",
                  command="NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/allgather.py --hidden 4096 "

@@ -174,8 +174,7 @@ def run_pair(column, row, x, dy, events=None):
         y.backward(dy)
     else:
         with Recorder(ring_gather=(O, "ring_all_gather_consume"), ring_scatter=(O, "ring_reduce_scatter_produce"),
-                      input_gather=(collectives, "all_gather_nvfp4"), wgrad=(linear, "gemm"),
-                      amax=(collectives, "all_reduce_amax")) as log:
+                      input_gather=(collectives, "all_gather_nvfp4"), wgrad=(linear, "gemm")) as log:
             y.backward(dy)
         events.extend(log)
     return [y.detach()] + grads(x, column, row)
@@ -203,9 +202,9 @@ def check_pair_early_regather(rank, world_size):
         late = run_pair(*make_pair(world_size, True), x_local, dy_local)
     events = []
     early = run_pair(*make_pair(world_size, True), x_local, dy_local, events)
-    # Row backward: amax, dgrad ring, the column input's gather, row wgrad; column backward: its dgrad ring with
-    # its wgrad inside. Without the early start the gather would follow the row's wgrad.
-    assert events == ["amax", "ring_gather", "input_gather", "wgrad", "ring_scatter", "wgrad"], events
+    # Row backward: dgrad ring, the column input's gather, row wgrad; column backward: its dgrad ring with its
+    # wgrad inside. Without the early start the gather would follow the row's wgrad.
+    assert events == ["ring_gather", "input_gather", "wgrad", "ring_scatter", "wgrad"], events
     for got, expected, name in zip(early, late, ("y", "dx", "column dW", "column db", "row dW", "row db")):
         assert torch.equal(got, expected), f"early vs late re-gather: {name}"
     for index in (2, 3, 4, 5):
