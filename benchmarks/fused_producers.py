@@ -9,8 +9,9 @@ For each producer, width and token count, two chains give the same bytes (tests_
 "Needed" bytes are those any chain must move: the input read once and both copies (codes and E4M3 scales) written;
 GB/s counts those, against a device-to-device copy of the input in the same run (read + write). "Moved" bytes are
 each chain's own traffic to memory by design (L2 hits not counted). Row-scaled variants (rowwise copy, per-row
-amax) are timed too. Kernels are called through the extension with preallocated outputs (no allocation or
-Python dispatch in the timed loop) and timed in interleaved rounds (benchmarks/quantize.py time_interleaved).
+amax) are timed too. Kernels are called with preallocated outputs (no allocation in the timed loop; the unfused
+cast through nvfp4_dist.kernels.launch_quantize, the call quantize_tensor makes) and timed in interleaved rounds
+(benchmarks/quantize.py time_interleaved).
 
     python benchmarks/fused_producers.py [--tokens 8192 16384 32768 65536] [--hidden 4096 8192]
                                          [--ffn 14336 28672] [--out benchmarks/results/fused_producers_<gpu>.json]
@@ -25,6 +26,7 @@ import time
 
 import torch
 
+from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
 from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from quantize import CardSampler, time_interleaved  # noqa: E402
@@ -87,8 +89,8 @@ def unfused_cast(extension, stream, output: torch.Tensor, buffers: Buffers):
             extension.amax_rows(output, buffers.amax_plain, stream)
         else:
             extension.amax_rht(output, True, buffers.amax_plain, buffers.amax_rht, stream)
-        extension.quantize(output, *buffers.cast_outputs(), buffers.row_scaled, False, not buffers.row_scaled, True,
-                           False, 0, 0, stream)
+        kernels.launch_quantize(output, *buffers.cast_outputs(), row_scaled=buffers.row_scaled,
+                                rht=not buffers.row_scaled, rht_random_sign=True)
     return run
 
 
@@ -104,11 +106,11 @@ def norm_chains(extension, stream, tokens: int, hidden: int, normalization: str,
     cast = unfused_cast(extension, stream, y, buffers)
 
     def unfused():
-        extension.norm_rows(x, weight, bias, code, 1e-5, mean, rstd, y, None, False, None, True, stream)
+        extension.norm_rows(x, weight, bias, code, 1e-5, mean, rstd, None, y, None, False, None, True, stream)
         cast()
 
     def fused():
-        extension.norm_rows(x, weight, bias, code, 1e-5, mean, rstd, None, buffers.amax_plain, row_scaled,
+        extension.norm_rows(x, weight, bias, code, 1e-5, mean, rstd, None, None, buffers.amax_plain, row_scaled,
                             None if row_scaled else buffers.amax_rht, True, stream)
         extension.norm_cast(x, weight, bias, code, mean, rstd, *buffers.cast_outputs(), row_scaled, not row_scaled,
                             True, stream)

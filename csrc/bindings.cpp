@@ -304,9 +304,15 @@ nvfp4::ProducerCastArgs producer_cast_args(int64_t rows, int64_t cols, const std
 
 void norm_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                int64_t normalization, double eps, const std::optional<at::Tensor>& mean, at::Tensor& rstd,
-               const std::optional<at::Tensor>& y, const std::optional<at::Tensor>& amax_rowwise, bool row_scaled,
+               const std::optional<at::Tensor>& sum_of_squares, const std::optional<at::Tensor>& y, const std::optional<at::Tensor>& amax_rowwise, bool row_scaled,
                const std::optional<at::Tensor>& amax_rht, bool rht_random_sign, int64_t stream) {
-  const nvfp4::NormArgs args = norm_args(x, weight, bias, normalization, eps, mean, rstd);
+  nvfp4::NormArgs args = norm_args(x, weight, bias, normalization, eps, mean, rstd);
+  if (sum_of_squares.has_value()) {
+    check_device_tensor(*sum_of_squares, "sum_of_squares");
+    TORCH_CHECK(sum_of_squares->scalar_type() == at::kFloat && sum_of_squares->numel() == x.size(0),
+                "nvfp4_dist._C.norm_rows: sum_of_squares FP32 [rows]");
+    args.sum_of_squares = sum_of_squares->data_ptr<float>();
+  }
   if (y.has_value()) {
     check_device_tensor(*y, "y");
     TORCH_CHECK(y->numel() == x.numel(), "nvfp4_dist._C.norm_rows: y [rows, cols]");
@@ -471,7 +477,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
-  m.def("norm_rows", &norm_rows, "norm statistics, and its output and the amaxes of its NVFP4 copies when asked");
+  m.def("norm_rows", &norm_rows,
+        "norm statistics (and the sums of squares before rstd), and its output and the amaxes of its NVFP4 copies "
+        "when asked");
   m.def("norm_cast", &norm_cast, "NVFP4 copies of a norm's BF16 output from its statistics, the output not written");
   m.def("activation_forward", &activation_forward, "GELU / SwiGLU of fc1's output");
   m.def("activation_amaxes", &activation_amaxes, "amaxes of the NVFP4 copies of an activation's BF16 output");

@@ -35,6 +35,7 @@ struct RowPassArgs {
   float eps;
   float* mean;
   float* rstd;
+  float* sum_of_squares;
   void* y;
   InputType y_type;
   float* amax_rowwise;
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
         const int64_t row = first_row + r0 + r;
 #pragma unroll
         for (int k = 0; k < kBlocks; ++k) {
-          const int64_t block = tid + k * kNormThreads;
+          const int64_t block = row_block_of_thread(tid, k, kNormThreads);
           if (row < args.rows && block < blocks_per_row) {
             load_block<T>(x + row * cols, block, v[r][k]);
           } else {
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
           }
         }
       }
-      float mean[kRows], rstd[kRows];
+      float mean[kRows], sum_of_squares[kRows], rstd[kRows];
       if constexpr (kLayerNorm) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
           mean[r] = mean_of_row(mean[r], width);
 #pragma unroll
           for (int k = 0; k < kBlocks; ++k) {
-            if (tid + k * kNormThreads < blocks_per_row) {  // absent blocks stay zero, as the tree's padding
+            if (row_block_of_thread(tid, k, kNormThreads) < blocks_per_row) {  // absent blocks stay zero (padding)
 #pragma unroll
               for (int i = 0; i < kBlockSize; ++i) v[r][k][i] = v[r][k][i] - mean[r];
             }
@@ -180,15 +181,16 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
           for (int i = 0; i < kBlockSize; ++i) squares[i] = v[r][k][i] * v[r][k][i];
           block_sums[k] = halving_sum16(squares);
         }
-        rstd[r] = thread_share_of_row_sum<kBlocks>(block_sums);
+        sum_of_squares[r] = thread_share_of_row_sum<kBlocks>(block_sums);
       }
-      block_halving_sums<kNormThreads, kRows>(rstd, scratch, sums);
+      block_halving_sums<kNormThreads, kRows>(sum_of_squares, scratch, sums);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        rstd[r] = rstd_of_row(rstd[r], width, args.eps);
+        rstd[r] = rstd_of_row(sum_of_squares[r], width, args.eps);
         const int64_t row = first_row + r0 + r;
         const bool inside = row < args.rows;
         if (tid == 0 && inside) {
+          if (args.sum_of_squares != nullptr) args.sum_of_squares[row] = sum_of_squares[r];
           args.rstd[row] = rstd[r];
           if (kLayerNorm) args.mean[row] = mean[r];
           band_mean[r0 + r] = kLayerNorm ? mean[r] : 0.0f;
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
         uint32_t row_amax = 0u;
 #pragma unroll
         for (int k = 0; k < kBlocks; ++k) {
-          const int64_t block = tid + k * kNormThreads;
+          const int64_t block = row_block_of_thread(tid, k, kNormThreads);
           if (!inside || block >= blocks_per_row) continue;
           float weight[kBlockSize], bias[kBlockSize], out[kBlockSize];
           load_floats16(args.weight + block * kBlockSize, weight);
@@ -355,8 +357,8 @@ cudaError_t launch_norm_rows(const NormArgs& norm, void* y, InputType y_type, fl
     const cudaError_t status = cudaMemsetAsync(amax_rht, 0, sizeof(float), stream);
     if (status != cudaSuccess) return status;
   }
-  const RowPassArgs args{norm.x, norm.rows, norm.cols, norm.weight, norm.bias, norm.eps, norm.mean, norm.rstd,
-                         y, y_type, amax_rowwise, row_scaled, amax_rht};
+  const RowPassArgs args{norm.x,    norm.rows, norm.cols, norm.weight,  norm.bias,  norm.eps, norm.mean,
+                         norm.rstd, norm.sum_of_squares,  y, y_type, amax_rowwise, row_scaled, amax_rht};
   const bool layer_norm = norm.normalization == Normalization::kLayerNorm;
   NVFP4_DISPATCH_INPUT_TYPE(norm.type, T,
                             return layer_norm ? launch_rows_for_pass<T, true>(args, rht_random_sign, stream)

@@ -81,6 +81,7 @@ struct NormArgs {
   float eps;
   float* mean;                   // [rows] (LayerNorm; null for RMSNorm): written by the row pass, read by the cast
   float* rstd;                   // [rows]
+  float* sum_of_squares;         // [rows] or null: the row pass's sums of squares before rstd (a test's view)
 };
 // The norm's row pass: mean and rstd of each row; its output y [rows, cols] of y_type (may be null); the amax of
 // its BF16 rounding into amax_rowwise ((1,), or (rows,) when row_scaled; may be null); the amax of the RHT'd,

@@ -34,6 +34,12 @@ NVFP4_HD float halving_sum(float (&t)[kCount]) {
   return t[0];
 }
 
+// The row's block that thread `thread` of `threads` holds as its k-th (the row pass's split of a row, also
+// host-compiled by the CPU harness).
+NVFP4_HD int64_t row_block_of_thread(int thread, int k, int threads) {
+  return thread + static_cast<int64_t>(k) * threads;
+}
+
 // A thread's share of a row's sum when thread t of kThreads holds blocks t + k * kThreads (k < kBlocks, a power of
 // two; absent blocks zero): the tree's levels of stride kThreads and above, which pair a thread's own blocks.
 // The levels below (kThreads / 2 .. 1) pair threads.
@@ -47,7 +53,8 @@ NVFP4_HD float thread_share_of_row_sum(const float (&block_sums)[kBlocks]) {
 
 // --- norm statistics and the norm of one value -----------------------------------------------------------------
 
-NVFP4_HD float mean_of_row(float row_sum, float cols) { return row_sum / cols; }
+// (row_sum + 0) / cols: the + 0 makes a zero sum +0 (a row of -0 sums to -0 only where the tree had no padding).
+NVFP4_HD float mean_of_row(float row_sum, float cols) { return (row_sum + 0.0f) / cols; }
 
 // rstd = 1 / sqrt(sum / cols + eps): the sum of (x - mean)^2 (LayerNorm) or of x^2 (RMSNorm). Correctly
 // rounded division and square root (no fast-math).

@@ -88,9 +88,27 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     mean, rstd = _norm_statistics(x2d, normalization)
     y = torch.empty(x2d.shape, dtype=out_dtype, device=x2d.device)
     with torch.cuda.device(x2d.device):
-        load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], float(eps), mean, rstd, y,
-                                   None, False, None, True, stream_handle(x2d.device))
+        load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], float(eps), mean, rstd,
+                                   None, y, None, False, None, True, stream_handle(x2d.device))
     return y.reshape(x.shape), mean, rstd
+
+
+def norm_row_sums(x: torch.Tensor, *, normalization: str):
+    """(mean or None for RMSNorm, sum of squares), FP32 [M], of the rows of x [..., K]: the row pass's statistics
+    before rstd."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}: allowed values are {NORMALIZATIONS}")
+    x2d = _kernel_input(x, "x")
+    cols = x2d.shape[1]
+    weight = torch.ones(cols, dtype=torch.float32, device=x2d.device)
+    bias = torch.zeros_like(weight) if normalization == "LayerNorm" else None
+    _check_norm(x2d, normalization, bias)
+    mean, rstd = _norm_statistics(x2d, normalization)
+    sum_of_squares = torch.empty_like(rstd)
+    with torch.cuda.device(x2d.device):
+        load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], 0.0, mean, rstd,
+                                   sum_of_squares, None, None, False, None, True, stream_handle(x2d.device))
+    return mean, sum_of_squares
 
 
 def _check_rows(rows: int, columnwise: bool, row_scaled: bool) -> None:
@@ -112,8 +130,9 @@ def norm_amaxes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     amax_rowwise = _amax(x2d, rows if row_scaled else 1)
     amax_rht = _amax(x2d) if columnwise and rht else None
     with torch.cuda.device(x2d.device):
-        load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], float(eps), mean, rstd, None,
-                                   amax_rowwise, row_scaled, amax_rht, rht_random_sign, stream_handle(x2d.device))
+        load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], float(eps), mean, rstd,
+                                   None, None, amax_rowwise, row_scaled, amax_rht, rht_random_sign,
+                                   stream_handle(x2d.device))
     amax_columnwise = amax_rht if amax_rht is not None else (amax_rowwise.clone() if columnwise else None)
     return mean, rstd, amax_rowwise, amax_columnwise
 

@@ -134,17 +134,29 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
         q.columnwise_data = torch.empty(cols, rows // 2, dtype=torch.uint8, device=device)
         q.columnwise_scale = torch.empty(cols, rows // BLOCK_SIZE, dtype=SCALE_DTYPE, device=device)
         q.amax_columnwise = amax_columnwise
-    seed = 0 if sr_seed is None else sr_seed
     with torch.cuda.device(device):
-        load_extension().quantize(
-            x2d, q.amax_rowwise, q.amax_columnwise, q.rowwise_data,
-            None if q.rowwise_scale is None else q.rowwise_scale.view(torch.uint8),
-            q.columnwise_data, None if q.columnwise_scale is None else q.columnwise_scale.view(torch.uint8),
-            row_scaled, block_2d, rht, rht_random_sign, sr_seed is not None,
-            seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, four_over_six is not None, e4m3_bound,
-            four_over_six is not None and four_over_six.err_mode == "MSE",
-            four_over_six is not None and four_over_six.fast_math, stream_handle(x2d.device))
+        launch_quantize(x2d, q.amax_rowwise, q.amax_columnwise, q.rowwise_data, q.rowwise_scale, q.columnwise_data,
+                        q.columnwise_scale, row_scaled=row_scaled, block_2d=block_2d, rht=rht,
+                        rht_random_sign=rht_random_sign, sr_seed=sr_seed, sr_row_offset=sr_row_offset,
+                        four_over_six=four_over_six)
     return q
+
+
+def launch_quantize(x2d: torch.Tensor, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data,
+                    columnwise_scale, *, row_scaled: bool = False, block_2d: bool = False, rht: bool = False,
+                    rht_random_sign: bool = True, sr_seed: int | None = None, sr_row_offset: int = 0,
+                    four_over_six: FourOverSix | None = None) -> None:
+    """The quantize kernel into preallocated copies (a copy's data, scale and amax all None when not wanted), on
+    the current stream: quantize_tensor's launch, for callers that own their outputs (benchmarks)."""
+    seed = 0 if sr_seed is None else sr_seed
+    e4m3_bound = E4M3_BOUND if four_over_six is None else four_over_six.e4m3_bound
+    load_extension().quantize(
+        x2d, amax_rowwise, amax_columnwise, rowwise_data,
+        None if rowwise_scale is None else rowwise_scale.view(torch.uint8), columnwise_data, None if columnwise_scale is None else columnwise_scale.view(torch.uint8),
+        row_scaled, block_2d, rht, rht_random_sign, sr_seed is not None,
+        seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, four_over_six is not None, e4m3_bound,
+        four_over_six is not None and four_over_six.err_mode == "MSE",
+        four_over_six is not None and four_over_six.fast_math, stream_handle(x2d.device))
 
 
 def dequantize_tensor(q: NVFP4Tensor, dtype: torch.dtype, copy: str) -> torch.Tensor:

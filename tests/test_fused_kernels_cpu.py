@@ -2,8 +2,9 @@
 
 - nvfp4_dist.fused_kernels imports without CUDA and mirrors the reference's signatures;
 - the kernels' element numerics (csrc/producer_numerics.cuh, host-compiled with nvcc) equal the reference
-  bit for bit: the fixed-order row sum as the kernels split it over threads, the norm statistics and the norm
-  of each value, the BF16 rounding, exp / erfc and the activations.
+  bit for bit: the fixed-order row sum as the kernels split it over threads and meet the threads' shares, the
+  norm statistics stage by stage (mean, sum of squares, rstd) and the norm of each value, the BF16 rounding,
+  exp / erfc and the activations.
 """
 import ctypes
 import inspect
@@ -22,12 +23,27 @@ CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
 
 # Host entry points over csrc/producer_numerics.cuh, composed as csrc/norm_quantize.cu composes them: thread t of
-# `threads` holds blocks t + k * threads of a row (k < K, the kernel's blocks per thread); its share of the row sum
-# is thread_share_of_row_sum<K>, and the threads' shares meet in the halving tree of stride threads / 2 .. 1.
+# `threads` holds blocks row_block_of_thread(t, k, threads) of a row (k < K, the kernel's blocks per thread), zeros
+# past the row's end; its share of the row sum is thread_share_of_row_sum<K>, and the threads' shares meet as
+# block_halving_sums (csrc/producer_cast.cuh) meets them: shared-memory levels of stride threads / 2 .. 32, then
+# the warp's XOR shuffles of stride 16 .. 1, each lane adding its partner's value to its own.
 HARNESS = r"""
 #include <vector>
 #include "producer_numerics.cuh"
 using namespace nvfp4;
+
+static float block_halving_sum(std::vector<float> shared) {
+  const int threads = static_cast<int>(shared.size());
+  for (int stride = threads / 2; stride >= 32; stride /= 2)
+    for (int tid = 0; tid < stride; ++tid) shared[tid] = shared[tid] + shared[tid + stride];
+  std::vector<float> lanes(shared.begin(), shared.begin() + 32);
+  for (int stride = 16; stride >= 1; stride /= 2) {
+    std::vector<float> shuffled(32);
+    for (int lane = 0; lane < 32; ++lane) shuffled[lane] = lanes[lane ^ stride];
+    for (int lane = 0; lane < 32; ++lane) lanes[lane] = lanes[lane] + shuffled[lane];
+  }
+  return lanes[0];
+}
 
 template <int K>
 static float row_sum(const std::vector<float>& row, int threads) {
@@ -36,16 +52,14 @@ static float row_sum(const std::vector<float>& row, int threads) {
   for (int t = 0; t < threads; ++t) {
     float block_sums[K];
     for (int k = 0; k < K; ++k) {
-      const long block = t + static_cast<long>(k) * threads;
+      const long block = row_block_of_thread(t, k, threads);
       float v[kBlockSize] = {};
       if (block < blocks) for (int i = 0; i < kBlockSize; ++i) v[i] = row[block * kBlockSize + i];
       block_sums[k] = halving_sum16(v);
     }
     shares[t] = thread_share_of_row_sum<K>(block_sums);
   }
-  for (int n = threads / 2; n >= 1; n /= 2)
-    for (int i = 0; i < n; ++i) shares[i] = shares[i] + shares[i + n];
-  return shares[0];
+  return block_halving_sum(shares);
 }
 
 static float row_sum_of(const std::vector<float>& row, int threads, int blocks_per_thread) {
@@ -58,10 +72,11 @@ static float row_sum_of(const std::vector<float>& row, int threads, int blocks_p
 }
 
 extern "C" {
-// LayerNorm (layer_norm != 0) or RMSNorm of each row, as the norm kernel's row pass: mean, rstd and the output
-// rounded to BF16 (returned as FP32).
+// LayerNorm (layer_norm != 0) or RMSNorm of each row, as the norm kernel's row pass: mean, the sum of squares
+// before rstd, rstd and the output rounded to BF16 (returned as FP32).
 void norm_rows(const float* x, long rows, long cols, const float* weight, const float* bias, int layer_norm,
-               float eps, int threads, int blocks_per_thread, float* mean, float* rstd, float* y) {
+               float eps, int threads, int blocks_per_thread, float* mean, float* sum_of_squares, float* rstd,
+               float* y) {
   const float width = static_cast<float>(cols);
   for (long r = 0; r < rows; ++r) {
     std::vector<float> v(x + r * cols, x + (r + 1) * cols);
@@ -72,7 +87,8 @@ void norm_rows(const float* x, long rows, long cols, const float* weight, const 
     }
     std::vector<float> squares(v.size());
     for (size_t i = 0; i < v.size(); ++i) squares[i] = v[i] * v[i];
-    const float s = rstd_of_row(row_sum_of(squares, threads, blocks_per_thread), width, eps);
+    sum_of_squares[r] = row_sum_of(squares, threads, blocks_per_thread);
+    const float s = rstd_of_row(sum_of_squares[r], width, eps);
     mean[r] = m;
     rstd[r] = s;
     for (long c = 0; c < cols; ++c) {
@@ -81,6 +97,11 @@ void norm_rows(const float* x, long rows, long cols, const float* weight, const 
       y[r * cols + c] = rounded_to_bf16(out);
     }
   }
+}
+
+// rstd_of_row of each sum of squares.
+void rstd_of_rows(const float* sums, long n, float cols, float eps, float* out) {
+  for (long i = 0; i < n; ++i) out[i] = rstd_of_row(sums[i], cols, eps);
 }
 
 // kind 0: exp, 1: erfc, 2: SiLU, 3: GELU, 4: SwiGLU of (x, up), 5: BF16 rounding.
@@ -130,8 +151,8 @@ def assert_bits_equal(got: np.ndarray, want: torch.Tensor, what: str):
 
 
 def test_fused_kernels_mirror_reference_signatures():
-    for name in ("norm_forward", "norm_amaxes", "norm_quantize", "activation_forward", "activation_amaxes",
-                 "activation_quantize"):
+    for name in ("norm_row_sums", "norm_forward", "norm_amaxes", "norm_quantize", "activation_forward",
+                 "activation_amaxes", "activation_quantize"):
         ours, theirs = inspect.signature(getattr(fused_kernels, name)), inspect.signature(getattr(R, name))
         assert list(ours.parameters) == list(theirs.parameters), name
         assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()], name
@@ -160,48 +181,68 @@ def spread(rows, cols, seed, offset=0.0):
     return (x * scale + offset * scale).to(torch.bfloat16).float()
 
 
+def host_norm_rows(numerics, x, weight, bias, layer_norm, threads, blocks_per_thread):
+    """(mean, sum of squares, rstd, y) of the harness's row pass."""
+    rows, cols = x.shape
+    mean, sums, rstd = (np.zeros(rows, np.float32) for _ in range(3))
+    y = np.zeros((rows, cols), np.float32)
+    numerics.norm_rows(pointer(f32(x)), ctypes.c_long(rows), ctypes.c_long(cols), pointer(f32(weight)),
+                       pointer(f32(bias)), ctypes.c_int(layer_norm), ctypes.c_float(1e-5), ctypes.c_int(threads),
+                       ctypes.c_int(blocks_per_thread), pointer(mean), pointer(sums), pointer(rstd), pointer(y))
+    return mean, sums, rstd, y
+
+
 @needs_nvcc
 @pytest.mark.parametrize("normalization", R.NORMALIZATIONS)
-@pytest.mark.parametrize("cols", [16, 272, 4096, 5120, 8192, 16384])
+@pytest.mark.parametrize("cols", [16, 256, 272, 4096, 5120, 8192, 16384])
 def test_norm_rows_match_reference(numerics, normalization, cols):
+    """Stage by stage: the mean, the sum of squares, rstd, the output."""
     x = spread(24, cols, seed=cols, offset=1.5)
     x[3] = 0.0
     x[4, ::3] = 1e30
+    x[5] = -0.0  # sums to -0 where the tree has no padding: the mean is +0 all the same
     generator = torch.Generator().manual_seed(1)
     weight = (1 + 0.3 * torch.randn(cols, generator=generator)).bfloat16().float()
     bias = (0.2 * torch.randn(cols, generator=generator)).bfloat16().float()
     layer_norm = normalization == "LayerNorm"
-    y_ref, mean_ref, rstd_ref = R.norm_forward(x, weight, bias if layer_norm else None, normalization=normalization,
-                                               eps=1e-5, out_dtype=torch.bfloat16)
-    rows = x.shape[0]
-    mean, rstd, y = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, cols), np.float32)
-    numerics.norm_rows(pointer(f32(x)), ctypes.c_long(rows), ctypes.c_long(cols), pointer(f32(weight)),
-                       pointer(f32(bias)), ctypes.c_int(layer_norm), ctypes.c_float(1e-5),
-                       ctypes.c_int(fused_kernels.NORM_THREADS),
-                       ctypes.c_int(fused_kernels.norm_blocks_per_thread(cols)), pointer(mean), pointer(rstd),
-                       pointer(y))
-    assert_bits_equal(rstd, rstd_ref, "rstd")
+    mean_ref, sums_ref = R.norm_row_sums(x, normalization=normalization)
+    y_ref, _, rstd_ref = R.norm_forward(x, weight, bias if layer_norm else None, normalization=normalization,
+                                        eps=1e-5, out_dtype=torch.bfloat16)
+    mean, sums, rstd, y = host_norm_rows(numerics, x, weight, bias, layer_norm, fused_kernels.NORM_THREADS,
+                                         fused_kernels.norm_blocks_per_thread(cols))
     if layer_norm:
         assert_bits_equal(mean, mean_ref, "mean")
+    assert_bits_equal(sums, sums_ref, "sum of squares")
+    assert_bits_equal(rstd, rstd_ref, "rstd")
     assert_bits_equal(y, y_ref, "y")
 
 
 @needs_nvcc
 def test_row_sum_split_over_threads_is_the_reference_tree(numerics):
-    """Any power-of-two thread count and blocks per thread covering the row give the reference's sum (the
+    """Any power-of-two thread count and blocks per thread covering the row give the reference's sums (the
     tree's zero padding changes nothing): the kernels may pick their split."""
     x = spread(6, 3000 // 16 * 16, seed=9)
-    generator = torch.Generator().manual_seed(2)
-    weight = torch.ones(x.shape[1])
-    expected = R.norm_statistics(x, "RMSNorm", 1e-5)[1]
+    x[2] = -0.0
+    ones = torch.ones(x.shape[1])
+    mean_ref, sums_ref = R.norm_row_sums(x, normalization="LayerNorm")
     for threads, blocks in ((256, 1), (128, 2), (64, 4), (32, 8), (256, 4)):
-        rows, cols = x.shape
-        mean, rstd, y = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, cols), np.float32)
-        numerics.norm_rows(pointer(f32(x)), ctypes.c_long(rows), ctypes.c_long(cols), pointer(f32(weight)),
-                           pointer(f32(weight)), ctypes.c_int(0), ctypes.c_float(1e-5), ctypes.c_int(threads),
-                           ctypes.c_int(blocks), pointer(mean), pointer(rstd), pointer(y))
-        assert_bits_equal(rstd, expected, f"{threads} threads x {blocks} blocks")
-    del generator
+        mean, sums, _, _ = host_norm_rows(numerics, x, ones, ones, 1, threads, blocks)
+        assert_bits_equal(mean, mean_ref, f"mean, {threads} threads x {blocks} blocks")
+        assert_bits_equal(sums, sums_ref, f"sum of squares, {threads} threads x {blocks} blocks")
+
+
+@needs_nvcc
+def test_rstd_matches_reference_densely(numerics):
+    """rstd = 1 / sqrt(sum / cols + eps) over many sums and several widths: the reference's square root is the
+    correctly rounded one that the kernels' sqrtf is."""
+    generator = torch.Generator().manual_seed(5)
+    sums = torch.rand(200000, generator=generator) * torch.exp2(torch.randint(-30, 40, (200000,), generator=generator))
+    sums = torch.cat([sums, torch.tensor([0.0, float("inf"), float("nan")])])
+    for cols, eps in ((4096, 1e-5), (5120, 1e-6), (272, 0.0)):
+        out = np.zeros(sums.numel(), np.float32)
+        numerics.rstd_of_rows(pointer(f32(sums)), ctypes.c_long(sums.numel()), ctypes.c_float(cols),
+                              ctypes.c_float(eps), pointer(out))
+        assert_bits_equal(out, R.rstd_of(sums, cols, eps), f"rstd at {cols} columns, eps {eps}")
 
 
 def elementwise(numerics, kind, x, up=None):

@@ -91,6 +91,26 @@ NORM_SHAPES = [(256, 4096), (272, 8192), (64, 16384), (96, 272), (112, 5120), (5
 
 
 @pytest.mark.parametrize("normalization", R.NORMALIZATIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
+def test_norm_statistics_by_stage(shape, dtype, normalization):
+    """The row pass's statistics stage by stage, so that a difference names its stage: the mean (LayerNorm), the
+    sum of squares before rstd, then rstd from the kernel's own sum of squares (the square root and divisions)."""
+    x = activation_input(shape, dtype, seed=shape[1], offset=0.75)
+    x[3] = 0.0
+    x[5] = -0.0  # sums to -0 where the tree has no padding: the mean is +0 all the same
+    mean, sum_of_squares = fused_kernels.norm_row_sums(x, normalization=normalization)
+    mean_ref, sum_of_squares_ref = R.norm_row_sums(x.cpu(), normalization=normalization)
+    assert_bits(mean, mean_ref, "mean")
+    assert_bits(sum_of_squares, sum_of_squares_ref, "sum of squares")
+    weight = torch.ones(shape[1], device="cuda")
+    bias = torch.zeros_like(weight) if normalization == "LayerNorm" else None
+    _, _, rstd = fused_kernels.norm_forward(x, weight, bias, normalization=normalization, eps=1e-5,
+                                            out_dtype=torch.float32)
+    assert_bits(rstd, R.rstd_of(sum_of_squares.cpu(), shape[1], 1e-5), "rstd of the kernel's sum of squares")
+
+
+@pytest.mark.parametrize("normalization", R.NORMALIZATIONS)
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                              (torch.float16, torch.float16), (torch.float32, torch.float32)], ids=str)
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)

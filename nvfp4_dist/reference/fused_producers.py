@@ -6,8 +6,10 @@ torch ops only: they round alike on every device), so that a kernel can reproduc
   16-element block (the last one padded with zeros), then a halving tree over the blocks' sums, their
   count padded with zeros to a power of two (adding +0 changes no sum but the sign of a zero, so any power
   of two >= the count gives the same statistics);
-- LayerNorm: mean = sum(x) / K; var = sum((x - mean)^2) / K; rstd = 1 / sqrt(var + eps);
-  y = ((x - mean) * rstd) * w + b.  RMSNorm: rstd = 1 / sqrt(sum(x * x) / K + eps); y = (x * rstd) * w;
+- LayerNorm: mean = (sum(x) + 0) / K (the + 0 makes a zero sum +0, however much padding the tree had);
+  var = sum((x - mean)^2) / K; rstd = 1 / sqrt(var + eps); y = ((x - mean) * rstd) * w + b.
+  RMSNorm: rstd = 1 / sqrt(sum(x * x) / K + eps); y = (x * rstd) * w. sqrt is correctly rounded
+  (correctly_rounded_sqrt: torch's own sqrt is not, on some CPUs);
 - exp by Cody-Waite reduction and a degree-7 polynomial; SiLU(x) = x / (1 + exp(-x)); SwiGLU(g, u) =
   SiLU(g) * u; GELU(x) = (0.5 * x) * erfc(-x / sqrt(2)) with Numerical Recipes' erfc (fractional error
   below 1.2e-7).
@@ -75,20 +77,50 @@ def fixed_order_row_sum(v2d: torch.Tensor) -> torch.Tensor:
     return halving_sum(torch.nn.functional.pad(blocks, (0, padded - count)))
 
 
-def norm_statistics(x2d: torch.Tensor, normalization: str, eps: float):
-    """(mean or None for RMSNorm, rstd), FP32 [M], of the rows of x2d."""
-    x = x2d.to(torch.float32)
-    cols = _f32(float(x.shape[1]), x.device)
-    one = _f32(1.0, x.device)
+def correctly_rounded_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The IEEE (correctly rounded) square root of FP32 t, on any device.
+
+    torch.sqrt is only faithful on some CPUs (its vectorized FP32 and FP64 paths can miss the nearest value by
+    one ulp), while the kernels' sqrtf is correctly rounded. So torch's result is corrected:
+    y is the nearest FP32 to sqrt(t) iff t lies between the squares of the midpoints to y's neighbours, and those
+    midpoints (25 significant bits) and their squares (50) are exact in FP64. Two steps of one ulp each."""
+    y = torch.sqrt(t)
+    t64 = t.to(torch.float64)
+    up_limit, down_limit = _f32(float("inf"), t.device), _f32(0.0, t.device)
+    for _ in range(2):
+        up, down = torch.nextafter(y, up_limit), torch.nextafter(y, down_limit)
+        y64 = y.to(torch.float64)
+        above = torch.div(y64 + up.to(torch.float64), 2.0)
+        below = torch.div(y64 + down.to(torch.float64), 2.0)
+        y = torch.where(t64 > above * above, up, torch.where(t64 < below * below, down, y))
+    return y
+
+
+def norm_row_sums(x: torch.Tensor, *, normalization: str):
+    """(mean or None for RMSNorm, sum of squares), FP32 [M], of the rows of x [..., K]: the statistics before rstd,
+    the sum of squares of x - mean (LayerNorm) or of x (RMSNorm)."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}: allowed values are {NORMALIZATIONS}")
+    v = x.reshape(-1, x.shape[-1]).to(torch.float32)
     if normalization == "LayerNorm":
-        mean = torch.div(fixed_order_row_sum(x), cols)
-        centred = x - mean[:, None]
-        spread = torch.div(fixed_order_row_sum(centred * centred), cols)
+        mean = torch.div(fixed_order_row_sum(v) + _f32(0.0, v.device), _f32(float(v.shape[1]), v.device))
+        v = v - mean[:, None]
     else:
         mean = None
-        spread = torch.div(fixed_order_row_sum(x * x), cols)
-    rstd = torch.div(one, torch.sqrt(spread + _f32(eps, x.device)))
-    return mean, rstd
+    return mean, fixed_order_row_sum(v * v)
+
+
+def rstd_of(sum_of_squares: torch.Tensor, cols: int, eps: float) -> torch.Tensor:
+    """rstd = 1 / sqrt(sum_of_squares / cols + eps), FP32."""
+    device = sum_of_squares.device
+    spread = torch.div(sum_of_squares, _f32(float(cols), device))
+    return torch.div(_f32(1.0, device), correctly_rounded_sqrt(spread + _f32(eps, device)))
+
+
+def norm_statistics(x2d: torch.Tensor, normalization: str, eps: float):
+    """(mean or None for RMSNorm, rstd), FP32 [M], of the rows of x2d."""
+    mean, sum_of_squares = norm_row_sums(x2d, normalization=normalization)
+    return mean, rstd_of(sum_of_squares, x2d.shape[1], eps)
 
 
 def normalized(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor | None,
