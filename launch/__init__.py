@@ -1,4 +1,4 @@
-"""Launchers and the main training job.
+"""Launchers and the main training job (docs/launching.md).
 
 - nvfp4_dist.launch.train: the `nvfp4-train` job (CPU default: 2 gloo processes, TP=2; GPUs: Megatron-Core).
 - nvfp4_dist.launch.mpi: torch.distributed from mpirun/srun, without torchrun.

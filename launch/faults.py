@@ -1,17 +1,19 @@
 """Fault handling for the training job: a watchdog that stops the whole job when a rank dies or
 hangs, naming the rank; tracing of the layer that met a non-finite value; injected faults for tests.
 
-Watchdog protocol (a TCPStore side channel hosted by rank 0, separate from the process group):
-every `interval_s` each rank's watchdog thread publishes a liveness counter, its last completed
-step and what its threads are doing (inside a collective or not), and reads everyone else's.
+Watchdog protocol (over the job's key-value store, beside the process group's own keys): each rank
+publishes its last completed step whenever it completes one, and every `interval_s` a liveness counter
+and what its threads are doing (waiting inside a collective or not); its watchdog thread reads
+everyone else's.
 - A rank whose liveness counter stops changing for `timeout_s` has died (or is frozen).
-- When a rank's step stops changing for `timeout_s` the job is stalled; the ranks then not
-  waiting inside a collective are the hung ones (the others wait for them). Stall detection
-  starts once a rank completed its first step, so start-up work (kernel builds) is exempt.
-- Rank 0 closing its store connections (repeated failures of store calls) means it is gone.
-On a verdict the lowest live rank prints it and publishes it in the store; every live rank
-exits with WATCHDOG_EXIT_CODE, which makes torchrun, mpirun, srun or nvfp4-train's own
-launcher stop the job.
+- When a rank's step stops changing for `timeout_s` the job is stalled; the ranks then not waiting
+  inside a collective are the hung ones, while others wait in one for them. A rank inside
+  `load_extension` (building the CUDA kernels on first use) is starting up, not hung; so are ranks that
+  are all busy outside collectives before the first step completed.
+- The store's host closing its connections (repeated failures of store calls) means it is gone.
+On a verdict the lowest live rank prints it in one line and publishes it in the store; every live rank
+exits with WATCHDOG_EXIT_CODE, which makes torchrun, mpirun, srun or nvfp4-train's own launcher stop
+the job. Store values are plain text of a fixed format: nothing a peer sends is unpickled.
 """
 from __future__ import annotations
 
@@ -22,14 +24,29 @@ import sys
 import threading
 import time
 
+import torch
+import torch.distributed
+
+from nvfp4_dist import NonFiniteAmaxError
+from nvfp4_dist._extension import load_extension
+from nvfp4_dist.parallel import collectives, overlap, symmetric
+
+SETTING_EXIT_CODE = 2  # a flag or checkpoint that does not fit (as argparse's usage errors)
 WATCHDOG_EXIT_CODE = 3
+NONFINITE_EXIT_CODE = 4
+COMMUNICATION_EXIT_CODE = 5
+# Exits whose reason the workers printed themselves.
+REPORTED_EXIT_CODES = (SETTING_EXIT_CODE, WATCHDOG_EXIT_CODE, NONFINITE_EXIT_CODE, COMMUNICATION_EXIT_CODE)
 FINISHED = "finished"
 VERDICT_KEY = "verdict"
 STORE_FAILURES_TO_GIVE_UP = 3  # consecutive failed store calls: the host closed its sockets
 FAULT_KINDS = ("kill", "hang", "nan", "crash-in-save")
-# Frames from these paths mean a thread waits in communication.
-_COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,
-                     os.path.join("parallel", "collectives.py"), os.path.join("parallel", "overlap.py"))
+# A thread with a frame of these modules (or their submodules) waits for its peers.
+COLLECTIVE_MODULES = (torch.distributed, collectives, overlap, symmetric)
+# A thread inside these functions is starting up (it may take minutes), not hung.
+START_UP_FUNCTIONS = (load_extension,)
+_COLLECTIVE_MODULE_NAMES = tuple(module.__name__ for module in COLLECTIVE_MODULES)
+_START_UP_CODES = frozenset(function.__code__ for function in START_UP_FUNCTIONS)
 
 
 class NonFiniteError(RuntimeError):
@@ -41,20 +58,22 @@ class NonFiniteError(RuntimeError):
 
 
 def is_nonfinite_amax_error(error: BaseException) -> bool:
-    """True for the error that nvfp4_dist.ops raises for a NaN/Inf amax (recipe.check_finite)."""
-    from ..ops import NonFiniteAmaxError
-
+    """True for the error that nvfp4_dist raises for a NaN/Inf amax (recipe.check_finite)."""
     return isinstance(error, NonFiniteAmaxError)
 
 
 def is_communication_error(error: BaseException) -> bool:
     """True for errors of torch.distributed or its backends (a peer that died, a timed-out collective)."""
-    import torch.distributed as dist
-
-    if isinstance(error, getattr(dist, "DistError", ())):
+    if isinstance(error, getattr(torch.distributed, "DistError", ())):
         return True
     text = str(error)
     return any(marker in text for marker in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out"))
+
+
+def first_line(error: BaseException) -> str:
+    """`Type: the first line of the message`, for one-line reports of errors that carry C++ detail."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class LayerTracer:
@@ -119,6 +138,17 @@ class FaultInjection:
             while True:
                 time.sleep(3600)
 
+    def poison(self, model, step: int, is_traced):
+        """For the 'nan' fault at `step` (every rank): a forward pre-hook filling the first traced layer's input
+        with NaN; returns its handle (remove it after the step), or None."""
+        if self.kind != "nan" or self.step != step:
+            return None
+        first = next(module for name, module in model.named_modules() if name and is_traced(module))
+
+        def hook(module, inputs):
+            return (torch.full_like(inputs[0], float("nan")), *inputs[1:])
+        return first.register_forward_pre_hook(hook)
+
     def crash_before_rename(self, step: int, rank: int):
         """A checkpoint hook that truncates the temporary file and exits, as a crash mid-save would."""
         if not self.applies("crash-in-save", step, rank):
@@ -145,20 +175,43 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def thread_activity(exclude_ident: int) -> tuple:
-    """(in_collective, where): whether any thread waits in communication, and the main thread's frame."""
+def _in_collective_module(frame) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return any(name == watched or name.startswith(watched + ".") for watched in _COLLECTIVE_MODULE_NAMES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """What a rank's threads are doing: waiting in a collective, starting up, and where the main thread is."""
+
+    in_collective: bool
+    starting_up: bool
+    where: str
+
+    def encode(self) -> str:
+        return f"{int(self.in_collective)}|{int(self.starting_up)}|{self.where}"
+
+    @classmethod
+    def decode(cls, text: str) -> "Activity":
+        in_collective, starting_up, where = text.split("|", 2)
+        return cls(in_collective == "1", starting_up == "1", where)
+
+
+def thread_activity(exclude_ident: int) -> Activity:
+    """This process's activity, from the Python stacks of its threads other than `exclude_ident`."""
     frames = sys._current_frames()
-    in_collective = False
+    in_collective = starting_up = False
     for ident, frame in frames.items():
         if ident == exclude_ident:
             continue
-        while frame is not None and not in_collective:
-            in_collective = any(path in frame.f_code.co_filename for path in _COLLECTIVE_PATHS)
+        while frame is not None:
+            in_collective = in_collective or _in_collective_module(frame)
+            starting_up = starting_up or frame.f_code in _START_UP_CODES
             frame = frame.f_back
     main = frames.get(threading.main_thread().ident)
     where = (f"{os.path.basename(main.f_code.co_filename)}:{main.f_lineno} in {main.f_code.co_name}"
              if main is not None else "unknown")
-    return in_collective, where
+    return Activity(in_collective, starting_up, where)
 
 
 @dataclasses.dataclass
@@ -167,41 +220,48 @@ class RankState:
 
     alive: str = ""
     alive_since: float = 0.0
-    step: int = -1
+    step: int = 0
     step_since: float = 0.0
-    in_collective: bool = False
-    where: str = ""
+    activity: Activity = Activity(False, False, "")
 
 
 class Watchdog:
-    """Heartbeats over `store`; stops the job with a message naming the rank that died or hung."""
+    """Heartbeats over `store`; stops the job with a message naming the rank that died or hung.
+
+    store: a torch.distributed Store every rank reaches (its own keys: alive/R, step/R, activity/R, verdict).
+    store_host_rank: the rank whose process hosts the store (its loss makes the store unreachable), or
+    None when a launcher hosts it.
+    """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float = 1.0,
-                 exit_fn=os._exit):
+                 exit_fn=os._exit, store_host_rank: int | None = 0):
         if timeout_s <= 0 or interval_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}, interval_s={interval_s}: both must be > 0")
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.exit_fn = exit_fn
+        self.store_host_rank = store_host_rank
         self.step = 0
         self.verdict = None
         self._stopping = threading.Event()
         self._verdict_ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nvfp4-watchdog", daemon=True)
-        self._store_failing_since = None
 
     def start(self) -> "Watchdog":
+        self._publish_step()
         self._thread.start()
         return self
 
     def beat(self, step: int) -> None:
-        """Record that this rank completed `step` (called by the training loop)."""
+        """Record that this rank completed `step` (called by the training loop; published at once)."""
         self.step = step
+        self._publish_step()
 
     def stop(self) -> None:
         """Stop beating and tell the other ranks that this one finished (so its silence is not a death)."""
         self._stopping.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         try:
             self.store.set(f"alive/{self.rank}", FINISHED)
         except Exception:  # the store's host finished first: nobody is left to tell
@@ -212,6 +272,12 @@ class Watchdog:
         self._verdict_ready.wait(wait_s)
         if self.verdict is not None:
             time.sleep(wait_s)  # the watchdog thread reports and exits the process
+
+    def _publish_step(self) -> None:
+        try:
+            self.store.set(f"step/{self.rank}", str(self.step))
+        except Exception:  # the watchdog thread finds out about the store and reports it
+            pass
 
     def _run(self) -> None:
         ranks = {rank: RankState() for rank in range(self.world_size)}
@@ -228,34 +294,36 @@ class Watchdog:
                 self._read(ranks, now)
                 failures = 0
                 verdict, silent = self._judge(ranks, now)
-            except Exception as error:  # the store's host (rank 0) closed its connections: it is gone
+            except Exception as error:  # the store's host closed its connections: it is gone
                 failures += 1
                 if failures < STORE_FAILURES_TO_GIVE_UP:
                     continue
-                verdict, silent = (f"rank 0 is unreachable (it hosts the watchdog store; it died or its node "
-                                   f"is down): {type(error).__name__}: {str(error).splitlines()[0]}"), {0}
+                host = (f"rank {self.store_host_rank}" if self.store_host_rank is not None
+                        else "the launcher")
+                verdict = (f"the job's store is unreachable ({first_line(error)}): its host, {host}, died or its "
+                           f"node is down")
+                silent = {self.store_host_rank} if self.store_host_rank is not None else set()
             if verdict is not None:
                 self._stop_job(verdict, silent)
                 return
 
     def _publish(self, counter: int) -> None:
-        in_collective, where = thread_activity(threading.get_ident())
         self.store.set(f"alive/{self.rank}", str(counter))
-        self.store.set(f"state/{self.rank}", f"{self.step}|{int(in_collective)}|{where}")
+        self.store.set(f"activity/{self.rank}", thread_activity(threading.get_ident()).encode())
 
     def _read(self, ranks: dict, now: float) -> None:
-        keys = [f"alive/{r}" for r in ranks] + [f"state/{r}" for r in ranks]
+        keys = [f"{kind}/{r}" for kind in ("alive", "step", "activity") for r in ranks]
         present = [key for key in keys if self.store.check([key])]
-        values = dict(zip(present, self.store.multi_get(present))) if present else {}
+        values = {key: value.decode() for key, value in zip(present, self.store.multi_get(present))} if present else {}
         for rank, state in ranks.items():
-            alive = values.get(f"alive/{rank}", b"").decode()
+            alive = values.get(f"alive/{rank}", "")
             if alive != state.alive or state.alive_since == 0.0:
                 state.alive, state.alive_since = alive, now
-            if f"state/{rank}" in values:
-                step, in_collective, where = values[f"state/{rank}"].decode().split("|", 2)
-                if int(step) != state.step:
-                    state.step, state.step_since = int(step), now
-                state.in_collective, state.where = in_collective == "1", where
+            step = int(values.get(f"step/{rank}", "0"))
+            if step != state.step or state.step_since == 0.0:
+                state.step, state.step_since = step, now
+            if f"activity/{rank}" in values:
+                state.activity = Activity.decode(values[f"activity/{rank}"])
 
     def _judge(self, ranks: dict, now: float) -> tuple:
         """(message, ranks that cannot report) once a rank died or hung, else (None, set())."""
@@ -266,16 +334,20 @@ class Watchdog:
             details = "; ".join(f"rank {r} (last completed step {ranks[r].step}, silent for "
                                 f"{now - ranks[r].alive_since:.0f} s)" for r in sorted(dead))
             return f"no heartbeat from {details}: the process died or is frozen", dead | finished
-        stalled = {r for r, s in ranks.items() if s.step >= 1 and now - s.step_since > self.timeout_s}
-        if not stalled:
+        if not any(now - s.step_since > self.timeout_s for s in ranks.values()):
             return None, set()
-        # Ranks wait in collectives for the ones that are not in one: those hang.
-        hung = sorted(r for r, s in ranks.items() if not s.in_collective)
-        if hung:
-            details = "; ".join(f"rank {r} at step {ranks[r].step + 1} (not in a collective; at {ranks[r].where})"
-                                for r in hung)
-            return f"no progress for more than {self.timeout_s:g} s: hung {details}", finished
-        details = ", ".join(f"rank {r} after step {ranks[r].step}" for r in sorted(stalled))
+        waiting = sorted(r for r, s in ranks.items() if s.activity.in_collective)
+        busy = sorted(r for r, s in ranks.items() if not s.activity.in_collective)
+        hung = [r for r in busy if not ranks[r].activity.starting_up]
+        started = any(s.step >= 1 for s in ranks.values())
+        if hung and (waiting or started):
+            details = "; ".join(f"rank {r} at step {ranks[r].step + 1} (not in a collective; at "
+                                f"{ranks[r].activity.where})" for r in hung)
+            waiters = f"; waiting for it in a collective: rank(s) {', '.join(map(str, waiting))}" if waiting else ""
+            return f"no progress for more than {self.timeout_s:g} s: hung {details}{waiters}", finished
+        if busy:  # starting up (building kernels), or all ranks busy before the first step
+            return None, set()
+        details = ", ".join(f"rank {r} after step {s.step}" for r, s in sorted(ranks.items()))
         return (f"no progress for more than {self.timeout_s:g} s while every rank waits in a collective "
                 f"({details}): mismatched collectives or a network hang"), finished
 
@@ -288,7 +360,7 @@ class Watchdog:
             print(f"nvfp4-train watchdog (rank {self.rank}): stopping the job: {verdict}", file=sys.stderr, flush=True)
             try:
                 self.store.set(VERDICT_KEY, f"{self.rank}|{verdict}")
-            except Exception:  # the store is gone with rank 0: the others find out by themselves
+            except Exception:  # the store is gone with its host: the others find out by themselves
                 pass
             time.sleep(2 * self.interval_s)  # the other ranks read the verdict and stop first
         else:
@@ -296,30 +368,8 @@ class Watchdog:
         self.exit_fn(WATCHDOG_EXIT_CODE)
 
     def _follow(self, published: str) -> None:
-        """Another rank's watchdog stopped the job: exit too."""
-        reporter, verdict = published.split("|", 1)
+        """Another rank's watchdog stopped the job: exit too (its report is the job's one line)."""
+        _, _, verdict = published.partition("|")
         self.verdict = verdict
         self._verdict_ready.set()
-        print(f"nvfp4-train watchdog (rank {self.rank}): stopping, as rank {reporter} reported", file=sys.stderr,
-              flush=True)
         self.exit_fn(WATCHDOG_EXIT_CODE)
-
-
-def start_watchdog(timeout_s: float, interval_s: float = 1.0, group=None) -> Watchdog:
-    """Create the side-channel TCPStore (rank 0 hosts it) and start this rank's watchdog (collective)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    store = None
-    if rank == 0:
-        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-    endpoint = [store.port if store is not None else None]
-    dist.broadcast_object_list(endpoint, src=0, group=group)
-    if rank != 0:
-        store = dist.TCPStore(host, endpoint[0], world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-    return Watchdog(store, rank, world_size, timeout_s, interval_s).start()

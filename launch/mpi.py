@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import ipaddress
 import os
 import runpy
@@ -139,6 +138,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, init_
     import torch
     import torch.distributed as dist
 
+    from nvfp4_dist.launch import process_group
+
     environment = derive_environment(comm)
     os.environ.update(environment.as_env())
     if torch.cuda.is_available():
@@ -147,9 +148,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, init_
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={backend!r}: allowed are 'nccl' and 'gloo'")
-        dist.init_process_group(backend, init_method="env://", rank=environment.rank,
-                                world_size=environment.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        process_group.join(backend, rank=environment.rank, world_size=environment.world_size, timeout_s=timeout_s)
     return environment
 
 

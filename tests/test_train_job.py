@@ -1,12 +1,16 @@
 """nvfp4-train end to end on CPU (2 gloo processes, TP=2): loss, logs, checkpoints, resume, flag validation."""
 import json
 import os
+import pathlib
+import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-from nvfp4_dist.launch import checkpoint, train
+from nvfp4_dist.launch import checkpoint, plan, spawn, train, worker
+from nvfp4_dist.launch.optimizer import learning_rate
 
 # A small, quick configuration (tokens per rank: 4 x 64 = 256).
 QUICK = ["--micro-batch", "4", "--warmup-steps", "2", "--lr", "3e-3", "--no-progress", "--log-every", "1"]
@@ -74,20 +78,109 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     (["--tp", "1", "--sp"], "--sp needs --tp > 1"),
     (["--inject-fault", "explode:3"], "--inject-fault='explode:3'"),
     (["--steps", "0"], "--steps=0: must be >= 1"),
+    (["--steps", "-5"], "--steps=-5: must be >= 1"),
+    (["--seq-length", "0"], "--seq-length=0: must be >= 1"),
+    (["--seq-length", "-64"], "--seq-length=-64: must be >= 1"),
+    (["--hidden", "0"], "--hidden=0: must be >= 1"),
+    (["--heads", "0"], "--heads=0: must be >= 1"),
+    (["--ffn", "0"], "--ffn=0: must be >= 1"),
+    (["--layers", "0"], "--layers=0: must be >= 1"),
+    (["--micro-batch", "-1"], "--micro-batch=-1: must be >= 1"),
+    (["--nproc", "0"], "--nproc=0: must be >= 1"),
+    (["--tp", "0"], "--tp=0: must be >= 1"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints=0: must be >= 1"),
+    (["--save-every", "-1"], "--save-every=-1: must be >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps=-1: must be >= 0"),
+    (["--seed", "-1"], "--seed=-1: must be >= 0"),
+    (["--lr", "0"], "--lr=0.0: must be > 0"),
+    (["--lr", "-0.001"], "--lr=-0.001: must be > 0"),
+    (["--lr", "nan"], "--lr=nan: must be a finite number"),
+    (["--lr", "inf"], "--lr=inf: must be a finite number"),
+    (["--min-lr", "0.1"], "--min-lr=0.1: must be >= 0 and <= --lr=0.003"),
+    (["--grad-clip", "nan"], "--grad-clip=nan: must be a finite number"),
+    (["--weight-decay", "-0.1"], "--weight-decay=-0.1: must be >= 0"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout=0.0: must be > 0"),
+    (["--watchdog-timeout", "inf"], "--watchdog-timeout=inf: must be a finite number"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--data", "/nonexistent/corpus.txt"], "--data=/nonexistent/corpus.txt: no such file"),
 ])
 def test_bad_flags_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch, flags, message):
-    for variable in ("WORLD_SIZE", *train.MPI_SIZE_VARIABLES):
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(train, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--device", "cpu", "--out-dir", str(tmp_path / "out"), *flags])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("nvfp4-train: error: "), err  # one line, no usage, no traceback
     assert not (tmp_path / "out").exists()
 
 
+def test_a_corpus_shorter_than_a_sequence_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    corpus = tmp_path / "short.txt"
+    corpus.write_bytes(b"x" * 40)
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", "--data", str(corpus), "--out-dir", str(tmp_path / "out")])
+    assert f"--data={corpus}: 40 bytes, fewer than --seq-length + 2 = 66" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make_out_dir, message", [
+    (lambda base: (base / "a_file").touch() or base / "a_file", "exists and is not a directory"),
+    (lambda base: (base / "a_file").touch() or base / "a_file" / "out", "a_file is not a directory"),
+    (lambda base: (base / "out" / "train.log").mkdir(parents=True) or base / "out", "train.log is not a writable file"),
+    (lambda base: (base / "out").mkdir() or (base / "out" / "checkpoints").touch() or base / "out",
+     "checkpoints is not a writable directory"),
+])
+def test_an_unusable_out_dir_is_refused(tmp_path, capsys, monkeypatch, make_out_dir, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    out_dir = make_out_dir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--device", "cpu", "--out-dir", str(out_dir)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--out-dir={out_dir}" in err and message in err, err
+    assert err.count("\n") == 1
+
+
+def as_unprivileged_user():
+    """preexec_fn for a child that cannot write where permissions forbid it (root writes anywhere)."""
+    if os.geteuid() != 0:
+        return None
+
+    def drop():
+        os.setgid(65534)
+        os.setuid(65534)
+    return drop
+
+
+@pytest.mark.parametrize("target", ["the_dir", "the_dir/new_out"])
+def test_a_read_only_out_dir_is_refused_by_the_command(target):
+    """The real command, as a user who cannot write to the directory: one line, no process started."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="nvfp4_readonly_"))  # reachable by an unprivileged user
+    try:
+        base.chmod(0o755)
+        (base / "the_dir").mkdir()
+        (base / "the_dir").chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env["HOME"] = str(base)
+        result = subprocess.run([sys.executable, "-m", "nvfp4_dist.launch.train", "--device", "cpu",
+                                 "--out-dir", str(base / target)], capture_output=True, text=True, timeout=120,
+                                env=env, cwd=base, preexec_fn=as_unprivileged_user())
+        assert result.returncode == 2, result.stderr[-2000:]
+        expected = ("the directory is not writable" if target == "the_dir"
+                    else f"cannot be created, {base / 'the_dir'} is not writable")
+        assert result.stderr == f"nvfp4-train: error: --out-dir={base / target}: {expected}\n"
+        assert result.stdout == "" and list((base / "the_dir").iterdir()) == []
+    finally:
+        (base / "the_dir").chmod(0o755)
+        subprocess.run(["rm", "-rf", str(base)], check=True)
+
+
 def test_megatron_flags_are_checked(capsys, monkeypatch):
-    for variable in ("WORLD_SIZE", *train.MPI_SIZE_VARIABLES):
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
         monkeypatch.delenv(variable, raising=False)
     try:
         import megatron.core  # noqa: F401
@@ -101,20 +194,26 @@ def test_megatron_flags_are_checked(capsys, monkeypatch):
 
 def test_world_size_from_a_launcher_is_checked(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
-    monkeypatch.setattr(train, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
+    monkeypatch.setattr(worker, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
     with pytest.raises(SystemExit):
         train.main(["--device", "cpu", "--tp", "4"])
     assert "--tp=4 does not divide the number of processes (6)" in capsys.readouterr().err
 
 
+def test_a_malformed_world_size_from_a_launcher_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    monkeypatch.setattr(worker, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu"])
+    assert "WORLD_SIZE='two': must be a positive integer" in capsys.readouterr().err
+
+
 def test_learning_rate_schedule_warms_up_then_decays_to_min_lr():
-    args = train.build_parser().parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3",
-                                            "--min-lr", "1e-4"])
-    plan = train.Plan(args, 2, "cpu", "gpt", 2, 256, "fp32", None, None)
-    assert train.learning_rate(plan, 5) == pytest.approx(5e-4)
-    assert train.learning_rate(plan, 10) == pytest.approx(1e-3)
-    assert train.learning_rate(plan, 100) == pytest.approx(1e-4)
-    assert 1e-4 < train.learning_rate(plan, 55) < 1e-3
+    schedule = dict(peak=1e-3, minimum=1e-4, warmup_steps=10, total_steps=100)
+    assert learning_rate(5, **schedule) == pytest.approx(5e-4)
+    assert learning_rate(10, **schedule) == pytest.approx(1e-3)
+    assert learning_rate(100, **schedule) == pytest.approx(1e-4)
+    assert 1e-4 < learning_rate(55, **schedule) < 1e-3
 
 
 def test_megatron_model_path_trains_on_cpu(tmp_path):

@@ -1,0 +1,227 @@
+"""What an nvfp4-train job will do, decided from its flags and environment before any process does work.
+
+make_plan checks every flag against the allowed values, against the other flags and against the machine
+(devices, the output directory, the data file); a ValueError names the flag, its value and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import pathlib
+import warnings
+
+BYTE_VOCAB = 256
+BLOCK = 16  # NVFP4 block length (docs/numerics.md §1)
+MAX_SEED = 2 ** 32
+MAX_WATCHDOG_TIMEOUT_S = 86400.0
+# Environment variables by which MPI launchers announce the world size.
+MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+OUTPUT_FILES = ("train.log", "metrics.jsonl")
+CHECKPOINT_DIRECTORY = "checkpoints"
+
+
+class SettingError(ValueError):
+    """A setting that does not fit what a worker finds (for example a checkpoint of another shape)."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything decided from the flags and the environment before any process does work."""
+
+    args: argparse.Namespace
+    world_size: int
+    device: str
+    model: str
+    tp: int
+    ffn: int
+    dtype: str
+    recipe: object
+    fault: object
+
+
+def detect_device(requested: str) -> str:
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device=cuda: no CUDA device is visible (use --device cpu)")
+    return requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE from torchrun or nvfp4-train's own launcher, else from an MPI launcher's variables, else None."""
+    for variable in ("WORLD_SIZE", *MPI_SIZE_VARIABLES):
+        value = os.environ.get(variable)
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"the environment variable {variable}={value!r}: must be a positive integer")
+            return int(value)
+    return None
+
+
+def check_at_least(flag: str, value, minimum) -> None:
+    if not value >= minimum:  # also refuses NaN
+        raise ValueError(f"{flag}={value}: must be >= {minimum}")
+
+
+def check_finite(flag: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{flag}={value}: must be a finite number")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Sizes, counts and rates: each within its allowed range (before any of them divides another)."""
+    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--ffn", args.ffn)):
+        if value is not None:
+            check_at_least(flag, value, 1)
+    for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
+                        ("--seq-length", args.seq_length), ("--micro-batch", args.micro_batch),
+                        ("--steps", args.steps), ("--keep-checkpoints", args.keep_checkpoints),
+                        ("--log-every", args.log_every)):
+        check_at_least(flag, value, 1)
+    for flag, value in (("--save-every", args.save_every), ("--warmup-steps", args.warmup_steps),
+                        ("--bf16-first-layers", args.bf16_first_layers),
+                        ("--bf16-last-layers", args.bf16_last_layers), ("--seed", args.seed)):
+        check_at_least(flag, value, 0)
+    if args.seed >= MAX_SEED:
+        raise ValueError(f"--seed={args.seed}: must be < 2**32")
+    for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--weight-decay", args.weight_decay),
+                        ("--grad-clip", args.grad_clip), ("--watchdog-timeout", args.watchdog_timeout)):
+        check_finite(flag, value)
+    if not args.lr > 0:
+        raise ValueError(f"--lr={args.lr}: must be > 0")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ValueError(f"--min-lr={args.min_lr}: must be >= 0 and <= --lr={args.lr}")
+    check_at_least("--weight-decay", args.weight_decay, 0)
+    check_at_least("--grad-clip", args.grad_clip, 0)
+    if not 0 < args.watchdog_timeout <= MAX_WATCHDOG_TIMEOUT_S:
+        raise ValueError(f"--watchdog-timeout={args.watchdog_timeout}: must be > 0 and <= "
+                         f"{MAX_WATCHDOG_TIMEOUT_S:g} seconds")
+
+
+def check_writable_directory(flag: str, path: pathlib.Path) -> None:
+    """`path` is a directory this process can create files in, or can be created as one."""
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{flag}={path}: exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag}={path}: the directory is not writable")
+        return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag}={path}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}={path}: cannot be created, {parent} is not writable")
+
+
+def check_out_dir(out_dir: pathlib.Path) -> None:
+    """The output directory, its log files and its checkpoint directory can be written."""
+    check_writable_directory("--out-dir", out_dir)
+    for name in OUTPUT_FILES:
+        path = out_dir / name
+        if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
+            raise ValueError(f"--out-dir={out_dir}: {path} is not a writable file")
+    checkpoints = out_dir / CHECKPOINT_DIRECTORY
+    if checkpoints.exists():
+        try:
+            check_writable_directory("--out-dir", checkpoints)
+        except ValueError as error:
+            raise ValueError(f"--out-dir={out_dir}: {checkpoints} is not a writable directory") from error
+
+
+def check_data(path: pathlib.Path, seq_length: int) -> None:
+    if not path.is_file():
+        raise ValueError(f"--data={path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"--data={path}: the file is not readable")
+    size = path.stat().st_size
+    if size < seq_length + 2:
+        raise ValueError(f"--data={path}: {size} bytes, fewer than --seq-length + 2 = {seq_length + 2}")
+
+
+def check_shapes(args: argparse.Namespace, tp: int, ffn: int, model: str) -> None:
+    """Sizes that must fit the NVFP4 blocks, the TP sharding and each other."""
+    for flag, value in (("--hidden", args.hidden), ("--ffn", ffn)):
+        if value % BLOCK:
+            raise ValueError(f"{flag}={value}: must be a multiple of {BLOCK} (NVFP4 blocks)")
+    if args.hidden % args.heads:
+        raise ValueError(f"--heads={args.heads} must divide --hidden={args.hidden}")
+    if args.heads % tp:
+        raise ValueError(f"--tp={tp} must divide --heads={args.heads} (each rank holds whole heads)")
+    for flag, value in (("--hidden", args.hidden), ("--ffn", ffn)):
+        if value % (BLOCK * tp):
+            raise ValueError(f"{flag}={value}: each of the --tp={tp} shards ({value / tp:g}) must be a multiple "
+                             f"of {BLOCK}; use a multiple of {BLOCK * tp}")
+    if args.sp and tp > 1 and args.seq_length % tp:
+        raise ValueError(f"--seq-length={args.seq_length}: with --sp it must be divisible by --tp={tp}")
+    local_tokens = (args.seq_length // tp if args.sp else args.seq_length) * args.micro_batch
+    if local_tokens % BLOCK:
+        raise ValueError(f"--seq-length={args.seq_length} x --micro-batch={args.micro_batch}"
+                         f"{f' / --tp={tp} (--sp)' if args.sp else ''} = {local_tokens} tokens per rank: must be a "
+                         f"multiple of {BLOCK} (NVFP4 columnwise blocks)")
+    if args.bf16_first_layers + args.bf16_last_layers > args.layers:
+        raise ValueError(f"--bf16-first-layers={args.bf16_first_layers} + --bf16-last-layers="
+                         f"{args.bf16_last_layers} exceed --layers={args.layers}")
+    if model == "megatron" and BYTE_VOCAB % tp:
+        raise ValueError(f"--tp={tp} must divide the vocabulary ({BYTE_VOCAB}) for Megatron's vocab-parallel layers")
+
+
+def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -> None:
+    """Features that need others (or a GPU)."""
+    if args.row_scaled_activation and not (args.no_rht and args.no_sr):
+        raise ValueError("--row-scaled-activation conflicts with RHT and stochastic rounding (on by default): "
+                         "add --no-rht --no-sr (row-scaled layers run backward in BF16, docs/numerics.md §6)")
+    if args.sp and tp == 1:
+        raise ValueError("--sp needs --tp > 1 (sequence parallelism splits the sequence across the TP group)")
+    if args.overlap and tp == 1:
+        raise ValueError("--overlap needs --tp > 1 (there is no TP communication to overlap)")
+    if args.gemm_backend in ("cublaslt", "emulated") and device != "cuda":
+        raise ValueError(f"--gemm-backend={args.gemm_backend} needs CUDA (--device cuda)")
+    if model == "megatron" and args.sp and device != "cuda":
+        raise ValueError("--sp with --model megatron needs CUDA (Megatron-Core's own output layer gathers the "
+                         "sequence through a CUDA buffer); on CPU use --model gpt --sp")
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Validate the flags against each other, the machine and the world; ValueError names the offending flag."""
+    from nvfp4_dist.launch.faults import FaultInjection
+    from nvfp4_dist.recipe import NVFP4Recipe
+
+    check_numbers(args)
+    device = detect_device(args.device)
+    model = args.model if args.model != "auto" else ("megatron" if device == "cuda" else "gpt")
+    if model == "megatron":
+        try:
+            with warnings.catch_warnings():  # its notes on optional packages, not about this job
+                warnings.simplefilter("ignore")
+                import megatron.core  # noqa: F401
+        except ImportError:
+            raise ValueError("--model=megatron needs megatron-core: pip install nvfp4-dist[megatron] "
+                             "(or use --model gpt)") from None
+    world_size = launched_world_size()
+    if world_size is None:
+        import torch
+
+        world_size = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    tp = args.tp if args.tp is not None else (world_size if device == "cuda" else min(2, world_size))
+    if world_size % tp:
+        raise ValueError(f"--tp={tp} does not divide the number of processes ({world_size}): choose a --tp that "
+                         f"divides it (the rest is data parallelism)")
+    ffn = args.ffn if args.ffn is not None else 4 * args.hidden
+    check_shapes(args, tp, ffn, model)
+    check_features(args, tp, model, device)
+    check_data(args.data, args.seq_length)
+    check_out_dir(args.out_dir)
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    fault = FaultInjection.parse(args.inject_fault) if args.inject_fault else None
+    if fault is not None and fault.rank >= world_size:
+        raise ValueError(f"--inject-fault={args.inject_fault}: rank {fault.rank} >= {world_size} processes")
+    recipe = NVFP4Recipe.from_env(rht=not args.no_rht, stochastic_rounding=not args.no_sr, weight_2d=not args.no_2d,
+                                  row_scaled_activation=args.row_scaled_activation,
+                                  bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers,
+                                  gemm_backend=args.gemm_backend, overlap=args.overlap,
+                                  check_finite=True)
+    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault)
