@@ -2,13 +2,16 @@
 
 torch's TCPStore server listens on every interface of its host unless it is handed a listening socket;
 gloo and NCCL listen on the interface their *_SOCKET_IFNAME variable names, else on the one the host name
-resolves to. Here rank 0 hosts the store on a socket bound to MASTER_ADDR only (loopback for a job on one
-machine), and a job whose MASTER_ADDR is loopback keeps gloo's and NCCL's sockets on the loopback
-interface as well (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise). Under torchrun the
-launcher's agent hosts the store and the workers only connect to it.
+resolves to. Here rank 0 hosts the store on a socket bound to MASTER_ADDR's address only: loopback for a job
+on one machine, whose gloo and NCCL sockets stay on the loopback interface as well (unless
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise). A job that spans machines binds to MASTER_ADDR's
+address where it is not a loopback one (a host name that resolves to loopback on its own host, as
+/etc/hosts often has it, leaves torch's defaults, the only ones the other nodes can reach). Under torchrun
+the launcher's agent hosts the store and the workers only connect to it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -46,9 +49,22 @@ def resolve(host: str) -> list:
         raise RuntimeError(f"MASTER_ADDR={host!r} does not resolve ({error})") from None
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine's loopback interface only (a job on one machine)."""
-    return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in resolve(host))
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def on_one_machine() -> bool:
+    """Whether every rank of the job runs on this machine (as the launcher announces it)."""
+    world_size = os.environ.get("WORLD_SIZE")
+    return bool(world_size) and os.environ.get("LOCAL_WORLD_SIZE") == world_size
+
+
+def store_addresses(host: str) -> list:
+    """The addresses of `host` that rank 0's store may bind to without locking out another node."""
+    addresses = resolve(host)
+    if all(is_loopback(address) for address in addresses):
+        return addresses if on_one_machine() else []
+    return [address for address in addresses if not is_loopback(address)]
 
 
 def agent_hosts_store() -> bool:
@@ -56,10 +72,10 @@ def agent_hosts_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def listening_socket(host: str, port: int) -> int | None:
-    """The file descriptor of a TCP socket listening on `host`'s address at `port`, or None when that
-    address is not one of this machine's (the store then listens where torch puts it)."""
-    for address in resolve(host):
+def listening_socket(addresses: list, port: int) -> int | None:
+    """The file descriptor of a TCP socket listening on the first of `addresses` that is this machine's, at
+    `port`, or None when there is none (the store then listens where torch puts it)."""
+    for address in addresses:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -80,22 +96,22 @@ def create_store(host: str, port: int, rank: int, world_size: int, timeout: date
     (and on every rank when the launcher's agent hosts it)."""
     if agent_hosts_store() or rank != 0:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    descriptor = listening_socket(host, port)
+    descriptor = listening_socket(store_addresses(host), port)
     if descriptor is None:
-        log.warning("MASTER_ADDR=%s is not an address of rank 0's machine: its store listens on every interface",
-                    host)
+        log.info("MASTER_ADDR=%s: rank 0's store listens on every interface", host)
         return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout)
     try:
         return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=descriptor)
     except BaseException:
-        os.close(descriptor)
+        with contextlib.suppress(OSError):  # unless the store took it over already
+            os.close(descriptor)
         raise
 
 
 def join(backend: str, *, rank: int, world_size: int, timeout_s: float) -> None:
     """init_process_group from MASTER_ADDR/MASTER_PORT, with the store and sockets bound as the module says."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if is_loopback(host):
+    if on_one_machine() and all(is_loopback(address) for address in resolve(host)):
         for variable in SOCKET_INTERFACE_VARIABLES:
             os.environ.setdefault(variable, LOOPBACK_INTERFACE)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -37,7 +37,7 @@ def test_two_node_agents_over_loopback_train_together(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["loss"] == s["loss"] for s in steps)
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000003").iterdir()) == [
-        "rank_00000.pt", "rank_00001.pt"]
+        "manifest.json", "rank_00000.pt", "rank_00001.pt"]
 
 
 STUB_SRUN = """#!/usr/bin/env bash

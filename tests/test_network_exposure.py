@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from nvfp4_dist.launch import process_group
+
 pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
 
 LISTEN = "0A"
@@ -89,3 +91,23 @@ def test_a_one_machine_job_listens_on_loopback_only(tmp_path):
     assert listening, "the job's store and gloo listen somewhere; nothing was found"
     exposed = {endpoint for endpoint in listening.values() if not is_loopback(endpoint[0])}
     assert not exposed, f"listening beyond loopback: {sorted(map(str, exposed))}"
+
+
+@pytest.mark.parametrize("world_size, local_world_size, host, expected", [
+    ("2", "2", "127.0.0.1", ["127.0.0.1"]),  # one machine: loopback
+    ("4", "2", "127.0.0.1", []),  # several machines, yet a loopback name: torch's default, the one others reach
+    ("4", "2", "10.1.2.3", ["10.1.2.3"]),  # several machines: the head node's address only
+    ("2", None, "127.0.0.1", []),  # the launcher did not say where the ranks are
+])
+def test_where_rank_0_binds_the_store(monkeypatch, world_size, local_world_size, host, expected):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert process_group.store_addresses(host) == expected
+
+
+def test_a_master_addr_that_does_not_resolve_is_named():
+    with pytest.raises(RuntimeError, match="MASTER_ADDR='no-such-host.invalid' does not resolve"):
+        process_group.resolve("no-such-host.invalid")
