@@ -119,8 +119,11 @@ def join(backend: str, *, rank: int, world_size: int, timeout_s: float) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def init_process_group(*, device_kind: str, world_size: int, timeout_s: float) -> Connection:
+def init_process_group(*, device_kind: str, world_size: int, timeout_s: float,
+                       watchdog_timeout_s: float) -> Connection:
     """Join the job (environment as torchrun sets it, or from MPI), select the device, open the watchdog's store.
+
+    timeout_s: the process group's collective timeout; watchdog_timeout_s: that of the watchdog's store calls.
 
     A process group that a launcher initialised already (python -m nvfp4_dist.launch.mpi) is used as it is.
     ValueError when the world is not the one the job was planned for.
@@ -138,7 +141,7 @@ def init_process_group(*, device_kind: str, world_size: int, timeout_s: float) -
         raise ValueError(f"torch.distributed has {dist.get_world_size()} ranks; the launcher announced {world_size}")
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=watchdog_timeout_s))
     watchdog_store = dist.PrefixStore(f"{WATCHDOG_PREFIX}/{restart}", client)
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     return Connection(dist.get_rank(), device, watchdog_store, None if agent_hosts_store() else 0)

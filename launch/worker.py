@@ -40,7 +40,7 @@ def run_worker(plan) -> int:
     timeout_s = 2 * args.watchdog_timeout + 60
     try:
         connection = process_group.init_process_group(device_kind=plan.device, world_size=plan.world_size,
-                                                      timeout_s=timeout_s)
+                                                      timeout_s=timeout_s, watchdog_timeout_s=args.watchdog_timeout)
     except (RuntimeError, ValueError) as error:  # the rendezvous failed: no other rank could be reached
         say(f"nvfp4-train: error: could not join the job at MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
             f"MASTER_PORT={os.environ.get('MASTER_PORT')}: {faults.first_line(error)}")

@@ -60,7 +60,8 @@ def test_save_writes_files_a_manifest_and_the_pointer(root):
     manifest = json.loads((checkpoint.step_directory(root, 4) / checkpoint.MANIFEST).read_text())
     data = checkpoint.rank_file(root, 4, 0).read_bytes()
     assert manifest["step"] == 4 and manifest["world_size"] == 1
-    assert manifest["files"] == [{"name": "rank_00000.pt", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
+    assert manifest["files"] == [{"name": "rank_00000.pt", "bytes": len(data),
+                                  "sha256": hashlib.sha256(data).hexdigest()}]
     loaded = checkpoint.load_checkpoint(root, rank=0, world_size=1)
     assert loaded["step"] == 4 and torch.equal(loaded["model"]["weight"], torch.full((64, 64), 4.0))
     resumed = checkpoint.resume_newest(root, rank=0, world_size=1)

@@ -75,7 +75,8 @@ def plant_payload(root, marker):
     (lambda root: os.truncate(checkpoint.rank_file(root, 4, 0), 1000),
      "step 4: rank_00000.pt is truncated (1000 bytes; the manifest says"),
     (lambda root: checkpoint.rank_file(root, 4, 1).unlink(), "step 4: rank_00001.pt is missing"),
-    (lambda root: shutil.rmtree(checkpoint.step_directory(root, 4)), "'latest' names step 4, whose directory is missing"),
+    (lambda root: shutil.rmtree(checkpoint.step_directory(root, 4)),
+     "'latest' names step 4, whose directory is missing"),
 ])
 def test_resume_passes_over_a_damaged_checkpoint_and_reproduces_the_run(trained, copy, damage, reason):
     out_dir, root = copy

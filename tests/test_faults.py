@@ -11,7 +11,6 @@ import time
 import types
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from nvfp4_dist.launch import checkpoint, faults
