@@ -7,9 +7,11 @@ and what its threads are doing (waiting inside a collective or not); its watchdo
 everyone else's.
 - A rank whose liveness counter stops changing for `timeout_s` has died (or is frozen).
 - When a rank's step stops changing for `timeout_s` the job is stalled; the ranks then not waiting
-  inside a collective are the hung ones, while others wait in one for them. A rank inside
-  `load_extension` (building the CUDA kernels on first use) is starting up, not hung; so are ranks that
-  are all busy outside collectives before the first step completed.
+  inside a collective are the hung ones, while others wait in one for them. A rank is starting up, not
+  hung, until it reports its first step (the step it resumes from, once its model and checkpoint are
+  loaded) and while it is inside `load_extension` (building the CUDA kernels on first use); ranks that are
+  all busy outside collectives before the first step of training are starting up too. A rank that hangs
+  while starting up meets the process group's timeout instead.
 - The store's host closing its connections (repeated failures of store calls) means it is gone.
 On a verdict the lowest live rank prints it in one line and publishes it in the store; every live rank
 exits with WATCHDOG_EXIT_CODE, which makes torchrun, mpirun, srun or nvfp4-train's own launcher stop
@@ -242,6 +244,7 @@ class Watchdog:
         self.exit_fn = exit_fn
         self.store_host_rank = store_host_rank
         self.step = 0
+        self.ready = False  # set up (model built, checkpoint loaded): from its first beat on
         self.verdict = None
         self._stopping = threading.Event()
         self._verdict_ready = threading.Event()
@@ -253,8 +256,10 @@ class Watchdog:
         return self
 
     def beat(self, step: int) -> None:
-        """Record that this rank completed `step` (called by the training loop; published at once)."""
+        """Record that this rank completed `step`, or is set up to train after it (called by the training loop;
+        published at once)."""
         self.step = step
+        self.ready = True
         self._publish_step()
 
     def stop(self) -> None:
@@ -309,7 +314,10 @@ class Watchdog:
 
     def _publish(self, counter: int) -> None:
         self.store.set(f"alive/{self.rank}", str(counter))
-        self.store.set(f"activity/{self.rank}", thread_activity(threading.get_ident()).encode())
+        activity = thread_activity(threading.get_ident())
+        if not self.ready:
+            activity = dataclasses.replace(activity, starting_up=True)
+        self.store.set(f"activity/{self.rank}", activity.encode())
 
     def _read(self, ranks: dict, now: float) -> None:
         keys = [f"{kind}/{r}" for kind in ("alive", "step", "activity") for r in ranks]
@@ -345,7 +353,7 @@ class Watchdog:
                                 f"{ranks[r].activity.where})" for r in hung)
             waiters = f"; waiting for it in a collective: rank(s) {', '.join(map(str, waiting))}" if waiting else ""
             return f"no progress for more than {self.timeout_s:g} s: hung {details}{waiters}", finished
-        if busy:  # starting up (building kernels), or all ranks busy before the first step
+        if busy or any(s.activity.starting_up for s in ranks.values()):  # not every rank is set up to train yet
             return None, set()
         details = ", ".join(f"rank {r} after step {s.step}" for r, s in sorted(ranks.items()))
         return (f"no progress for more than {self.timeout_s:g} s while every rank waits in a collective "

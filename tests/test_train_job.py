@@ -42,7 +42,7 @@ def test_short_run_trains_saves_and_resumes_exactly(tmp_path):
 
     # The same job killed during step 5 and started again: steps 5..8 reproduce the losses exactly.
     killed = run_train(tmp_path / "split", "--steps", "8", "--save-every", "4", "--inject-fault", "kill:5:0",
-                       "--watchdog-timeout", "3")
+                       "--watchdog-timeout", "10")
     assert killed.returncode != 0
     assert checkpoint.latest_step(tmp_path / "split" / "checkpoints") == 4
     resumed = run_train(tmp_path / "split", "--steps", "8", "--save-every", "4")
