@@ -33,10 +33,12 @@ from nvfp4_dist import NonFiniteAmaxError
 from nvfp4_dist._extension import load_extension
 from nvfp4_dist.parallel import collectives, overlap, symmetric
 
+CRASH_EXIT_CODE = 1  # an unexpected error (its traceback says where)
 SETTING_EXIT_CODE = 2  # a flag or checkpoint that does not fit (as argparse's usage errors)
 WATCHDOG_EXIT_CODE = 3
 NONFINITE_EXIT_CODE = 4
 COMMUNICATION_EXIT_CODE = 5
+INTERRUPTED_EXIT_CODE = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 # Exits whose reason the workers printed themselves.
 REPORTED_EXIT_CODES = (SETTING_EXIT_CODE, WATCHDOG_EXIT_CODE, NONFINITE_EXIT_CODE, COMMUNICATION_EXIT_CODE)
 FINISHED = "finished"

@@ -7,7 +7,8 @@ From MPI: the global rank and size, the local rank (shared-memory split) and the
 count. Rank 0 picks the rendezvous address and a free port and broadcasts them. Each
 process then gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
 MASTER_ADDR and MASTER_PORT, selects its CUDA device and initialises torch.distributed
-(NCCL on GPUs, gloo on CPU). As a function: `init_distributed()`.
+(NCCL on GPUs, gloo on CPU), rank 0's store bound to the rendezvous address only
+(nvfp4_dist.launch.process_group). As a function: `init_distributed()`.
 """
 from __future__ import annotations
 

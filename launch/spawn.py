@@ -12,10 +12,9 @@ import subprocess
 import sys
 import time
 
-from nvfp4_dist.launch.faults import REPORTED_EXIT_CODES, describe_exit
+from nvfp4_dist.launch.faults import INTERRUPTED_EXIT_CODE, REPORTED_EXIT_CODES, describe_exit
 
 LOOPBACK = "127.0.0.1"
-INTERRUPTED_EXIT_CODE = 130
 POLL_S = 0.1
 # Quiet C++ logging in the workers: torch's c10d warnings carry C++ stack traces (a rank that died
 # shows up as tens of lines from each survivor); errors stay visible. Set them to override.

@@ -1,9 +1,9 @@
 """One worker process of nvfp4-train: join the job, start the watchdog, train, and leave by one of a few exits.
 
-Each exit says why in one line and has its own status (faults.*_EXIT_CODE). A worker leaves its process
-group before it returns: a process that exits with a live gloo group can die of SIGABRT while the
-interpreter tears down. Where the peers are gone (a failed collective) it does not tear anything down
-and ends at once with os._exit.
+Each exit says why (in one line, or with a traceback for an unexpected error) and has its own status
+(faults.*_EXIT_CODE). A worker leaves its process group before it returns: a process that exits with a
+live gloo group can die of SIGABRT while the interpreter tears down. Where the peers may be gone (a failed
+collective, a crash, Ctrl-C) it tears nothing down and ends at once with os._exit.
 """
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ import torch.distributed as dist
 
 from nvfp4_dist.launch import faults, process_group, trainer
 from nvfp4_dist.launch.plan import SettingError
-
-INTERRUPTED_EXIT_CODE = 130
-CRASH_EXIT_CODE = 1
 
 
 def say(text: str) -> None:
@@ -61,14 +58,14 @@ def run_worker(plan) -> int:
             say(f"nvfp4-train: error: {error}")
         code = faults.SETTING_EXIT_CODE
     except KeyboardInterrupt:
-        end_now(INTERRUPTED_EXIT_CODE)
+        end_now(faults.INTERRUPTED_EXIT_CODE)
     except Exception as error:
         if faults.is_communication_error(error):  # a peer died or hung: let the watchdog name it first
             watchdog.hold(args.watchdog_timeout + 5)
             say(f"nvfp4-train (rank {rank}): stopping: a collective failed ({faults.first_line(error)})")
             end_now(faults.COMMUNICATION_EXIT_CODE)
         traceback.print_exc()
-        end_now(CRASH_EXIT_CODE)
+        end_now(faults.CRASH_EXIT_CODE)
     watchdog.stop()
     dist.destroy_process_group()
     return code
