@@ -57,7 +57,8 @@ def build_parser() -> ArgumentParser:
     recipe.add_argument("--no-sr", action="store_true", help="no stochastic rounding of gradients")
     recipe.add_argument("--no-2d", action="store_true", help="1x16 instead of 16x16 weight blocks")
     recipe.add_argument("--row-scaled-activation", action="store_true",
-                        help="per-row activation amax (needs --no-rht --no-sr)")
+                        help="one amax per activation row (and per column of the wgrad copy), docs/numerics.md "
+                             "§6 and §6b")
     recipe.add_argument("--bf16-first-layers", type=int, default=0, help="first transformer layers kept in BF16")
     recipe.add_argument("--bf16-last-layers", type=int, default=0, help="last transformer layers kept in BF16")
     recipe.add_argument("--gemm-backend", choices=("auto", "cublaslt", "emulated", "reference"), default="auto",

@@ -171,9 +171,6 @@ def check_shapes(args: argparse.Namespace, tp: int, ffn: int, model: str) -> Non
 
 def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -> None:
     """Features that need others (or a GPU)."""
-    if args.row_scaled_activation and not (args.no_rht and args.no_sr):
-        raise ValueError("--row-scaled-activation conflicts with RHT and stochastic rounding (on by default): "
-                         "add --no-rht --no-sr (row-scaled layers run backward in BF16, docs/numerics.md §6)")
     if args.sp and tp == 1:
         raise ValueError("--sp needs --tp > 1 (sequence parallelism splits the sequence across the TP group)")
     if args.overlap and tp == 1:

@@ -70,8 +70,6 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     (["--seq-length", "60", "--micro-batch", "1"], "--seq-length=60 x --micro-batch=1"),
     (["--sp", "--seq-length", "48", "--micro-batch", "1"], "(--sp) = 24 tokens per rank"),
     (["--heads", "3", "--hidden", "96"], "--tp=2 must divide --heads=3"),
-    (["--row-scaled-activation"], "--row-scaled-activation conflicts with RHT"),
-    (["--row-scaled-activation", "--no-rht"], "--row-scaled-activation conflicts with RHT"),
     (["--bf16-first-layers", "2", "--bf16-last-layers", "1"], "exceed --layers=2"),
     (["--gemm-backend", "cublaslt"], "--gemm-backend=cublaslt needs CUDA"),
     (["--tp", "1", "--sp"], "--sp needs --tp > 1"),
