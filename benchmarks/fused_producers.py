@@ -28,7 +28,7 @@ import torch
 
 from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
-from provenance import git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from quantize import CardSampler, time_interleaved  # noqa: E402
 
 BLOCK = 16
@@ -193,7 +193,8 @@ def main() -> None:
                 print(f"{producer:9s} {width:6d} x {tokens:6d} {last[0]['copies']:26s} unfused {last[0]['ms']:8.3f} ms"
                       f"  fused {last[1]['ms']:8.3f} ms  ({last[0]['ms'] / last[1]['ms']:.2f}x, fused at "
                       f"{last[1]['fraction_of_copy']:.0%} of copy)", flush=True)
-    report = dict(benchmark="fused_producers", gpu=gpu, date=datetime.datetime.now().isoformat(), commit=git_commit(),
+    report = dict(benchmark="fused_producers", command=command_line(), gpu=gpu,
+                  date=datetime.datetime.now().isoformat(), commit=git_commit(),
                   torch=torch.__version__, cuda=torch.version.cuda, results=results, speedups=speedups(results),
                   settle_seconds=args.settle_seconds, card_state_per_case=card)
     out.parent.mkdir(parents=True, exist_ok=True)
