@@ -19,6 +19,8 @@ import threading
 
 import torch
 
+from nvfp4_dist import environment
+
 logger = logging.getLogger("nvfp4_dist")
 
 EXTENSION_NAME = "nvfp4_dist_C"
@@ -207,8 +209,9 @@ def source_files() -> list[str]:
 def build_directory(arch: list[str]) -> pathlib.Path:
     """NVFP4_BUILD_DIR, or a cache folder keyed by the torch and CUDA versions and the targets of the
     -gencode flags `arch` (machines of different GPUs can share a home folder)."""
-    if os.environ.get("NVFP4_BUILD_DIR"):
-        path = pathlib.Path(os.environ["NVFP4_BUILD_DIR"])
+    chosen = environment.BUILD_DIR.read()
+    if chosen:
+        path = pathlib.Path(chosen)
     else:
         targets = "-".join(flag.rpartition("code=")[2] for flag in arch)
         key = re.sub(r"[^A-Za-z0-9_.-]", "_", f"torch{torch.__version__}_cuda{torch.version.cuda}_{targets}")
