@@ -3,7 +3,7 @@
 - the wheel: every tracked file of nvfp4_dist/, parallel/, launch/ and csrc/ at its installed path
   (nvfp4_dist/..., nvfp4_dist/parallel/..., nvfp4_dist/launch/..., nvfp4_dist/csrc/...) and nothing else
   besides its metadata: every subpackage, the kernel sources, the launch data and scripts;
-- the sdist: those folders, tests/ and the build files;
+- the sdist: those folders, tests/, docs/ and the build files;
 - optionally a second wheel (built from the sdist): the same files as the first.
 
 Usage: python .ci/check_dist.py WHEEL SDIST [WHEEL_FROM_SDIST]
@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # repository folder -> where its files lie in the installed package
 INSTALLED_AT = {"nvfp4_dist": "nvfp4_dist", "parallel": "nvfp4_dist/parallel", "launch": "nvfp4_dist/launch",
                 "csrc": "nvfp4_dist/csrc"}
-SDIST_ALSO = ("tests", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
+SDIST_ALSO = ("tests", "docs", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
 
 
 def tracked(*paths: str) -> list[str]:
