@@ -24,9 +24,10 @@ from nvfp4_dist import environment
 logger = logging.getLogger("nvfp4_dist")
 
 EXTENSION_NAME = "nvfp4_dist_C"
+FORCE_REFERENCE_HINT = "NVFP4_FORCE_REFERENCE=1 to use the pure-torch reference instead"
 BUILD_HOW_TO = ("Build it on a machine with a CUDA GPU, a CUDA build of torch, nvcc and ninja: "
                 "`python -m nvfp4_dist.build` (set NVFP4_BUILD_DIR to choose the cache folder), "
-                "or set NVFP4_FORCE_REFERENCE=1 to use the pure-torch reference instead.")
+                f"or set {FORCE_REFERENCE_HINT}.")
 # -fmad=false: no FMA contraction, so every product and sum is rounded as docs/numerics.md orders it;
 # no fast-math, so divisions are IEEE (docs/numerics.md §2.2). The C++ standard comes from cxx_standard().
 NVCC_FLAGS = ("-O3", "-fmad=false", "-lineinfo")
@@ -75,10 +76,6 @@ def compile_flags(torch_include: str | os.PathLike | None = None) -> tuple[list[
     return [*CXX_FLAGS, standard], [*NVCC_FLAGS, standard]
 
 
-_lock = threading.Lock()
-_module = None
-
-
 @dataclasses.dataclass(frozen=True)
 class CudaToolkit:
     """The nvcc that builds the extension: its path, release ("13.0") and the SASS targets it can build
@@ -113,15 +110,9 @@ def cuda_toolkit(nvcc: str | None = None) -> CudaToolkit:
     return CudaToolkit(nvcc, release.group(1) if release else "(unknown release)", frozenset(codes.split()))
 
 
-def compute_of(target: str) -> str:
-    """The virtual architecture of a SASS target: sm_100a -> compute_100a."""
-    return target.replace("sm_", "compute_", 1)
-
-
 def gencode(target: str) -> str:
-    """The nvcc flag that builds `target`: SASS for sm_*, embedded PTX for compute_*."""
-    virtual = compute_of(target)
-    return f"-gencode=arch={virtual},code={target}"
+    """The nvcc flag that builds `target`: SASS for sm_* (from its compute_* PTX), embedded PTX for compute_*."""
+    return f"-gencode=arch={target.replace('sm_', 'compute_', 1)},code={target}"
 
 
 def visible_devices() -> list[tuple[int, str, tuple[int, int]]]:
@@ -145,23 +136,23 @@ def build_targets(toolkit: CudaToolkit | None = None) -> list[str]:
             if capability < MIN_CAPABILITY:
                 raise RuntimeError(f"{where} is older than the kernels need (compute capability "
                                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer): hide it with "
-                                   "CUDA_VISIBLE_DEVICES, or set NVFP4_FORCE_REFERENCE=1 to use the pure-torch "
-                                   "reference instead")
+                                   f"CUDA_VISIBLE_DEVICES, or set {FORCE_REFERENCE_HINT}")
             target = SASS_TARGETS.get(capability)
             if target is None:
                 logger.info("%s has no SASS target among %s: it runs the %s PTX, which the driver compiles for it",
                             where, sorted(SASS_TARGETS.values()), PTX_FALLBACK)
             elif not toolkit.builds(target):
                 raise RuntimeError(f"{where} needs {target}, which nvcc {toolkit.version} ({toolkit.nvcc}) cannot "
-                                   f"build: CUDA {FIRST_CUDA_RELEASE[target]} or newer can. " + BUILD_HOW_TO)
+                                   f"build: install CUDA {FIRST_CUDA_RELEASE[target]} or newer and point CUDA_HOME "
+                                   f"at it, or set {FORCE_REFERENCE_HINT}")
             else:
                 wanted.add(target)
         sass = [t for t in SASS_TARGETS.values() if t in wanted]
     else:  # an ahead-of-time build on a machine without a GPU: every target this toolkit can build
         sass = [t for t in SASS_TARGETS.values() if toolkit.builds(t)]
     if not toolkit.builds(PTX_FALLBACK):
-        raise RuntimeError(f"nvcc {toolkit.version} ({toolkit.nvcc}) cannot build {PTX_FALLBACK}: CUDA 12.0 or "
-                           "newer can. " + BUILD_HOW_TO)
+        raise RuntimeError(f"nvcc {toolkit.version} ({toolkit.nvcc}) cannot build {PTX_FALLBACK}: install CUDA "
+                           f"12.0 or newer and point CUDA_HOME at it, or set {FORCE_REFERENCE_HINT}")
     return sass + [PTX_FALLBACK]
 
 
@@ -204,6 +195,10 @@ def source_files() -> list[str]:
     """Every csrc/*.cu plus csrc/bindings.cpp."""
     csrc = csrc_directory()
     return [str(p) for p in sorted(csrc.glob("*.cu"))] + [str(csrc / "bindings.cpp")]
+
+
+_lock = threading.Lock()
+_module = None
 
 
 def build_directory(arch: list[str]) -> pathlib.Path:
