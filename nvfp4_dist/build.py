@@ -2,7 +2,7 @@
 import argparse
 import logging
 
-from ._extension import build_directory, load_extension
+from ._extension import load_extension
 
 
 def main(argv=None) -> None:
@@ -11,7 +11,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     module = load_extension(verbose=not args.quiet)
-    print(f"nvfp4_dist._C built: {module.__file__} (cache {build_directory()})")
+    print(f"nvfp4_dist._C built: {module.__file__}")
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ CHECK_TP_CONSISTENCY = Variable("NVFP4_CHECK_TP_CONSISTENCY", "1: every call of 
                                 "configuration, recipe and input shape across the group (default: its first call "
                                 "only)", FLAG, _flag, False)
 BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build cache (default: a folder under "
-                     "~/.cache/nvfp4_dist keyed by the torch and CUDA versions)", "a directory path", _path)
+                     "~/.cache/nvfp4_dist keyed by the torch and CUDA versions and the GPU targets)",
+                     "a directory path", _path)
 
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, DISABLE_FUSED_PRODUCERS,
              BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, OVERLAP_IGNORE_LINKS, GEMM_BACKEND,

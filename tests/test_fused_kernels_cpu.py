@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from nvfp4_dist import fused_kernels
+from nvfp4_dist import _extension, fused_kernels
 from nvfp4_dist.reference import fused_producers as R
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
@@ -128,8 +128,8 @@ def numerics(tmp_path_factory):
     source = directory / "harness.cu"
     source.write_text(HARNESS)
     library = directory / "libharness.so"
-    subprocess.run(["nvcc", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", f"-I{CSRC}",
-                    str(source), "-o", str(library)], check=True, capture_output=True, text=True)
+    subprocess.run(["nvcc", "-O2", f"-std={_extension.cxx_standard()}", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
+                    f"-I{CSRC}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
     return ctypes.CDLL(str(library))
 
 

@@ -5,13 +5,16 @@
 - the kernels' element numerics (csrc/nvfp4_numerics.cuh, host-compiled with nvcc) equal the
   reference byte for byte: block scales, RNE and stochastic codes, Philox bits, the RHT sums;
 - the quantize kernels' tile order and its division-free quotient (csrc/tile_order.cuh);
-- csrc/compile_check.sh compiles every kernel for sm_90a and sm_100a.
+- csrc/compile_check.sh compiles every kernel for every target (nvfp4_dist._extension.SASS_TARGETS, the PTX
+  fallback) or names those the toolkit lacks.
 """
 import ctypes
 import inspect
+import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -108,8 +111,8 @@ def numerics(tmp_path_factory):
     source = directory / "harness.cu"
     source.write_text(HARNESS)
     library = directory / "libharness.so"
-    subprocess.run(["nvcc", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", f"-I{CSRC}",
-                    str(source), "-o", str(library)], check=True, capture_output=True, text=True)
+    subprocess.run(["nvcc", "-O2", f"-std={_extension.cxx_standard()}", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
+                    f"-I{CSRC}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
     return ctypes.CDLL(str(library))
 
 
@@ -156,7 +159,7 @@ def test_extension_failure_says_how_to_build(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(cpp_extension, "load", broken_load)
     monkeypatch.setattr(_extension, "arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])
-    monkeypatch.setattr(_extension, "build_directory", lambda: pathlib.Path("/tmp"))
+    monkeypatch.setattr(_extension, "build_directory", lambda arch: pathlib.Path("/tmp"))
     with pytest.raises(RuntimeError, match=r"ninja: not found.*python -m nvfp4_dist.build"):
         _extension.load_extension()
 
@@ -407,6 +410,14 @@ def test_fast_divisor_quotients_are_exact(numerics):
 
 @needs_nvcc
 def test_compile_check_passes():
-    """Every csrc/*.cu compiles for sm_90a and sm_100a, and bindings.cpp against torch's headers."""
-    result = subprocess.run(["bash", str(CSRC / "compile_check.sh")], capture_output=True, text=True)
+    """Every csrc/*.cu compiles for every target the toolkit has (the others named), and bindings.cpp, against
+    the headers of the torch that runs the tests."""
+    result = subprocess.run(["bash", str(CSRC / "compile_check.sh")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"-std={_extension.cxx_standard()}" in result.stdout
+    lacking = next((line for line in result.stdout.splitlines() if "cannot build" in line), "")
+    for target in [*_extension.SASS_TARGETS.values(), _extension.PTX_FALLBACK]:
+        for source in sorted(CSRC.glob("*.cu")):
+            assert f"ok    {source.name} {target}" in result.stdout or target in lacking.split(), (source, target)
+    assert "ok    bindings.cpp" in result.stdout

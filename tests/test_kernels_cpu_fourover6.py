@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from nvfp4_dist import _extension
 from nvfp4_dist.reference.fourover6 import FourOverSix, quantize_blocks_4over6
 from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax
 from test_kernels_cpu import CSRC, pointer
@@ -87,8 +88,8 @@ def numerics(tmp_path_factory):
     source = directory / "harness.cu"
     source.write_text(HARNESS)
     library = directory / "libharness.so"
-    subprocess.run(["nvcc", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", f"-I{CSRC}",
-                    str(source), "-o", str(library)], check=True, capture_output=True, text=True)
+    subprocess.run(["nvcc", "-O2", f"-std={_extension.cxx_standard()}", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
+                    f"-I{CSRC}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(str(library))
     lib.tile_error.restype = ctypes.c_float
     return lib
