@@ -33,8 +33,8 @@ from nvfp4_dist import environment
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
 from nvfp4_dist.layernorm_linear import ActivationProducer, NormProducer, produced_linear
 from nvfp4_dist.linear import (LinearComm, WeightCache, WeightParameter, bf16_linear, check_activation,
-                               check_features, check_parameter_dtype, check_weight_dtype, describe_layer, nvfp4_linear,
-                               quantize_weight)
+                               check_features, check_parameter_dtype, check_weight_dtype, describe_layer,
+                               needs_columnwise_weight, nvfp4_linear, quantize_weight)
 from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
 from nvfp4_dist.reference.fused_producers import ACTIVATIONS, NORMALIZATIONS
 from nvfp4_dist.parallel import collectives, group_checks
@@ -210,7 +210,7 @@ class _ParallelLinear(torch.nn.Module):
         if recipe.overlap and self.world_size > 1:
             comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links)
         if self.keep_quantized_weight:
-            weight_q = self.weight_cache.get(self.weight, recipe)
+            weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         else:  # requantized at every forward anyway: hold no copy between forward and backward
             self.weight_cache.invalidate()
             weight_q = quantize_weight(self.weight, recipe, columnwise=False)
