@@ -573,7 +573,8 @@ class Linear(torch.nn.Module):
     accumulate_into_main_grad: add wgrad into weight.main_grad (FP32) in the GEMM (Megatron).
     delay_wgrad: backward skips wgrad; backward_dw() runs it later (Megatron delay_wgrad_compute).
     The quantized weight is cached until the parameter changes (see WeightCache).
-    Token count (product of the leading dims) must be a multiple of 16 for backward (wgrad copies); an empty
+    Token count (product of the leading dims) must be a multiple of 16 for the default backward (its wgrad copies
+    are blocked along tokens; recipe.backward_mode high_precision and dequantized take any count); an empty
     batch (no tokens) gives an empty output and zero weight gradients, as torch.nn.Linear does.
     layer_name: the layer in error messages (name_layers sets it; default: class and sizes).
     """

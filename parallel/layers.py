@@ -10,6 +10,9 @@ Column-parallel, weight [out/tp, in]:
 Row-parallel, weight [out, in/tp]:
   forward   fprop -> BF16 reduce-scatter (SP) / all-reduce -> + bias
   backward  dy_local -> amax all-reduce -> quantize (SR) -> NVFP4 all-gather (SP) -> dgrad and wgrad
+With recipe.backward_mode high_precision or dequantized the backward GEMMs run in the compute dtype on the
+unquantized output gradient (gathered as it is under row-parallel SP) and the input and weight as given or as
+fprop's NVFP4 copies dequantized (nvfp4_dist/linear.py).
 A column-parallel layer may normalize its input first (input_norm) and a row-parallel one apply fc1's activation
 (forward(x, activation=...)); each producer is fused into the cast of the layer's input (nvfp4_dist/fused.py).
 
@@ -281,7 +284,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     sequence_parallel: x is [s/tp, b, in] and gathered along dim 0 (in NVFP4) before fprop.
     gather_output: all-gather the output along its last dim (BF16) to [.., out] (not with SP).
-    keep_input_columnwise: keep the gathered columnwise input from forward instead of re-gathering it.
+    keep_input_columnwise: keep the gathered input from forward instead of re-gathering it in backward (its
+      columnwise copy; with recipe.backward_mode high_precision the input itself, dequantized its rowwise copy).
     input_norm: "LayerNorm" or "RMSNorm" over x before the linear (TE's LayerNormColumnParallelLinear), with
       parameters layer_norm_weight (and layer_norm_bias), replicated and marked `sequence_parallel` like
       parallel/norm.py's (their gradients are partial sums under SP: Megatron all-reduces them); norm_eps,
