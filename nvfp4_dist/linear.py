@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from nvfp4_dist import environment, finite_check, ops
-from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm
-from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
 from nvfp4_dist.tensor import NVFP4Tensor
 
 logger = logging.getLogger("nvfp4_dist")
@@ -549,7 +550,8 @@ def check_parameter_dtype(dtype) -> None:
 
 
 def name_layers(model: torch.nn.Module) -> None:
-    """Set every NVFP4 layer's `layer_name` (used in its error messages) to its qualified name in `model`."""
+    """Set every NVFP4 layer's `layer_name` (matched by recipe maps, and used in its error messages) to its
+    qualified name in `model` (call it on the model itself, before wrapping it in DDP or similar)."""
     for qualified, module in model.named_modules():
         if isinstance(getattr(module, "weight_cache", None), WeightCache):
             module.layer_name = qualified or type(module).__name__
@@ -568,7 +570,8 @@ class Linear(torch.nn.Module):
     """Drop-in for torch.nn.Linear whose three GEMMs run in NVFP4 (docs/numerics.md §3).
 
     Same constructor arguments, parameters (in `dtype`) and state_dict as torch.nn.Linear, plus:
-    recipe: this layer's NVFP4Recipe (None: the enclosing nvfp4_dist.autocast's, else from the environment).
+    recipe: this layer's NVFP4Recipe, or a RecipeMap matched against layer_name (nvfp4_dist/recipe_map.py);
+      None: the enclosing nvfp4_dist.autocast's (its recipes= map, then its recipe), else from the environment.
     bf16_fallback: run this layer unquantized in the activation dtype (first/last layers, docs/numerics.md §10).
     accumulate_into_main_grad: add wgrad into weight.main_grad (FP32) in the GEMM (Megatron).
     delay_wgrad: backward skips wgrad; backward_dw() runs it later (Megatron delay_wgrad_compute).
@@ -576,20 +579,23 @@ class Linear(torch.nn.Module):
     Token count (product of the leading dims) must be a multiple of 16 for the default backward (its wgrad copies
     are blocked along tokens; recipe.backward_mode high_precision and dequantized take any count); an empty
     batch (no tokens) gives an empty output and zero weight gradients, as torch.nn.Linear does.
-    layer_name: the layer in error messages (name_layers sets it; default: class and sizes).
+    layer_name: the module name that recipe maps match, and the layer in error messages (name_layers sets it;
+      default: None, shown as class and sizes).
+    last_recipe: the NVFP4Recipe the last forward ran with; None when it ran in BF16.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: NVFP4Recipe | None = None, bf16_fallback: bool = False,
+                 recipe: NVFP4Recipe | RecipeMap | None = None, bf16_fallback: bool = False,
                  accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
         super().__init__()
         if not bf16_fallback:
             check_features("in_features", in_features)
             check_features("out_features", out_features)
             check_parameter_dtype(dtype)
-        check_recipe(recipe)
+        check_layer_recipe(recipe)
         self.in_features, self.out_features = in_features, out_features
         self.layer_name: str | None = None
+        self.last_recipe: NVFP4Recipe | None = None
         self.recipe, self.bf16_fallback = recipe, bf16_fallback
         self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
         factory = dict(device=device, dtype=dtype)
@@ -614,15 +620,17 @@ class Linear(torch.nn.Module):
         self.weight_cache.invalidate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        nvfp4 = not self.bf16_fallback and nvfp4_enabled()
-        if nvfp4:
+        recipe = None
+        if not self.bf16_fallback and nvfp4_enabled():
+            recipe = resolve_layer_recipe(self.recipe, self.layer_name, describe_layer(self))
+        if recipe is not None:
             check_weight_dtype(self.weight)
         check_activation(x, self.in_features, self.weight)
         store = self.wgrad_store if self.delay_wgrad else None
-        if not nvfp4 or x.numel() == 0:
+        self.last_recipe = recipe if x.numel() else None
+        if self.last_recipe is None:
             return bf16_linear(x, self.weight, self.bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
-        recipe = resolve_recipe(self.recipe)
         weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         return nvfp4_linear(x, self.weight, self.bias, recipe, weight_q=weight_q,
                             accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,

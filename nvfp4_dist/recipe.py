@@ -79,6 +79,17 @@ def _canonical(value) -> str:
     return repr(value)
 
 
+def check_field(name: str, value) -> None:
+    """Raise RecipeTypeError unless `name` is an NVFP4Recipe field and `value` has its annotated type (the checks
+    that need no other field; NVFP4Recipe's constructor does the rest)."""
+    hints = _field_types(NVFP4Recipe)
+    if name not in hints:
+        raise RecipeTypeError(f"{name!r} is not an NVFP4Recipe field; the fields are "
+                              f"{', '.join(field.name for field in dataclasses.fields(NVFP4Recipe))}")
+    if not _matches(value, hints[name]):
+        raise RecipeTypeError(f"{name}={value!r} ({type(value).__name__}): must be {_describe(hints[name])}")
+
+
 def check_recipe(recipe, name: str = "recipe") -> None:
     """Raise RecipeTypeError unless `recipe` is an NVFP4Recipe or None (a dict of fields is not accepted)."""
     if recipe is None or isinstance(recipe, NVFP4Recipe):
@@ -145,13 +156,8 @@ class NVFP4Recipe:
     backward_mode: typing.Literal[BACKWARD_MODES] = "default"
 
     def __post_init__(self):
-        hints = _field_types(type(self))
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            hint = hints.get(field.name)
-            if hint is not None and not _matches(value, hint):
-                raise RecipeTypeError(f"{field.name}={value!r} ({type(value).__name__}): must be "
-                                      f"{_describe(hint)}")
+            check_field(field.name, getattr(self, field.name))
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend={self.gemm_backend!r} is not one of {GEMM_BACKENDS}")
         for name in ("bf16_first_layers", "bf16_last_layers", "overlap_min_chunk_gflops"):
