@@ -2,7 +2,8 @@
 computation of what the mode means.
 
 The quantized bytes come from nvfp4_dist.reference (tests/linear_emulation.py), the definition of the copies;
-this file decodes them itself in float64 (code table x E4M3 scale x amax / 2688) and multiplies in float64:
+this file decodes them itself in float64 (code table x E4M3 scale x amax / (6 B), B the copy's global-scale
+bound: 448, or 256 for some 4over6 copies) and multiplies in float64:
   default         dx = Q(dy)_row . Q(W)_col^T          dW = Q(dy)_col . Q(x)_col^T      (RHT, SR as the recipe)
   high_precision  dx = dy . W                          dW = dy^T . x
   dequantized     dx = dy . D(Q(W)_row)                dW = dy^T . D(Q(x)_row)          (D: to the compute dtype)
@@ -27,25 +28,26 @@ FP32_TOLERANCE = 2e-6   # max error / max |expected|: FP32 sums of <= 64 terms a
 BF16_TOLERANCE = 1e-2   # BF16 outputs (and BF16 dequantized operands) against float64
 
 
-def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """float64 values of one NVFP4 copy: FP4 code value x E4M3 block scale x amax / 2688 (per row when amax is)."""
+def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, bound: int) -> torch.Tensor:
+    """float64 values of one NVFP4 copy: FP4 code value x E4M3 block scale x amax / (6 x bound), per row when amax
+    is (a row-scaled rowwise copy, or the per-column columnwise copy of a row-scaled activation)."""
     magnitudes = torch.tensor(formats.FP4_MAGNITUDES, dtype=torch.float64)
     table = torch.cat([magnitudes, -magnitudes])
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2).long()
     values = table[codes]
     rows, cols = values.shape
     block_scales = scale.to(torch.float64).repeat_interleave(16, dim=1)
-    global_scale = amax.to(torch.float64).reshape(-1, 1) / 2688.0
+    global_scale = amax.to(torch.float64).reshape(-1, 1) / (6.0 * bound)
     return values * block_scales * global_scale
 
 
 def rowwise(q):
-    return decode(q.rowwise_data, q.rowwise_scale, q.amax_rowwise)
+    return decode(q.rowwise_data, q.rowwise_scale, q.amax_rowwise, q.e4m3_bound)
 
 
 def columnwise(q):
     """The columnwise copy [K, M] as stored (x^T, with the RHT applied along M when the recipe says)."""
-    return decode(q.columnwise_data, q.columnwise_scale, q.amax_columnwise)
+    return decode(q.columnwise_data, q.columnwise_scale, q.amax_columnwise, q.e4m3_bound)
 
 
 def in_dtype(t64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,10 +105,17 @@ def saved_for_backward(fn):
     return saved, result
 
 
+# Recipes whose copies differ from the default ones: row-scaled activations (a per-column amax on x's columnwise
+# copy, docs/numerics.md §6b) and 4over6 on weights and activations with the global-scale bound 256 (§12).
+VARIANTS = {"plain": {}, "row_scaled": {"row_scaled_activation": True},
+            "4over6": {"nvfp4_4over6": "all", "rht": False, "nvfp4_4over6_e4m3_use_256": "all"}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", MODES)
-def test_linear_backward_mode_against_float64(mode, dtype):
-    recipe = nv.NVFP4Recipe(backward_mode=mode)
+def test_linear_backward_mode_against_float64(mode, dtype, variant):
+    recipe = nv.NVFP4Recipe(backward_mode=mode, **VARIANTS[variant])
     x, dy, weight, bias = inputs(dtype)
     layer = nv.Linear(IN, OUT, recipe=recipe)
     with torch.no_grad():
@@ -129,7 +138,7 @@ def test_linear_backward_mode_against_float64(mode, dtype):
     keeps_x = any(t.data_ptr() == x_in.data_ptr() for t in saved)
     keeps_weight = any(t is layer.weight for t in saved)
     assert (keeps_x, keeps_weight) == ((True, True) if mode == "high_precision" else (False, False)), mode
-    floating = [t for t in saved if t.is_floating_point() and t.numel() > OUT and t.dtype != torch.float8_e4m3fn]
+    floating = [t for t in saved if t.is_floating_point() and t.numel() >= TOKENS * IN // 2]  # not amaxes, scales
     assert all(t.data_ptr() in (x_in.data_ptr(), layer.weight.data_ptr()) for t in floating), mode
     cached = layer.weight_cache.quantized
     assert cached.has_rowwise and cached.has_columnwise == (mode == "default")
@@ -214,8 +223,8 @@ def run_layer(layer, x_local, dy_local):
     return y.detach(), x_in.grad, layer.weight.grad
 
 
-def check_column(rank, mode, sequence_parallel, overlap, keep_input_columnwise, log):
-    recipe = nv.NVFP4Recipe(backward_mode=mode, overlap=overlap, overlap_min_chunk_gflops=0)
+def check_column(rank, mode, sequence_parallel, overlap, keep_input_columnwise, log, variant="plain"):
+    recipe = nv.NVFP4Recipe(backward_mode=mode, overlap=overlap, overlap_min_chunk_gflops=0, **VARIANTS[variant])
     out_features = 32
     x, dy, weight, _ = inputs(torch.float32, tokens=SEQ * BATCH, out_features=out_features)
     x3, dy3 = x.reshape(SEQ, BATCH, IN), dy.reshape(SEQ, BATCH, out_features)
@@ -233,7 +242,7 @@ def check_column(rank, mode, sequence_parallel, overlap, keep_input_columnwise, 
         dx_r, dw_r = expected_backward(mode, recipe, x, dy_r, w_r, sr_seed=sr_seed)
         dx_expected += dx_r
         if r == rank:
-            what = f"column {mode} sp={sequence_parallel} overlap={overlap} keep={keep_input_columnwise}"
+            what = f"column {mode} {variant} sp={sequence_parallel} overlap={overlap} keep={keep_input_columnwise}"
             assert_matches(y.reshape(-1, out_features // TP), expected_fprop(recipe, x, w_r), what + " y")
             assert_matches(dw, dw_r, what + " dW")
     if sequence_parallel:
@@ -247,8 +256,8 @@ def check_column(rank, mode, sequence_parallel, overlap, keep_input_columnwise, 
         assert gathers == ["all_gather_nvfp4", wgrad_gather], (what, gathers)
 
 
-def check_row(rank, mode, sequence_parallel, overlap, log):
-    recipe = nv.NVFP4Recipe(backward_mode=mode, overlap=overlap, overlap_min_chunk_gflops=0)
+def check_row(rank, mode, sequence_parallel, overlap, log, variant="plain"):
+    recipe = nv.NVFP4Recipe(backward_mode=mode, overlap=overlap, overlap_min_chunk_gflops=0, **VARIANTS[variant])
     x, dy, weight, _ = inputs(torch.float32, tokens=SEQ * BATCH, out_features=32)
     layer = RowParallelLinear(IN, 32, bias=False, sequence_parallel=sequence_parallel, recipe=recipe,
                               init_method=lambda w: w.copy_(weight))
@@ -266,7 +275,7 @@ def check_row(rank, mode, sequence_parallel, overlap, log):
         y_expected += expected_fprop(recipe, x_r, w_r)
         if r == rank:
             dx_r, dw_r = expected_backward(mode, recipe, x_r, dy, w_r, dyq=dyq)
-    what = f"row {mode} sp={sequence_parallel} overlap={overlap}"
+    what = f"row {mode} {variant} sp={sequence_parallel} overlap={overlap}"
     if sequence_parallel:
         y_expected = y_expected.reshape(SEQ, BATCH, 32).chunk(TP)[rank].reshape(-1, 32)
     assert_matches(y.reshape(-1, 32), y_expected, what + " y")
@@ -287,6 +296,9 @@ def _tensor_parallel_worker(rank, world_size):
                 check_column(rank, mode, sequence_parallel, overlap, False, log)
                 check_row(rank, mode, sequence_parallel, overlap, log)
             check_column(rank, mode, True, False, True, log)
+            for variant in ("row_scaled", "4over6"):
+                check_column(rank, mode, True, False, False, log, variant)
+                check_row(rank, mode, True, False, log, variant)
     finally:
         monkeypatch.undo()
 

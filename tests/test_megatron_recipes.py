@@ -2,8 +2,8 @@
 
 The decoder-block spec names each linear as GPTModel does ("decoder.layers.<n>.self_attention.linear_qkv") and
 gives it the recipe map; each layer records the recipe its forward ran with (last_recipe, None for BF16), which
-the test compares with the map's rules: the first and last layers BF16, the attention projections on their own
-recipe, the MLPs on the base recipe.
+the test compares with the map's rules: the first and last layers BF16, the attention projections on 4over6
+(docs/numerics.md §12), one MLP on the high-precision backward, the other linears on the base recipe.
 """
 import logging
 import warnings
@@ -19,7 +19,8 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 from test_megatron import TP, _config, _gpt, _gpt_loss, _init_megatron  # noqa: E402
 
 LAYERS = 4
-ATTENTION = {"weight_2d": False, "backward_mode": "dequantized"}
+ATTENTION = {"nvfp4_4over6": "all", "rht": False}
+MLP_2 = {"backward_mode": "high_precision"}
 
 
 def _linears(model) -> dict:
@@ -29,10 +30,12 @@ def _linears(model) -> dict:
             if isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear))}
 
 
-def _expected(name: str, base, attention, bf16_layers=(0, LAYERS - 1)):
+def _expected(name: str, base, bf16_layers=(0, LAYERS - 1)):
     if int(name.split(".")[2]) in bf16_layers:
         return None
-    return attention if ".self_attention." in name else base
+    if ".self_attention." in name:
+        return base.replace(**ATTENTION)
+    return base.replace(**MLP_2) if name.startswith("decoder.layers.2.mlp.") else base
 
 
 def _recipes_worker(rank, world_size):
@@ -43,7 +46,7 @@ def _recipes_worker(rank, world_size):
     base = nv.NVFP4Recipe(stochastic_rounding=False)
     recipe_map = {"decoder.layers.0.*": "bf16", f"decoder.layers.{LAYERS - 1}.*": "bf16",
                   "*.self_attention.linear_qkv": ATTENTION, "*.self_attention.linear_proj": ATTENTION,
-                  "*.cross_attention.*": "bf16"}
+                  "decoder.layers.2.mlp.*": MLP_2, "*.cross_attention.*": "bf16"}
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -62,9 +65,8 @@ def _recipes_worker(rank, world_size):
         assert layer.layer_name == name
     loss = _gpt_loss(model)
     assert torch.isfinite(loss)
-    attention = base.replace(**ATTENTION)
     for name, layer in linears.items():
-        assert layer.last_recipe == _expected(name, base, attention), (name, layer.last_recipe)
+        assert layer.last_recipe == _expected(name, base), (name, layer.last_recipe)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     reference = _gpt_loss(_gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=LAYERS), seed=11))
     assert abs(float(loss) - float(reference)) < 0.05 * float(reference)
@@ -86,11 +88,11 @@ def _recipes_worker(rank, world_size):
     nv.name_layers(model)
     _gpt_loss(model)
     for name, layer in _linears(model).items():
-        assert layer.last_recipe == _expected(name, base, attention), (name, layer.last_recipe)
+        assert layer.last_recipe == _expected(name, base), (name, layer.last_recipe)
 
     # A dict entry that the base refuses is reported when the spec is built, naming the key.
-    with pytest.raises(ValueError, match=r"recipe_map: key '\*': row_scaled_activation=True cannot be combined"):
-        get_gpt_decoder_block_nvfp4_spec(config, recipe=base, recipe_map={"*": {"row_scaled_activation": True}})
+    with pytest.raises(ValueError, match=r"recipe_map: key '\*': nvfp4_4over6='all' cannot be combined with rht"):
+        get_gpt_decoder_block_nvfp4_spec(config, recipe=base, recipe_map={"*": {"nvfp4_4over6": "all"}})
 
 
 def test_megatron_gpt_per_layer_recipes_at_tp2_sp():

@@ -127,14 +127,14 @@ def test_unnamed_layers_under_a_map_are_refused_with_the_fix():
 
 
 def test_a_dict_entry_that_the_base_refuses_names_the_key_and_the_layer():
-    layer = nv.Linear(32, 32, recipe=RecipeMap({"*": {"row_scaled_activation": True}}))
+    layer = nv.Linear(32, 32, recipe=RecipeMap({"*": {"nvfp4_4over6": "all"}}))
     layer.layer_name = "fc"
-    with pytest.raises(RecipeConfigError, match=r"recipes: key '\*' \(for layer fc\): row_scaled_activation=True "
-                                                r"cannot be combined with rht=True"):
+    with pytest.raises(RecipeConfigError, match=r"recipes: key '\*' \(for layer fc\): nvfp4_4over6='all' cannot be "
+                                                r"combined with rht=True"):
         layer(torch.randn(16, 32))
-    with pytest.raises(RecipeConfigError, match=r"key '\*': row_scaled_activation"):
-        RecipeMap({"*": {"row_scaled_activation": True}}).check(nv.NVFP4Recipe())
-    RecipeMap({"*": {"row_scaled_activation": True}}).check(nv.NVFP4Recipe(rht=False, stochastic_rounding=False))
+    with pytest.raises(RecipeConfigError, match=r"key '\*': nvfp4_4over6='all' cannot be combined with rht=True"):
+        RecipeMap({"*": {"nvfp4_4over6": "all"}}).check(nv.NVFP4Recipe())
+    RecipeMap({"*": {"nvfp4_4over6": "all"}}).check(nv.NVFP4Recipe(rht=False))
 
 
 @pytest.mark.parametrize("entries,message", [
