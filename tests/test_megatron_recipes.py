@@ -97,3 +97,21 @@ def _recipes_worker(rank, world_size):
 
 def test_megatron_gpt_per_layer_recipes_at_tp2_sp():
     run_distributed(_recipes_worker, TP)
+
+
+def test_the_gpu_runs_recipe_file_resolves_as_intended():
+    """tests_multigpu/megatron_recipes.yaml (the TP=2 SP GPU run's file) on the 8-layer model's linear names."""
+    import pathlib
+    import nvfp4_dist as nv
+    path = pathlib.Path(__file__).resolve().parents[1] / "tests_multigpu" / "megatron_recipes.yaml"
+    recipes = nv.RecipeMap.from_file(path)
+    base = nv.NVFP4Recipe()
+    recipes.check(base)
+    names = [f"decoder.layers.{n}.{sub}" for n in range(8) for sub in
+             ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert recipes.unmatched(names) == []
+    four_over_six = base.replace(nvfp4_4over6="all", rht=False)
+    for name in names:
+        layer = int(name.split(".")[2])
+        expected = ("bf16" if layer in (0, 7) else four_over_six if ".self_attention." in name else base)
+        assert recipes.resolve(name, base) == expected, name
