@@ -619,10 +619,15 @@ class Linear(torch.nn.Module):
         """Force requantizing the weight at the next forward (after writes through weight.data)."""
         self.weight_cache.invalidate()
 
+    def resolved_recipe(self) -> NVFP4Recipe | None:
+        """The recipe a forward now runs with (nvfp4_dist/autocast.py has the order); None: the BF16 fallback
+        (bf16_fallback, autocast(enabled=False), or a recipe map's "bf16" entry)."""
+        if self.bf16_fallback or not nvfp4_enabled():
+            return None
+        return resolve_layer_recipe(self.recipe, self.layer_name, describe_layer(self))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        recipe = None
-        if not self.bf16_fallback and nvfp4_enabled():
-            recipe = resolve_layer_recipe(self.recipe, self.layer_name, describe_layer(self))
+        recipe = self.resolved_recipe()
         if recipe is not None:
             check_weight_dtype(self.weight)
         check_activation(x, self.in_features, self.weight)

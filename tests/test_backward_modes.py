@@ -190,6 +190,38 @@ def test_delayed_wgrad_and_main_grad_in_unquantized_modes():
         torch.testing.assert_close(hooked.weight.main_grad, plain.weight.grad + 1, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_producers_in_each_backward_mode(mode, monkeypatch):
+    """LayerNormMLP fuses its norm and activation into the casts except in high_precision, whose backward keeps
+    the producers' outputs themselves; fused or not, the same outputs and gradients."""
+    import nvfp4_dist.layernorm_linear as layernorm_linear
+    calls = []
+    for name in ("quantize_norm_output", "quantize_activation_output"):
+        original = getattr(layernorm_linear, name)
+        monkeypatch.setattr(layernorm_linear, name,
+                            lambda *args, _original=original, _name=name, **kwargs: (calls.append(_name),
+                                                                                    _original(*args, **kwargs))[1])
+    recipe = nv.NVFP4Recipe(backward_mode=mode)
+    torch.manual_seed(3)
+    mlp = nv.LayerNormMLP(64, 32, activation="swiglu", normalization="RMSNorm", recipe=recipe)
+    x, dy, _, _ = inputs(torch.bfloat16, out_features=64)
+
+    def run():
+        x_in = x.clone().requires_grad_(True)
+        y = mlp(x_in)
+        torch.manual_seed(BACKWARD_SEED)
+        y.backward(dy)
+        grads = [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return [y.detach(), x_in.grad, *grads]
+
+    fused = run()
+    assert len(calls) == (0 if mode == "high_precision" else 2), calls
+    assert mlp.fc1.last_recipe == recipe and mlp.fc2.last_recipe == recipe
+    mlp.fc1.recipe = mlp.fc2.recipe = recipe.replace(fused_producers=False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, run()))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tensor parallel (gloo, 2 ranks): column- and row-parallel, with and without sequence parallelism and overlap.
 

@@ -196,3 +196,14 @@ def test_bad_recipe_config_files_name_the_file_the_key_and_the_problem(tmp_path,
 def test_a_missing_recipe_config_file_is_named(tmp_path):
     with pytest.raises(RecipeConfigError, match=r"missing.yaml: cannot read the recipe config"):
         RecipeMap.from_file(tmp_path / "missing.yaml")
+
+
+def test_layernorm_layers_follow_the_map():
+    mlp = nv.LayerNormMLP(32, 32, activation="gelu")
+    model = torch.nn.ModuleDict({"mlp": mlp})
+    nv.name_layers(model)
+    assert (mlp.fc1.layer_name, mlp.fc2.layer_name) == ("mlp.fc1", "mlp.fc2")
+    base = nv.NVFP4Recipe(rht=False)
+    with nv.autocast(base, recipes={"*.fc1": "bf16", "*.fc2": CHANGES}):
+        mlp(torch.randn(16, 32, dtype=torch.bfloat16))
+    assert mlp.fc1.last_recipe is None and mlp.fc2.last_recipe == base.replace(**CHANGES)
