@@ -222,6 +222,20 @@ def test_fused_producers_in_each_backward_mode(mode, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(fused, run()))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_requantized_in_backward_gives_the_same_gradients(mode):
+    """A layer that keeps no weight copy between forward and backward (keep_quantized_weight=False, as the
+    Megatron adapters outside flagged micro-batches) quantizes again the copy its backward mode needs."""
+    x, dy, weight, _ = inputs(torch.float32)
+    runs = []
+    for keep in (True, False):
+        layer = ColumnParallelLinear(IN, OUT, bias=False, recipe=nv.NVFP4Recipe(backward_mode=mode),
+                                     init_method=lambda w: w.copy_(weight))
+        layer.keep_quantized_weight = keep
+        runs.append(run_layer(layer, x, dy))
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), mode
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tensor parallel (gloo, 2 ranks): column- and row-parallel, with and without sequence parallelism and overlap.
 
