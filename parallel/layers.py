@@ -237,9 +237,9 @@ class _ParallelLinear(torch.nn.Module):
                                                 measure_links)
         return self._overlapped_comm
 
-    def _recipe(self) -> NVFP4Recipe | None:
-        """This forward's recipe: None (BF16) when the layer, the enclosing autocast or a recipe map's "bf16" entry
-        says so."""
+    def resolved_recipe(self) -> NVFP4Recipe | None:
+        """The recipe a forward now runs with (nvfp4_dist/autocast.py has the order); None: the BF16 fallback
+        (bf16_fallback, autocast(enabled=False), or a recipe map's "bf16" entry)."""
         if self.bf16_fallback or not nvfp4_enabled():
             return None
         return resolve_layer_recipe(self.recipe, self.layer_name, describe_layer(self))
@@ -368,7 +368,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return lambda amaxes: collectives.all_reduce_amax(amaxes, self.tp_group)
 
     def forward(self, x: torch.Tensor):
-        recipe = self._recipe()
+        recipe = self.resolved_recipe()
         self.check_group_consistency(x, self.in_features, recipe)
         bias = None if self.skip_bias_add else self.bias
         producer = self.input_producer(x)
@@ -431,7 +431,7 @@ class RowParallelLinear(_ParallelLinear):
         if scatter and activation is not None:
             raise ValueError("activation with input_is_parallel=False: the activation takes this rank's shard of "
                              "fc1's output; pass input_is_parallel=True")
-        recipe = self._recipe()
+        recipe = self.resolved_recipe()
         self.check_group_consistency(x, self.in_features if scatter else widen * self.in_features // self.world_size,
                                      recipe)
         if scatter:
