@@ -92,9 +92,15 @@ def gemm_command(record: dict) -> str:
 
 
 def linear_summary(record: dict) -> list[str]:
-    return [f"{r['tokens']} tokens, {r['in_features']} -> {r['out_features']}: {times(r['speedup'])} "
-            f"({r['nvfp4_ms']:.2f} ms vs {r['bf16_ms']:.2f} ms); saved for backward {times(r['saved_ratio'])} "
-            f"the bytes" for r in record["results"]]
+    lines = []
+    for r in record["results"]:
+        lines.append(f"{r['tokens']} tokens, {r['in_features']} -> {r['out_features']}: {times(r['speedup'])} "
+                     f"({r['nvfp4_ms']:.2f} ms vs {r['bf16_ms']:.2f} ms); saved for backward "
+                     f"{times(r['saved_ratio'])} the bytes")
+        lines += [f"backward mode {mode}: {times(m['speedup_vs_bf16'])} ({m['ms']:.2f} ms); saved for backward "
+                  f"{times(m['saved_ratio_vs_bf16'])}, step peak {times(m['peak_ratio_vs_bf16'])} BF16's bytes"
+                  for mode, m in r.get("backward_modes", {}).items()]
+    return lines
 
 
 def linear_command(record: dict) -> str:

@@ -5,6 +5,8 @@ import argparse
 import pathlib
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "fables.txt"
+# nvfp4_dist.environment.BACKWARD_MODES, written out so that --help imports no torch (a test keeps them equal).
+BACKWARD_MODES = ("default", "high_precision", "dequantized")
 DESCRIPTION = "Train a GPT whose linear layers run in NVFP4 under tensor (and sequence) parallelism."
 EPILOG = ("Without a launcher it starts its own processes on this machine; under torchrun, mpirun "
           "(python -m nvfp4_dist.launch.mpi) or srun each process is one rank. See docs/launching.md.")
@@ -63,6 +65,15 @@ def build_parser() -> ArgumentParser:
     recipe.add_argument("--bf16-last-layers", type=int, default=0, help="last transformer layers kept in BF16")
     recipe.add_argument("--gemm-backend", choices=("auto", "cublaslt", "emulated", "reference"), default="auto",
                         help="auto: cublaslt on sm_100+, emulated on sm_90, reference on CPU")
+    recipe.add_argument("--backward-mode", choices=BACKWARD_MODES, default=None,
+                        help="dgrad and wgrad in NVFP4 (default), on the unquantized input and weight "
+                             "(high_precision) or on the forward's NVFP4 copies dequantized (dequantized), "
+                             "docs/numerics.md §10 (unset: NVFP4_BACKWARD_MODE, else default)")
+    recipe.add_argument("--recipe-config", type=pathlib.Path, default=None, metavar="FILE",
+                        help="per-layer recipes, YAML or JSON: module-name globs to \"bf16\" or to recipe fields "
+                             "that change this recipe, first match wins (docs/numerics.md §10). Module names: "
+                             "layers.<n>.qkv|projection|fc1|fc2 (--model gpt), decoder.layers.<n>.self_attention."
+                             "linear_qkv|linear_proj and decoder.layers.<n>.mlp.linear_fc1|linear_fc2 (megatron)")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps in all (a resumed run continues)")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")

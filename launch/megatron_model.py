@@ -1,6 +1,7 @@
 """nvfp4-train's GPU model: Megatron-Core's GPTModel with the NVFP4 decoder-block spec.
 
-The first/last --bf16-first-layers/--bf16-last-layers transformer layers stay in BF16. Parameters
+The first/last --bf16-first-layers/--bf16-last-layers transformer layers stay in BF16; --recipe-config's
+per-layer recipes reach the linears through the spec's recipe_map. Parameters
 are FP32 (master weights); with --dtype bf16 the forward runs under torch.autocast. On CPU (tests,
 --model megatron --device cpu) attention is torch's SDPA, since Megatron's DotProductAttention
 allocates its causal mask on CUDA, and Megatron's RNG tracker is the no-op one (dropout is off).
@@ -53,7 +54,7 @@ def build_megatron_gpt(plan, device):
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False, init_method_std=0.02)
     spec = nvfp4_megatron.get_gpt_decoder_block_nvfp4_spec(
-        config, recipe=plan.recipe, bf16_first_layers=args.bf16_first_layers,
+        config, recipe=plan.recipe, recipe_map=plan.recipe_map, bf16_first_layers=args.bf16_first_layers,
         bf16_last_layers=args.bf16_last_layers)
     if device.type == "cpu":
         spec = nvfp4_megatron.with_sdpa_attention(spec)

@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nvfp4_dist.linear import name_layers
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 from nvfp4_dist.parallel.norm import SequenceParallelNorm
 from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,7 @@ def gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config: GPTConfig, *, tp_group, sequence_parallel: bool, recipe: NVFP4Recipe,
+    def __init__(self, config: GPTConfig, *, tp_group, sequence_parallel: bool, recipe: NVFP4Recipe | RecipeMap,
                  bf16_fallback: bool, init_method, output_init_method, device):
         super().__init__()
         tp = group_size(tp_group)
@@ -117,12 +119,19 @@ class TransformerLayer(torch.nn.Module):
 
 
 class TinyGPT(torch.nn.Module):
-    """A GPT whose four linears per layer are NVFP4 tensor-parallel; forward(tokens, labels) -> mean loss."""
+    """A GPT whose four linears per layer are NVFP4 tensor-parallel; forward(tokens, labels) -> mean loss.
+
+    recipe: the layers' recipe (its bf16_first_layers / bf16_last_layers build those layers in BF16).
+    recipe_map: per-layer recipes (nvfp4_dist/recipe_map.py) by glob over the linears' module names,
+    "layers.<n>.qkv", "layers.<n>.projection", "layers.<n>.fc1" and "layers.<n>.fc2", with `recipe` as its base.
+    """
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 recipe: NVFP4Recipe | None = None, compute_dtype: torch.dtype = torch.float32, device=None):
+                 recipe: NVFP4Recipe | None = None, recipe_map: RecipeMap | None = None,
+                 compute_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         recipe = recipe or NVFP4Recipe()
+        layer_recipe = recipe if recipe_map is None else recipe_map.with_base(recipe)
         tp = group_size(tp_group)
         for name, value, divisor in (("num_heads", config.num_heads, tp), ("hidden_size", config.hidden_size,
                                                                           config.num_heads)):
@@ -139,7 +148,7 @@ class TinyGPT(torch.nn.Module):
         for embedding in (self.token_embedding, self.position_embedding):
             init_method(embedding.weight.data)
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, tp_group=tp_group, sequence_parallel=sequence_parallel, recipe=recipe,
+            TransformerLayer(config, tp_group=tp_group, sequence_parallel=sequence_parallel, recipe=layer_recipe,
                              bf16_fallback=recipe.is_bf16_layer(index, config.num_layers),
                              init_method=init_method, output_init_method=output_init_method, device=device)
             for index in range(config.num_layers))
@@ -147,6 +156,7 @@ class TinyGPT(torch.nn.Module):
                                                sequence_parallel=sequence_parallel, device=device)
         self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         init_method(self.head.weight.data)
+        name_layers(self)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """tokens, labels [b, s] int64 -> the mean next-token cross-entropy (FP32)."""

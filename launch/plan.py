@@ -39,6 +39,7 @@ class Plan:
     dtype: str
     recipe: object
     fault: object
+    recipe_map: object = None  # --recipe-config, checked against `recipe` (nvfp4_dist.RecipeMap)
 
 
 def detect_device(requested: str) -> str:
@@ -216,9 +217,35 @@ def make_plan(args: argparse.Namespace) -> Plan:
     fault = FaultInjection.parse(args.inject_fault) if args.inject_fault else None
     if fault is not None and fault.rank >= world_size:
         raise ValueError(f"--inject-fault={args.inject_fault}: rank {fault.rank} >= {world_size} processes")
+    backward_mode = {} if args.backward_mode is None else {"backward_mode": args.backward_mode}
     recipe = NVFP4Recipe.from_env(rht=not args.no_rht, stochastic_rounding=not args.no_sr, weight_2d=not args.no_2d,
                                   row_scaled_activation=args.row_scaled_activation,
                                   bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers,
                                   gemm_backend=args.gemm_backend, overlap=args.overlap,
-                                  check_finite=True)
-    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault)
+                                  check_finite=True, **backward_mode)
+    recipe_map = load_recipe_config(args.recipe_config, recipe) if args.recipe_config is not None else None
+    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map)
+
+
+def load_recipe_config(path: pathlib.Path, recipe):
+    """--recipe-config's RecipeMap, its dict entries checked against the job's recipe; a ValueError names the flag,
+    the file, the key and the problem."""
+    from nvfp4_dist.recipe_map import RecipeMap
+
+    try:
+        recipe_map = RecipeMap.from_file(path)
+        recipe_map.check(recipe)
+    except ValueError as error:
+        raise ValueError(f"--recipe-config: {error}") from None
+    return recipe_map
+
+
+def check_recipe_config_matches(plan, layer_names: list) -> None:
+    """SettingError unless every glob of --recipe-config matches one of the model's NVFP4 linears (a misspelt
+    module name would leave its layers on the job's recipe without a word)."""
+    unmatched = plan.recipe_map.unmatched(layer_names)
+    if unmatched:
+        names = f" ({layer_names[0]}, ..., {layer_names[-1]})" if layer_names else ""
+        raise SettingError(f"--recipe-config={plan.args.recipe_config}: {', '.join(map(repr, unmatched))} "
+                           f"match{'es' if len(unmatched) == 1 else ''} none of the {plan.model} model's NVFP4 "
+                           f"linears{names}")

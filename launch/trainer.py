@@ -10,7 +10,8 @@ from nvfp4_dist import raise_pending_nonfinite
 from nvfp4_dist.launch import data, faults, training_state
 from nvfp4_dist.launch.gradients import average_data_parallel_grads, clip_gradients
 from nvfp4_dist.launch.optimizer import learning_rate, make_optimizer
-from nvfp4_dist.launch.plan import BYTE_VOCAB
+from nvfp4_dist.launch.plan import BYTE_VOCAB, check_recipe_config_matches
+from nvfp4_dist.linear import WeightCache
 from nvfp4_dist.launch.progress import Reporter, describe_job, memory_mb, summarize
 
 
@@ -42,9 +43,15 @@ def build_model(plan, device) -> tuple:
     config = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                        ffn_hidden_size=plan.ffn, seq_length=args.seq_length, vocab_size=BYTE_VOCAB)
     dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
-    model = TinyGPT(config, tp_group=tp_group, sequence_parallel=args.sp, recipe=plan.recipe, compute_dtype=dtype,
-                    device=device)
+    model = TinyGPT(config, tp_group=tp_group, sequence_parallel=args.sp, recipe=plan.recipe,
+                    recipe_map=plan.recipe_map, compute_dtype=dtype, device=device)
     return model, tp_group, dp_group
+
+
+def linear_names(model) -> list:
+    """The module names of the model's NVFP4 linears, as recipe maps match them (their layer_name)."""
+    return [module.layer_name for module in model.modules()
+            if isinstance(getattr(module, "weight_cache", None), WeightCache) and module.layer_name]
 
 
 def is_nvfp4_layer(module) -> bool:
@@ -83,6 +90,8 @@ def train(plan, device, rank: int, watchdog) -> None:
     args = plan.args
     torch.manual_seed(args.seed)
     model, tp_group, dp_group = build_model(plan, device)
+    if plan.recipe_map is not None:
+        check_recipe_config_matches(plan, linear_names(model))
     dp_size, dp_rank = plan.world_size // plan.tp, rank // plan.tp
     optimizer = make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
     tracer = faults.LayerTracer(model, is_nvfp4_layer)

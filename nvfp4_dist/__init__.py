@@ -6,13 +6,14 @@ from nvfp4_dist.autocast import autocast
 from nvfp4_dist.finite_check import NonFiniteAmaxError, raise_pending_nonfinite
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.layernorm_linear import LayerNormLinear, LayerNormMLP
-from nvfp4_dist.linear import Linear
+from nvfp4_dist.linear import Linear, name_layers
 from nvfp4_dist.ops import compute_amaxes, dequantize, quantize, swap_first_dims, swizzle_scales
 from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap
 from nvfp4_dist.tensor import NVFP4Tensor
 
 logging.getLogger("nvfp4_dist").addHandler(logging.NullHandler())
 
 __all__ = ["NonFiniteAmaxError", "autocast", "LayerNormLinear", "LayerNormMLP", "Linear", "NVFP4Recipe", "NVFP4Tensor",
-           "compute_amaxes", "dequantize", "formats", "gemm", "quantize", "raise_pending_nonfinite", "reference",
-           "swap_first_dims", "swizzle_scales"]
+           "RecipeMap", "compute_amaxes", "dequantize", "formats", "gemm", "name_layers", "quantize",
+           "raise_pending_nonfinite", "reference", "swap_first_dims", "swizzle_scales"]

@@ -13,6 +13,7 @@ from typing import Any, Callable
 GEMM_BACKENDS = ("auto", "cublaslt", "emulated", "reference")
 FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
 FOUR_OVER_SIX_ERR_MODES = ("MAE", "MSE")
+BACKWARD_MODES = ("default", "high_precision", "dequantized")
 HOPPER_GEMM_PATHS = ("fused", "dequantize")
 SYMMETRIC_MEMORY_SWITCHES = ("auto", "1", "on", "0", "off")
 
@@ -122,6 +123,9 @@ FOUR_OVER_SIX_ERR_MODE = Variable("NVFP4_4OVER6_ERR_MODE", "recipe nvfp4_4over6_
 FOUR_OVER_SIX_ERR_USE_FAST_MATH = Variable("NVFP4_4OVER6_ERR_USE_FAST_MATH", "1: recipe "
                                            "nvfp4_4over6_err_use_fast_math=True (the 4over6 error in the scaled "
                                            "domain)", FLAG, _flag, False)
+BACKWARD_MODE = Variable("NVFP4_BACKWARD_MODE", "recipe backward_mode: the operands of the dgrad and wgrad GEMMs "
+                         "(default: NVFP4; high_precision: the unquantized input and weight; dequantized: the "
+                         "forward's NVFP4 copies dequantized)", ", ".join(BACKWARD_MODES), _choice(BACKWARD_MODES))
 
 # Implementation switches.
 FORCE_REFERENCE = Variable("NVFP4_FORCE_REFERENCE", "1: run the pure-torch reference instead of the CUDA kernels, "
@@ -145,4 +149,5 @@ BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build ca
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, DISABLE_FUSED_PRODUCERS,
              BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, OVERLAP_IGNORE_LINKS, GEMM_BACKEND,
              FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH,
-             FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)
+             BACKWARD_MODE, FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY,
+             BUILD_DIR)

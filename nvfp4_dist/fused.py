@@ -207,9 +207,11 @@ def activation(h: torch.Tensor, *, activation: str = "gelu") -> torch.Tensor:
 
 def fusion_applies(recipe: NVFP4Recipe, output_dtype: torch.dtype) -> bool:
     """Whether a layer fuses its producer into the cast: the recipe allows it, its activation copies are ones the
-    fused casts make (per-tensor scales, no 4over6: row-scaled and 4over6 activations take the unfused chain), and
-    the producer's output, the tensor the unfused chain would quantize, is BF16."""
-    return (recipe.fused_producers and not recipe.row_scaled_activation
+    fused casts make (per-tensor scales, no 4over6: row-scaled and 4over6 activations take the unfused chain), its
+    backward needs no more of the producer's output than those copies (the high_precision backward mode keeps the
+    output itself, so it takes the unfused chain), and the producer's output, the tensor the unfused chain would
+    quantize, is BF16."""
+    return (recipe.fused_producers and not recipe.row_scaled_activation and recipe.backward_mode != "high_precision"
             and ops.four_over_six_options("activation", recipe) is None and output_dtype == FUSED_OUTPUT_DTYPE)
 
 

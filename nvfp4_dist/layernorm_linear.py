@@ -19,12 +19,13 @@ from typing import Callable
 
 import torch
 
-from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
 from nvfp4_dist.fused import (FUSED_OUTPUT_DTYPE, NORMALIZATIONS, activation, activation_backward, fusion_applies,
                               norm, norm_backward, norm_output_dtype, quantize_activation_output,
                               quantize_norm_output)
-from nvfp4_dist.linear import LinearComm, Linear, bf16_linear, check_activation, check_features, nvfp4_linear
+from nvfp4_dist.linear import (LinearComm, Linear, bf16_linear, check_activation, check_features,
+                               needs_columnwise_weight, nvfp4_linear)
 from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap
 from nvfp4_dist.reference.fused_producers import ACTIVATIONS, activation_output_shape
 from nvfp4_dist.tensor import NVFP4Tensor
 
@@ -103,8 +104,8 @@ class _ActivationCastFunction(torch.autograd.Function):
 
 
 def _cast_for(weight: torch.Tensor, recipe: NVFP4Recipe, reduce_amaxes) -> ProducerCast:
-    """The copies the linear's forward will ask for: the columnwise one when it will compute wgrad."""
-    columnwise = torch.is_grad_enabled() and weight.requires_grad
+    """The copies the linear's forward will ask for: the columnwise one when it will compute an NVFP4 wgrad."""
+    columnwise = torch.is_grad_enabled() and weight.requires_grad and recipe.backward_mode == "default"
     return ProducerCast(recipe=recipe, columnwise=columnwise, reduce_amaxes=reduce_amaxes)
 
 
@@ -193,7 +194,7 @@ class LayerNormLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = 1e-5, *,
                  normalization: str = "LayerNorm", zero_centered_gamma: bool = False, device=None, dtype=None,
-                 recipe: NVFP4Recipe | None = None, bf16_fallback: bool = False,
+                 recipe: NVFP4Recipe | RecipeMap | None = None, bf16_fallback: bool = False,
                  accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization={normalization!r}: allowed values are {NORMALIZATIONS}")
@@ -233,10 +234,11 @@ class LayerNormLinear(Linear):
         producer = self.producer(x)
         store = self.wgrad_store if self.delay_wgrad else None
         options = dict(accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
-        if self.bf16_fallback or not nvfp4_enabled():
+        recipe = self.resolved_recipe()
+        self.last_recipe = recipe
+        if recipe is None:
             return bf16_linear(producer.output(x), self.weight, self.bias, **options)
-        recipe = resolve_recipe(self.recipe)
-        weight_q = self.weight_cache.get(self.weight, recipe)
+        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         return produced_linear(producer, x, self.weight, self.bias, recipe, weight_q=weight_q, **options)
 
     def extra_repr(self) -> str:
@@ -254,7 +256,7 @@ class LayerNormMLP(torch.nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, eps: float = 1e-5, *,
                  normalization: str = "LayerNorm", activation: str = "gelu", zero_centered_gamma: bool = False,
-                 device=None, dtype=None, recipe: NVFP4Recipe | None = None, bf16_fallback: bool = False,
+                 device=None, dtype=None, recipe: NVFP4Recipe | RecipeMap | None = None, bf16_fallback: bool = False,
                  accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -273,10 +275,11 @@ class LayerNormMLP(torch.nn.Module):
         fc2, producer = self.fc2, ActivationProducer(self.activation)
         store = fc2.wgrad_store if fc2.delay_wgrad else None
         options = dict(accumulate_into_main_grad=fc2.accumulate_into_main_grad, wgrad_store=store)
-        if fc2.bf16_fallback or not nvfp4_enabled():
+        recipe = fc2.resolved_recipe()
+        fc2.last_recipe = recipe
+        if recipe is None:
             return bf16_linear(producer.output(h), fc2.weight, fc2.bias, **options)
-        recipe = resolve_recipe(fc2.recipe)
-        weight_q = fc2.weight_cache.get(fc2.weight, recipe)
+        weight_q = fc2.weight_cache.get(fc2.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         return produced_linear(producer, h, fc2.weight, fc2.bias, recipe, weight_q=weight_q, **options)
 
     def backward_dw(self) -> None:

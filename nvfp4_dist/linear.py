@@ -6,13 +6,17 @@ The three GEMMs of y = x W^T run in NVFP4 (docs/numerics.md §3):
   wgrad  dW = dy^T . x  dy columnwise (RHT + SR),  x columnwise (RHT)
 Backward keeps only the quantized copies it needs (x columnwise, W columnwise), not x itself; with
 requantize_weight_in_backward it keeps no weight copy at all and quantizes W's columnwise copy again.
+recipe.backward_mode (docs/numerics.md §10) runs dgrad and wgrad in the compute dtype instead, on the unquantized
+output gradient and either x and W as given ("high_precision": forward saves x) or the rowwise copies fprop used,
+dequantized ("dequantized": forward saves those copies).
 
 Communication is a LinearComm object (this module's base class is TP=1: none); the tensor-parallel
 layers of nvfp4_dist.parallel subclass it. With recipe.check_finite, the Function checks the amaxes of what it
 quantizes (input and weight in forward, the output gradient in backward) through comm.check_finite, which the
 tensor-parallel comms do across their group, so that a NaN on any rank stops every rank. Row-scaled activations
 (docs/numerics.md §6) run all three GEMMs in NVFP4 too: x's columnwise copy carries one amax per column (§6b),
-which scales wgrad's output columns.
+which scales wgrad's output columns; recipe.backward_mode "dequantized" gives them the BF16 backward on the
+dequantized forward operands instead.
 
 RHT with FP16/FP32 activations: the RHT path takes BF16 only, so the columnwise (wgrad) copy of such a
 tensor is quantized from its BF16 cast; its rowwise copy is quantized from the tensor as given.
@@ -30,10 +34,11 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from nvfp4_dist import environment, finite_check, ops
-from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm
-from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
 from nvfp4_dist.tensor import NVFP4Tensor
 
 logger = logging.getLogger("nvfp4_dist")
@@ -74,6 +79,11 @@ def quantize_operand(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwi
     row = ops.quantize(x2d, role, rowwise=True, columnwise=False, amax_rowwise=amax_rowwise, **common)
     return dataclasses.replace(row, columnwise_data=column.columnwise_data, columnwise_scale=column.columnwise_scale,
                                amax_columnwise=column.amax_columnwise, rht=column.rht)
+
+
+def needs_columnwise_weight(recipe: NVFP4Recipe) -> bool:
+    """Whether backward needs the weight's columnwise copy (the NVFP4 dgrad operand)."""
+    return recipe.backward_mode == "default"
 
 
 def check_features(name: str, value: int) -> None:
@@ -242,6 +252,23 @@ class LinearComm:
         wgrad_step()
         return dx
 
+    # The unquantized backward modes (recipe.backward_mode "high_precision" and "dequantized").
+    def unquantized_grad_output(self, dy2d: torch.Tensor) -> torch.Tensor:
+        """The output gradient over the token range of the GEMMs, as given (all-gathered under row-parallel SP)."""
+        return dy2d
+
+    def unquantized_dgrad(self, dy2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """dx = dy . W [tokens, in] in dy's dtype, for this rank's input."""
+        return dy2d @ weight
+
+    def unquantized_input_to_save(self, x2d: torch.Tensor) -> torch.Tensor:
+        """What forward keeps of its unquantized input ("high_precision"; an option may gather it here)."""
+        return x2d
+
+    def unquantized_input_for_wgrad(self, saved_input: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start bringing the saved unquantized input to the wgrad GEMM's token range; the callable finishes it."""
+        return lambda: saved_input
+
 
 @dataclasses.dataclass
 class LinearOptions:
@@ -301,18 +328,25 @@ class NVFP4LinearFunction(torch.autograd.Function):
         recipe, comm = options.recipe, options.comm
         x2d = x.reshape(-1, x.shape[-1])
         need_wgrad = ctx.needs_input_grad[1] and options.grad_enabled
-        xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad)
+        ctx.mode = mode = recipe.backward_mode
+        xq = comm.quantize_input(x2d, recipe, columnwise=need_wgrad and mode == "default")
         if recipe.check_finite:
             comm.check_finite({"input": xq, "weight": weight_q}, options.layer_name)
         y2d = comm.fprop(xq.rowwise_only(), weight_q, bias=bias, out_dtype=x.dtype, recipe=recipe)
-        # Backward needs x's columnwise copy (wgrad) and W's columnwise copy (dgrad).
-        saved_x = xq.columnwise_only()
-        saved_x = comm.input_to_save(saved_x) if need_wgrad else NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
-        saved_w = weight_q.columnwise_only()
-        if options.requantize_weight_in_backward or not options.grad_enabled:
-            saved_w = NVFP4Tensor(shape=weight_q.shape, dtype=weight_q.dtype)
-        ctx.save_for_backward(*saved_x.tensors(), *saved_w.tensors())
-        ctx.x_meta, ctx.w_meta = saved_x.metadata(), saved_w.metadata()
+        if mode == "high_precision":  # backward takes x (kept here) and the weight parameter itself
+            saved_x = comm.unquantized_input_to_save(x2d) if need_wgrad else None
+            ctx.save_for_backward(saved_x, weight if options.grad_enabled else None)
+        else:
+            # Default: x's columnwise copy (wgrad) and W's columnwise copy (dgrad); dequantized: the rowwise
+            # copies that fprop used.
+            copy = "columnwise_only" if mode == "default" else "rowwise_only"
+            saved_x = getattr(xq, copy)()
+            saved_x = comm.input_to_save(saved_x) if need_wgrad else NVFP4Tensor(shape=xq.shape, dtype=xq.dtype)
+            saved_w = getattr(weight_q, copy)()
+            if options.requantize_weight_in_backward or not options.grad_enabled:
+                saved_w = NVFP4Tensor(shape=weight_q.shape, dtype=weight_q.dtype)
+            ctx.save_for_backward(*saved_x.tensors(), *saved_w.tensors())
+            ctx.x_meta, ctx.w_meta = saved_x.metadata(), saved_w.metadata()
         ctx.weight_version = written_version(weight)
         ctx.weight_amax = weight_q.amax_rowwise if options.requantize_weight_in_backward else None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -322,20 +356,30 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        saved_x = ctx.x_meta.with_tensors(saved[:6])
-        weight_q = ctx.w_meta.with_tensors(saved[6:])
         options, weight = ctx.options, ctx.weight
         recipe, comm = options.recipe, options.comm
-        if options.requantize_weight_in_backward and ctx.needs_input_grad[0]:
-            weight_q = requantized_weight(weight, ctx.weight_version, ctx.weight_amax, recipe)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
         grad_bias = dy2d.sum(dim=0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-        dx2d, grad_weight = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype, weight.dtype,
-                                           need_dgrad, need_wgrad,
-                                           lambda wgrad: schedule_weight_grad(weight, wgrad, options),
-                                           options.layer_name)
+        deliver_wgrad = lambda wgrad: schedule_weight_grad(weight, wgrad, options)  # noqa: E731
+        if ctx.mode == "high_precision":
+            saved_x, saved_weight = ctx.saved_tensors
+            finish_x = comm.unquantized_input_for_wgrad(saved_x) if need_wgrad else None
+            dx2d, grad_weight = unquantized_backward(dy2d, lambda: saved_weight.to(dy2d.dtype), finish_x, comm,
+                                                     ctx.x_dtype, weight.dtype, need_dgrad, deliver_wgrad)
+        else:
+            saved = ctx.saved_tensors
+            saved_x = ctx.x_meta.with_tensors(saved[:6])
+            weight_q = ctx.w_meta.with_tensors(saved[6:])
+            if options.requantize_weight_in_backward and need_dgrad:
+                weight_q = requantized_weight(weight, ctx.weight_version, ctx.weight_amax, recipe)
+            if ctx.mode == "dequantized":
+                dx2d, grad_weight = dequantized_backward(dy2d, saved_x, weight_q, comm, ctx.x_dtype, weight.dtype,
+                                                         need_dgrad, need_wgrad, deliver_wgrad)
+            else:
+                dx2d, grad_weight = nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, ctx.x_dtype,
+                                                   weight.dtype, need_dgrad, need_wgrad, deliver_wgrad,
+                                                   options.layer_name)
         grad_x = dx2d.reshape(ctx.x_shape) if need_dgrad else None
         return grad_x, grad_weight, grad_bias, None, None
 
@@ -352,7 +396,8 @@ def requantized_weight(weight: torch.Tensor, forward_version: tuple, forward_ama
     if written_version(weight) != forward_version:
         raise RuntimeError("the weight was modified in place between forward and backward; with "
                            "requantize_weight_in_backward the backward GEMM would use the new values")
-    return quantize_weight(weight, recipe, rowwise=False, columnwise=True, amax=forward_amax)
+    columnwise = needs_columnwise_weight(recipe)
+    return quantize_weight(weight, recipe, rowwise=not columnwise, columnwise=columnwise, amax=forward_amax)
 
 
 def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad,
@@ -390,6 +435,42 @@ def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype,
     if not delivered:
         raise RuntimeError(f"{type(comm).__name__}.dgrad_and_wgrad returned without running the wgrad step")
     return dx2d, delivered[0]
+
+
+def unquantized_backward(dy2d, weight_operand: Callable[[], torch.Tensor],
+                         finish_x: Callable[[], torch.Tensor] | None, comm, x_dtype, weight_dtype, need_dgrad,
+                         deliver_wgrad: Callable):
+    """(dx [tokens, in] or None, deliver_wgrad(wgrad compute function) or None) with dgrad and wgrad in dy's dtype
+    on the unquantized output gradient, wgrad after dgrad. weight_operand() gives W [out, in] in dy's dtype;
+    finish_x() (None: no wgrad) the input [tokens, in] over the wgrad token range in dy's dtype, its gather (if
+    any) already started."""
+    if not (need_dgrad or finish_x is not None):
+        return None, None
+    dy_full = comm.unquantized_grad_output(dy2d)
+    dx2d = comm.unquantized_dgrad(dy_full, weight_operand()).to(x_dtype) if need_dgrad else None
+    if finish_x is None:
+        return dx2d, None
+
+    def wgrad(accumulate_into):
+        grad = dy_full.t() @ finish_x()
+        if accumulate_into is not None:
+            return accumulate_into.add_(grad.to(torch.float32))
+        return grad.to(weight_dtype)
+    return dx2d, deliver_wgrad(wgrad)
+
+
+def dequantized_backward(dy2d, saved_x, weight_q, comm, x_dtype, weight_dtype, need_dgrad, need_wgrad,
+                         deliver_wgrad: Callable):
+    """Backward mode "dequantized" (docs/numerics.md §10): dgrad and wgrad in dy's dtype on the rowwise copies of
+    x and W that fprop used, dequantized to dy's dtype (x's copy gathered in NVFP4 before dequantizing)."""
+    finish_x = None
+    if need_wgrad:
+        finish_saved = comm.input_for_wgrad(saved_x)  # started before dgrad, so the gather overlaps it
+
+        def finish_x():
+            return ops.dequantize(finish_saved(), dtype=dy2d.dtype, copy="rowwise").reshape(-1, saved_x.cols)
+    return unquantized_backward(dy2d, lambda: ops.dequantize(weight_q, dtype=dy2d.dtype, copy="rowwise"),
+                                finish_x, comm, x_dtype, weight_dtype, need_dgrad, deliver_wgrad)
 
 
 class BF16LinearFunction(torch.autograd.Function):
@@ -430,7 +511,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     layer_name: the layer in error messages."""
     grad_enabled = torch.is_grad_enabled()
     tokens = x.numel() // x.shape[-1]
-    if grad_enabled and weight.requires_grad and tokens % BLOCK_SIZE:
+    if grad_enabled and weight.requires_grad and recipe.backward_mode == "default" and tokens % BLOCK_SIZE:
         raise ValueError(f"input.shape={tuple(x.shape)}: training needs the token count (product of the leading "
                          f"dims, {tokens}) to be a multiple of {BLOCK_SIZE} for the wgrad copies; pad the batch "
                          f"explicitly or run under torch.no_grad()")
@@ -469,7 +550,8 @@ def check_parameter_dtype(dtype) -> None:
 
 
 def name_layers(model: torch.nn.Module) -> None:
-    """Set every NVFP4 layer's `layer_name` (used in its error messages) to its qualified name in `model`."""
+    """Set every NVFP4 layer's `layer_name` (matched by recipe maps, and used in its error messages) to its
+    qualified name in `model` (call it on the model itself, before wrapping it in DDP or similar)."""
     for qualified, module in model.named_modules():
         if isinstance(getattr(module, "weight_cache", None), WeightCache):
             module.layer_name = qualified or type(module).__name__
@@ -488,27 +570,32 @@ class Linear(torch.nn.Module):
     """Drop-in for torch.nn.Linear whose three GEMMs run in NVFP4 (docs/numerics.md §3).
 
     Same constructor arguments, parameters (in `dtype`) and state_dict as torch.nn.Linear, plus:
-    recipe: this layer's NVFP4Recipe (None: the enclosing nvfp4_dist.autocast's, else from the environment).
+    recipe: this layer's NVFP4Recipe, or a RecipeMap matched against layer_name (nvfp4_dist/recipe_map.py);
+      None: the enclosing nvfp4_dist.autocast's (its recipes= map, then its recipe), else from the environment.
     bf16_fallback: run this layer unquantized in the activation dtype (first/last layers, docs/numerics.md §10).
     accumulate_into_main_grad: add wgrad into weight.main_grad (FP32) in the GEMM (Megatron).
     delay_wgrad: backward skips wgrad; backward_dw() runs it later (Megatron delay_wgrad_compute).
     The quantized weight is cached until the parameter changes (see WeightCache).
-    Token count (product of the leading dims) must be a multiple of 16 for backward (wgrad copies); an empty
+    Token count (product of the leading dims) must be a multiple of 16 for the default backward (its wgrad copies
+    are blocked along tokens; recipe.backward_mode high_precision and dequantized take any count); an empty
     batch (no tokens) gives an empty output and zero weight gradients, as torch.nn.Linear does.
-    layer_name: the layer in error messages (name_layers sets it; default: class and sizes).
+    layer_name: the module name that recipe maps match, and the layer in error messages (name_layers sets it;
+      default: None, shown as class and sizes).
+    last_recipe: the NVFP4Recipe the last forward ran with; None when it ran in BF16.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: NVFP4Recipe | None = None, bf16_fallback: bool = False,
+                 recipe: NVFP4Recipe | RecipeMap | None = None, bf16_fallback: bool = False,
                  accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
         super().__init__()
         if not bf16_fallback:
             check_features("in_features", in_features)
             check_features("out_features", out_features)
             check_parameter_dtype(dtype)
-        check_recipe(recipe)
+        check_layer_recipe(recipe)
         self.in_features, self.out_features = in_features, out_features
         self.layer_name: str | None = None
+        self.last_recipe: NVFP4Recipe | None = None
         self.recipe, self.bf16_fallback = recipe, bf16_fallback
         self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
         factory = dict(device=device, dtype=dtype)
@@ -532,17 +619,24 @@ class Linear(torch.nn.Module):
         """Force requantizing the weight at the next forward (after writes through weight.data)."""
         self.weight_cache.invalidate()
 
+    def resolved_recipe(self) -> NVFP4Recipe | None:
+        """The recipe a forward now runs with (nvfp4_dist/autocast.py has the order); None: the BF16 fallback
+        (bf16_fallback, autocast(enabled=False), or a recipe map's "bf16" entry)."""
+        if self.bf16_fallback or not nvfp4_enabled():
+            return None
+        return resolve_layer_recipe(self.recipe, self.layer_name, describe_layer(self))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        nvfp4 = not self.bf16_fallback and nvfp4_enabled()
-        if nvfp4:
+        recipe = self.resolved_recipe()
+        if recipe is not None:
             check_weight_dtype(self.weight)
         check_activation(x, self.in_features, self.weight)
         store = self.wgrad_store if self.delay_wgrad else None
-        if not nvfp4 or x.numel() == 0:
+        self.last_recipe = recipe if x.numel() else None
+        if self.last_recipe is None:
             return bf16_linear(x, self.weight, self.bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
-        recipe = resolve_recipe(self.recipe)
-        weight_q = self.weight_cache.get(self.weight, recipe)
+        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         return nvfp4_linear(x, self.weight, self.bias, recipe, weight_q=weight_q,
                             accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
                             layer_name=describe_layer(self))

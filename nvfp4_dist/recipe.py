@@ -6,7 +6,7 @@ import types
 import typing
 
 from nvfp4_dist import environment
-from nvfp4_dist.environment import FOUR_OVER_SIX_ERR_MODES, FOUR_OVER_SIX_SCOPES, GEMM_BACKENDS
+from nvfp4_dist.environment import BACKWARD_MODES, FOUR_OVER_SIX_ERR_MODES, FOUR_OVER_SIX_SCOPES, GEMM_BACKENDS
 
 # Flag variable -> (field, value it sets when the variable is 1).
 _FLAG_OVERRIDES = (
@@ -29,6 +29,7 @@ _VALUE_OVERRIDES = (
     (environment.FOUR_OVER_SIX, "nvfp4_4over6"),
     (environment.FOUR_OVER_SIX_E4M3_USE_256, "nvfp4_4over6_e4m3_use_256"),
     (environment.FOUR_OVER_SIX_ERR_MODE, "nvfp4_4over6_err_mode"),
+    (environment.BACKWARD_MODE, "backward_mode"),
 )
 
 
@@ -54,6 +55,13 @@ def _matches(value, hint) -> bool:
     return not isinstance(origin, type) or isinstance(value, origin)
 
 
+def _describe(hint) -> str:
+    """What a value of the annotated type is, for error messages."""
+    if typing.get_origin(hint) is typing.Literal:
+        return f"one of {typing.get_args(hint)}"
+    return f"of type {getattr(hint, '__name__', hint)}"
+
+
 @functools.cache
 def _field_types(cls) -> dict:
     """The annotated type of each field of the dataclass cls (resolved once)."""
@@ -69,6 +77,17 @@ def _canonical(value) -> str:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return type(value).__name__ + _canonical(dataclasses.asdict(value))
     return repr(value)
+
+
+def check_field(name: str, value) -> None:
+    """Raise RecipeTypeError unless `name` is an NVFP4Recipe field and `value` has its annotated type (the checks
+    that need no other field; NVFP4Recipe's constructor does the rest)."""
+    hints = _field_types(NVFP4Recipe)
+    if name not in hints:
+        raise RecipeTypeError(f"{name!r} is not an NVFP4Recipe field; the fields are "
+                              f"{', '.join(field.name for field in dataclasses.fields(NVFP4Recipe))}")
+    if not _matches(value, hints[name]):
+        raise RecipeTypeError(f"{name}={value!r} ({type(value).__name__}): must be {_describe(hints[name])}")
 
 
 def check_recipe(recipe, name: str = "recipe") -> None:
@@ -107,6 +126,11 @@ class NVFP4Recipe:
     fused_producers: layers whose input comes from a norm or an activation (nvfp4_dist.layernorm_linear, the
       parallel layers and Megatron specs built on them) quantize it in the producer's passes without writing it
       (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only.
+    backward_mode: the operands of the dgrad and wgrad GEMMs (docs/numerics.md §10). default: NVFP4 as in §3-7;
+      high_precision: the input and weight as given (forward saves the input; the weight in the compute dtype) and
+      the unquantized output gradient, GEMMs in the compute dtype; dequantized: the NVFP4 copies fprop used (the
+      rowwise copies of input and weight), dequantized to the compute dtype, and the unquantized output gradient.
+      rht, rht_random_sign and stochastic_rounding shape the NVFP4 backward only.
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     Every field must have its annotated type (rht=True, not rht="False"): RecipeTypeError names the field otherwise.
@@ -129,15 +153,11 @@ class NVFP4Recipe:
     nvfp4_4over6_e4m3_use_256: str = "all"
     nvfp4_4over6_err_mode: str = "MAE"
     nvfp4_4over6_err_use_fast_math: bool = False
+    backward_mode: typing.Literal[BACKWARD_MODES] = "default"
 
     def __post_init__(self):
-        hints = _field_types(type(self))
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            hint = hints.get(field.name)
-            if hint is not None and not _matches(value, hint):
-                raise RecipeTypeError(f"{field.name}={value!r} ({type(value).__name__}): must be of type "
-                                      f"{getattr(hint, '__name__', hint)}")
+            check_field(field.name, getattr(self, field.name))
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend={self.gemm_backend!r} is not one of {GEMM_BACKENDS}")
         for name in ("bf16_first_layers", "bf16_last_layers", "overlap_min_chunk_gflops"):

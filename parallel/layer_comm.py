@@ -1,7 +1,10 @@
 """The communication of the NVFP4 linear Function for each tensor-parallel layer kind (docs/numerics.md §9).
 
 ColumnParallelComm and RowParallelComm are the plain (not pipelined) paths; parallel/overlap.py
-derives the ring-pipelined twins from them, and parallel/layers.py picks one per forward.
+derives the ring-pipelined twins from them, and parallel/layers.py picks one per forward. The unquantized backward
+modes (recipe.backward_mode, docs/numerics.md §10) gather and reduce tensors in the compute dtype: a
+sequence-parallel column-parallel layer all-gathers its input for wgrad (high_precision; its NVFP4 rowwise copy,
+dequantized after the gather, in the dequantized mode), a row-parallel one its output gradient.
 Their NaN/Inf checks run across the group (parallel/group_checks.py): an operand that differs between ranks
 (a weight shard, a row-parallel input, a column-parallel output gradient) is exchanged in one small MAX
 all-reduce; one whose amaxes were already reduced (sequence-parallel gathers) or that every rank holds whole
@@ -73,6 +76,19 @@ class ColumnParallelComm(LinearComm):
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
         return self.reduce_partial(super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe))
 
+    def unquantized_dgrad(self, dy2d, weight):
+        return self.reduce_partial(dy2d @ weight)
+
+    def unquantized_input_to_save(self, x2d):
+        if self.sequence_parallel and self.keep_input_columnwise:
+            return collectives.all_gather_bf16(x2d, self.group)
+        return x2d
+
+    def unquantized_input_for_wgrad(self, saved_input):
+        if not self.sequence_parallel or self.keep_input_columnwise:
+            return lambda: saved_input
+        return collectives.all_gather_bf16(saved_input, self.group, async_op=True)[1]
+
 
 class RowParallelComm(LinearComm):
     """fprop partial sums reduced after; the output gradient gathered (SP) before dgrad and wgrad."""
@@ -113,3 +129,6 @@ class RowParallelComm(LinearComm):
         if self.sequence_parallel:
             dyq = collectives.all_gather_nvfp4(dyq, self.group)
         return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
+
+    def unquantized_grad_output(self, dy2d):
+        return collectives.all_gather_bf16(dy2d, self.group) if self.sequence_parallel else dy2d

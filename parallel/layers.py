@@ -10,6 +10,9 @@ Column-parallel, weight [out/tp, in]:
 Row-parallel, weight [out, in/tp]:
   forward   fprop -> BF16 reduce-scatter (SP) / all-reduce -> + bias
   backward  dy_local -> amax all-reduce -> quantize (SR) -> NVFP4 all-gather (SP) -> dgrad and wgrad
+With recipe.backward_mode high_precision or dequantized the backward GEMMs run in the compute dtype on the
+unquantized output gradient (gathered as it is under row-parallel SP) and the input and weight as given or as
+fprop's NVFP4 copies dequantized (nvfp4_dist/linear.py).
 A column-parallel layer may normalize its input first (input_norm) and a row-parallel one apply fc1's activation
 (forward(x, activation=...)); each producer is fused into the cast of the layer's input (nvfp4_dist/fused.py).
 
@@ -30,12 +33,13 @@ import torch
 import torch.distributed as dist
 
 from nvfp4_dist import environment
-from nvfp4_dist.autocast import nvfp4_enabled, resolve_recipe
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.layernorm_linear import ActivationProducer, NormProducer, produced_linear
 from nvfp4_dist.linear import (LinearComm, WeightCache, WeightParameter, bf16_linear, check_activation,
-                               check_features, check_parameter_dtype, check_weight_dtype, describe_layer, nvfp4_linear,
-                               quantize_weight)
-from nvfp4_dist.recipe import NVFP4Recipe, check_recipe
+                               check_features, check_parameter_dtype, check_weight_dtype, describe_layer,
+                               needs_columnwise_weight, nvfp4_linear, quantize_weight)
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
 from nvfp4_dist.reference.fused_producers import ACTIVATIONS, NORMALIZATIONS
 from nvfp4_dist.parallel import collectives, group_checks
 from nvfp4_dist.parallel.overlap import overlapped_comm
@@ -143,7 +147,11 @@ class _ParallelLinear(torch.nn.Module):
     keep_quantized_weight: reuse the quantized weight across forwards while the parameter is unchanged
     (WeightCache). False: quantize its rowwise copy at each forward and its columnwise copy in backward,
     holding no copy in between (less memory; for callers that requantize every forward anyway).
-    layer_name: the layer in error messages (nvfp4_dist.linear.name_layers sets it; default: class and sizes).
+    recipe: an NVFP4Recipe, or a RecipeMap matched against layer_name (nvfp4_dist/recipe_map.py); None: the
+      enclosing nvfp4_dist.autocast's (its recipes= map, then its recipe), else from the environment.
+    layer_name: the module name that recipe maps match, and the layer in error messages (nvfp4_dist.name_layers
+      sets it; default: None, shown as class and sizes).
+    last_recipe: the NVFP4Recipe the last forward ran with; None when it ran in BF16.
     """
 
     keep_quantized_weight = True
@@ -152,7 +160,7 @@ class _ParallelLinear(torch.nn.Module):
                  init_method, recipe, params_dtype, device, bf16_fallback, accumulate_into_main_grad, delay_wgrad,
                  partition_dim):
         super().__init__()
-        check_recipe(recipe)
+        check_layer_recipe(recipe)
         self.tp_group = resolve_group(tp_group)
         self.world_size, self.rank = collectives.group_size(self.tp_group), collectives.group_rank(self.tp_group)
         partitioned = out_features if partition_dim == 0 else in_features
@@ -167,6 +175,7 @@ class _ParallelLinear(torch.nn.Module):
             check_features("out_features per rank" if partition_dim == 0 else "out_features", local_shape[0])
             check_parameter_dtype(params_dtype)
         self.layer_name: str | None = None
+        self.last_recipe: NVFP4Recipe | None = None
         self.consistency_checked = False  # whether the group compared this layer (check_group_consistency)
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.recipe, self.bf16_fallback = recipe, bf16_fallback
@@ -194,23 +203,23 @@ class _ParallelLinear(torch.nn.Module):
         while self.wgrad_store:
             self.wgrad_store.pop(0)()
 
-    def _linear(self, x, bias, comm: LinearComm, producer=None, reduce_amaxes=None):
-        """The local NVFP4 (or BF16 fallback) linear; comm is used on the NVFP4 path only.
+    def _linear(self, x, bias, comm: LinearComm, recipe: NVFP4Recipe | None, producer=None, reduce_amaxes=None):
+        """The local NVFP4 linear with `recipe` (None: the BF16 fallback); comm is used on the NVFP4 path only.
 
         producer: x is a norm's or an activation's input (nvfp4_dist.layernorm_linear NormProducer /
         ActivationProducer) whose output is the linear's input: fused into its cast where the recipe allows
         (reduce_amaxes: the amax all-reduce between its passes), else formed first.
         """
         store = self.wgrad_store if self.delay_wgrad else None
-        if not self._uses_nvfp4(x):
+        self.last_recipe = recipe
+        if recipe is None:
             x = x if producer is None else producer.output(x)
             return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
-        recipe = resolve_recipe(self.recipe)
         if recipe.overlap and self.world_size > 1:
             comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links)
         if self.keep_quantized_weight:
-            weight_q = self.weight_cache.get(self.weight, recipe)
+            weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         else:  # requantized at every forward anyway: hold no copy between forward and backward
             self.weight_cache.invalidate()
             weight_q = quantize_weight(self.weight, recipe, columnwise=False)
@@ -228,14 +237,22 @@ class _ParallelLinear(torch.nn.Module):
                                                 measure_links)
         return self._overlapped_comm
 
-    def _uses_nvfp4(self, x: torch.Tensor) -> bool:
-        """NVFP4 unless the layer or the enclosing autocast says BF16, or x has no tokens (empty batch)."""
-        return not self.bf16_fallback and nvfp4_enabled() and x.numel() > 0
+    def resolved_recipe(self) -> NVFP4Recipe | None:
+        """The recipe a forward now runs with (nvfp4_dist/autocast.py has the order); None: the BF16 fallback
+        (bf16_fallback, autocast(enabled=False), or a recipe map's "bf16" entry)."""
+        if self.bf16_fallback or not nvfp4_enabled():
+            return None
+        return resolve_layer_recipe(self.recipe, self.layer_name, describe_layer(self))
 
-    def _local_input_problem(self, x, in_features: int) -> str | None:
+    @staticmethod
+    def _nvfp4_recipe(recipe: NVFP4Recipe | None, x: torch.Tensor) -> NVFP4Recipe | None:
+        """The recipe of the NVFP4 path, or None for the BF16 path (also taken by inputs with no tokens)."""
+        return recipe if x.numel() > 0 else None
+
+    def _local_input_problem(self, x, in_features: int, recipe: NVFP4Recipe | None) -> str | None:
         """Why this rank cannot run x (wrong type, dtype, shape or device; an unsupported weight dtype), or None."""
         try:
-            if not self.bf16_fallback and nvfp4_enabled():
+            if recipe is not None:
                 check_weight_dtype(self.weight)
             check_activation(x, in_features, self.weight)
             self._check_input_shape(x)
@@ -250,10 +267,11 @@ class _ParallelLinear(torch.nn.Module):
         """(name, kind, value) of the options, besides the common ones, that the ranks must share."""
         return []
 
-    def check_group_consistency(self, x, in_features: int) -> None:
+    def check_group_consistency(self, x, in_features: int, recipe: NVFP4Recipe | None) -> None:
         """Validate x; at the first call (every call with NVFP4_CHECK_TP_CONSISTENCY=1) also compare this layer's
-        configuration, recipe and input across the group, raising on every rank when they differ."""
-        problem = self._local_input_problem(x, in_features)
+        configuration, recipe (this forward's, None for BF16) and input across the group, raising on every rank
+        when they differ."""
+        problem = self._local_input_problem(x, in_features, recipe)
         compare = self.world_size > 1 and (not self.consistency_checked or environment.CHECK_TP_CONSISTENCY.read())
         if compare:
             self.consistency_checked = True
@@ -263,14 +281,14 @@ class _ParallelLinear(torch.nn.Module):
                       ("local weight shape", "shape", tuple(self.weight.shape)),
                       ("weight dtype", "dtype", self.weight.dtype), ("bias", "int", self.bias is not None),
                       ("sequence_parallel", "int", self.sequence_parallel), *self._options(),
-                      ("NVFP4 (not bf16_fallback or autocast(enabled=False))", "int",
-                       not self.bf16_fallback and nvfp4_enabled()),
+                      ("NVFP4 (not bf16_fallback, autocast(enabled=False) or a \"bf16\" recipe map entry)", "int",
+                       recipe is not None),
                       ("grad enabled", "int", torch.is_grad_enabled()),
                       ("weight.requires_grad", "int", self.weight.requires_grad),
                       ("input shape", "shape", tuple(x.shape) if is_tensor else ()),
                       ("input dtype", "dtype", x.dtype if is_tensor else None),
                       ("input.requires_grad", "int", is_tensor and x.requires_grad)]
-            fields += group_checks.recipe_fields(resolve_recipe(self.recipe))
+            fields += group_checks.recipe_fields(recipe if recipe is not None else NVFP4Recipe())
             group_checks.check_consistency(describe_layer(self), fields, self.tp_group, problem)
         if problem is not None:
             raise ValueError(problem)
@@ -281,7 +299,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     sequence_parallel: x is [s/tp, b, in] and gathered along dim 0 (in NVFP4) before fprop.
     gather_output: all-gather the output along its last dim (BF16) to [.., out] (not with SP).
-    keep_input_columnwise: keep the gathered columnwise input from forward instead of re-gathering it.
+    keep_input_columnwise: keep the gathered input from forward instead of re-gathering it in backward (its
+      columnwise copy; with recipe.backward_mode high_precision the input itself, dequantized its rowwise copy).
     input_norm: "LayerNorm" or "RMSNorm" over x before the linear (TE's LayerNormColumnParallelLinear), with
       parameters layer_norm_weight (and layer_norm_bias), replicated and marked `sequence_parallel` like
       parallel/norm.py's (their gradients are partial sums under SP: Megatron all-reduces them); norm_eps,
@@ -291,10 +310,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, tp_group=None,
                  sequence_parallel: bool = False, gather_output: bool = False, skip_bias_add: bool = False,
-                 init_method=None, recipe: NVFP4Recipe | None = None, params_dtype: torch.dtype = torch.float32,
-                 device=None, keep_input_columnwise: bool = False, bf16_fallback: bool = False,
-                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False, input_norm: str | None = None,
-                 norm_eps: float = 1e-5, zero_centered_gamma: bool = False):
+                 init_method=None, recipe: NVFP4Recipe | RecipeMap | None = None,
+                 params_dtype: torch.dtype = torch.float32, device=None, keep_input_columnwise: bool = False,
+                 bf16_fallback: bool = False, accumulate_into_main_grad: bool = False, delay_wgrad: bool = False,
+                 input_norm: str | None = None, norm_eps: float = 1e-5, zero_centered_gamma: bool = False):
         super().__init__(in_features, out_features, bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, init_method=init_method, recipe=recipe,
                          params_dtype=params_dtype, device=device, bf16_fallback=bf16_fallback,
@@ -349,17 +368,19 @@ class ColumnParallelLinear(_ParallelLinear):
         return lambda amaxes: collectives.all_reduce_amax(amaxes, self.tp_group)
 
     def forward(self, x: torch.Tensor):
-        self.check_group_consistency(x, self.in_features)
+        recipe = self.resolved_recipe()
+        self.check_group_consistency(x, self.in_features, recipe)
         bias = None if self.skip_bias_add else self.bias
         producer = self.input_producer(x)
-        if not self._uses_nvfp4(x):  # the NVFP4 path communicates inside its autograd Function
+        recipe = self._nvfp4_recipe(recipe, x)
+        if recipe is None:  # the NVFP4 path communicates inside its autograd Function
             if producer is not None:  # the norm on this rank's tokens, then the BF16 gather
                 x, producer = producer.output(x), None
             if self.sequence_parallel:
                 x = _GatherFromSequenceParallelRegion.apply(x, self.tp_group)
             elif self.world_size > 1:
                 x = _CopyToTensorParallelRegion.apply(x, self.tp_group)
-        y = self._linear(x, bias, self.comm, producer, self._input_amax_reduction())
+        y = self._linear(x, bias, self.comm, recipe, producer, self._input_amax_reduction())
         if self.gather_output and self.world_size > 1:
             y = _GatherFromTensorParallelRegion.apply(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -375,9 +396,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, tp_group=None,
                  sequence_parallel: bool = False, input_is_parallel: bool = True, skip_bias_add: bool = False,
-                 init_method=None, recipe: NVFP4Recipe | None = None, params_dtype: torch.dtype = torch.float32,
-                 device=None, bf16_fallback: bool = False, accumulate_into_main_grad: bool = False,
-                 delay_wgrad: bool = False):
+                 init_method=None, recipe: NVFP4Recipe | RecipeMap | None = None,
+                 params_dtype: torch.dtype = torch.float32, device=None, bf16_fallback: bool = False,
+                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False):
         super().__init__(in_features, out_features, bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, init_method=init_method, recipe=recipe,
                          params_dtype=params_dtype, device=device, bf16_fallback=bf16_fallback,
@@ -410,12 +431,14 @@ class RowParallelLinear(_ParallelLinear):
         if scatter and activation is not None:
             raise ValueError("activation with input_is_parallel=False: the activation takes this rank's shard of "
                              "fc1's output; pass input_is_parallel=True")
-        self.check_group_consistency(x, self.in_features if scatter else widen * self.in_features // self.world_size)
+        recipe = self.resolved_recipe()
+        self.check_group_consistency(x, self.in_features if scatter else widen * self.in_features // self.world_size,
+                                     recipe)
         if scatter:
             x = _ScatterToTensorParallelRegion.apply(x, self.tp_group)
-        nvfp4 = self._uses_nvfp4(x)
-        y = self._linear(x, None, self.comm, None if activation is None else ActivationProducer(activation))
-        if not nvfp4:  # the NVFP4 path reduces inside its autograd Function
+        recipe = self._nvfp4_recipe(recipe, x)
+        y = self._linear(x, None, self.comm, recipe, None if activation is None else ActivationProducer(activation))
+        if recipe is None:  # the NVFP4 path reduces inside its autograd Function
             if self.sequence_parallel:
                 y = _ReduceScatterToSequenceParallelRegion.apply(y, self.tp_group)
             elif self.world_size > 1:

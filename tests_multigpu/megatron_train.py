@@ -8,12 +8,14 @@ with nvfp4_dist.launch (never repeated, so losses settle near the chain's entrop
 into memorisation of the 360 KB corpus); --data fables trains on random windows of the corpus itself.
 
   torchrun --nproc-per-node 2 tests_multigpu/megatron_train.py --tp 2 --sp --spec nvfp4 --out run.json
+  ... --recipe-config recipes.yaml --backward-mode dequantized   # per-layer recipes, the backward mode
   ... --steps 50 --save /tmp/ckpt            # then evaluate and save a distributed checkpoint
   torchrun --nproc-per-node 4 tests_multigpu/megatron_train.py --tp 4 --steps 0 --load /tmp/ckpt
 
 Prints the final loss (mean of the last 10 steps) and the evaluation loss; --out writes them as JSON.
 """
 import argparse
+import dataclasses
 import importlib.resources
 import itertools
 import json
@@ -33,7 +35,8 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nvfp4_dist import NVFP4Recipe
+from nvfp4_dist import NVFP4Recipe, RecipeMap
+from nvfp4_dist.environment import BACKWARD_MODES
 from nvfp4_dist.launch.markov_text import MarkovText
 from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, get_gpt_decoder_block_nvfp4_spec, with_sdpa_attention
 
@@ -49,6 +52,11 @@ def parse_args(argv=None):
     parser.add_argument("--bf16-first-last", type=int, default=0, metavar="N",
                         help="keep the first N and last N transformer layers in BF16 (nvfp4 spec)")
     parser.add_argument("--overlap", action="store_true", help="recipe.overlap: pipelined TP communication")
+    parser.add_argument("--backward-mode", choices=BACKWARD_MODES, default=None,
+                        help="recipe.backward_mode (default: NVFP4_BACKWARD_MODE, else default)")
+    parser.add_argument("--recipe-config", default=None, metavar="FILE",
+                        help="per-layer recipes (YAML or JSON; nvfp4_dist/recipe_map.py) by glob over GPTModel's "
+                             "module names, e.g. \"decoder.layers.0.*\": bf16 (nvfp4 spec)")
     parser.add_argument("--attention", choices=("sdpa", "local"), default="sdpa",
                         help="core attention: torch SDPA (both specs) or Megatron's DotProductAttention")
     parser.add_argument("--layers", type=int, default=8)
@@ -76,6 +84,8 @@ def parse_args(argv=None):
         parser.error(f"--tp {args.tp} must divide the number of processes {world}")
     if args.sp and args.spec == "local":
         parser.error("--sp with --spec local: Megatron's local norm refuses sequence parallelism")
+    if args.spec == "local" and (args.recipe_config or args.backward_mode):
+        parser.error("--recipe-config and --backward-mode configure the nvfp4 spec; --spec local has no NVFP4 layers")
     for name in ("hidden", "ffn", "seq"):
         if getattr(args, name) % (16 * args.tp):
             parser.error(f"--{name} {getattr(args, name)} must be a multiple of 16 * tp = {16 * args.tp}")
@@ -99,8 +109,12 @@ def model_provider(args) -> GPTModel:
         init_method_std=0.02, bias_activation_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False)
     if args.spec == "nvfp4":
-        recipe = NVFP4Recipe.from_env(overlap=True) if args.overlap else None
-        spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, bf16_first_layers=args.bf16_first_last,
+        overrides = {name: value for name, value in (("overlap", args.overlap or None),
+                                                      ("backward_mode", args.backward_mode)) if value is not None}
+        recipe = NVFP4Recipe.from_env(**overrides) if overrides else None
+        recipe_map = RecipeMap.from_file(args.recipe_config) if args.recipe_config else None
+        spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, recipe_map=recipe_map,
+                                                bf16_first_layers=args.bf16_first_last,
                                                 bf16_last_layers=args.bf16_first_last,
                                                 sdpa_attention=args.attention == "sdpa")
     else:
@@ -108,6 +122,19 @@ def model_provider(args) -> GPTModel:
         spec = with_sdpa_attention(spec) if args.attention == "sdpa" else spec
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                     max_sequence_length=args.seq, position_embedding_type="rope")
+
+
+def layer_recipes(model) -> dict:
+    """{linear's name: "bf16", or the fields of the recipe its last forward ran with that differ from the defaults}."""
+    defaults = NVFP4Recipe()
+    recipes = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "last_recipe") and hasattr(module, "weight_cache"):
+            recipe = module.last_recipe
+            recipes[name] = "bf16" if recipe is None else {
+                field.name: getattr(recipe, field.name) for field in dataclasses.fields(recipe)
+                if getattr(recipe, field.name) != getattr(defaults, field.name)}
+    return recipes
 
 
 def corpus() -> bytes:
@@ -220,7 +247,7 @@ def main(argv=None) -> dict:
     result = {
         "spec": args.spec, "tp": args.tp, "sp": args.sp, "bf16_first_last": args.bf16_first_last,
         "overlap": args.overlap, "steps": args.steps, "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-        "eval_loss": eval_loss, "losses": losses, "data": args.data,
+        "eval_loss": eval_loss, "losses": losses, "data": args.data, "layer_recipes": layer_recipes(gpt_model),
         "data_entropy_rate": source.entropy_rate() if source is not None else None,
         "tokens_per_s": tokens_per_step * args.steps / elapsed if args.steps else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -229,6 +256,9 @@ def main(argv=None) -> dict:
     if rank0:
         print(f"final loss {result['final_loss']}  eval loss {eval_loss:.5f}  "
               f"peak memory {result['peak_memory_gib']:.2f} GiB", flush=True)
+        if args.spec == "nvfp4":
+            for name, recipe in result["layer_recipes"].items():
+                print(f"  {name}: {recipe}", flush=True)
         if args.out:
             with open(args.out, "w") as handle:
                 json.dump(result, handle, indent=1)

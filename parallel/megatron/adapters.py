@@ -11,7 +11,7 @@ stride > 1 (GLU fc1: each rank holds [gate shard | up shard]) the shards are Meg
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from megatron.core import parallel_state
@@ -21,6 +21,7 @@ from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_
 from nvfp4_dist.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from nvfp4_dist.parallel.megatron.compat import layer_device, log_unknown_kwargs
 from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap
 
 
 def _strided_order(full: torch.Tensor, partition_dim: int, stride: int, tp_size: int) -> torch.Tensor:
@@ -115,9 +116,10 @@ class _MegatronLinearContract:
                     delay_wgrad=bool(getattr(config, "delay_wgrad_compute", False)))
 
     def _adopt_megatron_attributes(self, config, *, input_size: int, output_size: int, is_expert: bool,
-                                   stride: int, name, tp_comm_buffer_name, master) -> None:
+                                   stride: int, name, tp_comm_buffer_name, master, layer_name) -> None:
         """Megatron's layer attributes, parameter flags, zero bias and _extra_state loading hook."""
         self.config = config
+        self.layer_name = layer_name
         self.input_size = input_size
         self.output_size = output_size
         self.is_expert = is_expert
@@ -147,8 +149,9 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
     """NVFP4 ColumnParallelLinear with the constructor and forward of Megatron-Core's.
 
     forward(input_, weight=None, runtime_gather_output=None) -> (output, bias or None).
-    Extra keywords (besides Megatron's): recipe (NVFP4Recipe or None: autocast/environment),
-    bf16_fallback (run this layer in BF16). Unknown keywords from newer Megatron are accepted.
+    Extra keywords (besides Megatron's): recipe (NVFP4Recipe, RecipeMap, or None: autocast/environment),
+    bf16_fallback (run this layer in BF16), layer_name (the module name recipe maps match; the specs pass
+    "decoder.layers.<n>.<submodule path>"). Unknown keywords from newer Megatron are accepted.
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable,
@@ -157,8 +160,9 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
                  skip_weight_param_allocation: bool = False, embedding_activation_buffer=None,
                  grad_output_buffer=None, is_expert: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False,
-                 tp_group=None, name: Optional[str] = None, recipe: Optional[NVFP4Recipe] = None,
-                 bf16_fallback: bool = False, **future_kwargs):
+                 tp_group=None, name: Optional[str] = None,
+                 recipe: Optional[Union[NVFP4Recipe, RecipeMap]] = None, bf16_fallback: bool = False,
+                 layer_name: Optional[str] = None, **future_kwargs):
         _check_megatron_only_options(
             type(self).__name__, skip_weight_param_allocation=skip_weight_param_allocation,
             embedding_activation_buffer=embedding_activation_buffer,
@@ -176,7 +180,7 @@ class NVFP4ColumnParallelLinear(_MegatronLinearContract, ColumnParallelLinear):
             **self._input_norm_options(config))
         self._adopt_megatron_attributes(config, input_size=input_size, output_size=output_size, is_expert=is_expert,
                                         stride=stride, name=name, tp_comm_buffer_name=tp_comm_buffer_name,
-                                        master=master)
+                                        master=master, layer_name=layer_name)
         self.output_size_per_partition = output_size // tp_size
         if self.bias is not None:
             self.bias.partition_stride = stride
@@ -239,8 +243,8 @@ class NVFP4RowParallelLinear(_MegatronLinearContract, RowParallelLinear):
                  bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
                  stride: int = 1, keep_master_weight_for_test: bool = False, is_expert: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, tp_group=None, name: Optional[str] = None,
-                 recipe: Optional[NVFP4Recipe] = None, bf16_fallback: bool = False,
-                 **future_kwargs):
+                 recipe: Optional[Union[NVFP4Recipe, RecipeMap]] = None, bf16_fallback: bool = False,
+                 layer_name: Optional[str] = None, **future_kwargs):
         log_unknown_kwargs(type(self).__name__, future_kwargs)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
         tp_size = get_pg_size(tp_group)
@@ -257,7 +261,7 @@ class NVFP4RowParallelLinear(_MegatronLinearContract, RowParallelLinear):
             **self._layer_options(config, init_method, 1, stride, tp_size, master, recipe, bf16_fallback))
         self._adopt_megatron_attributes(config, input_size=input_size, output_size=output_size, is_expert=is_expert,
                                         stride=stride, name=name, tp_comm_buffer_name=tp_comm_buffer_name,
-                                        master=master)
+                                        master=master, layer_name=layer_name)
         self.input_size_per_partition = input_size // tp_size
         self.input_is_parallel = input_is_parallel
         if self.bias is not None:

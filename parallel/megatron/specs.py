@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import layers as megatron_layers
@@ -22,6 +22,7 @@ from nvfp4_dist.parallel.megatron.attention import SDPACoreAttention
 from nvfp4_dist.parallel.megatron.mlp import NVFP4MLP
 from nvfp4_dist.parallel.megatron.norm import NVFP4Norm
 from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap, as_recipe_map
 
 logger = logging.getLogger("nvfp4_dist")
 
@@ -110,6 +111,36 @@ def _norms_into_linears(layer_spec: ModuleSpec, recipe: Optional[NVFP4Recipe], b
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer, **changes))
 
 
+def _named_linears(spec, path: tuple, recipe, names: list):
+    """Copy of a Megatron spec whose NVFP4 linears get layer_name = their module name (`path` joined with the
+    submodule fields that lead to them, which are Megatron's attribute names) and, unless None, `recipe`; each
+    name is appended to `names`."""
+    if isinstance(spec, ModuleSpec):
+        if isinstance(spec.module, type) and issubclass(spec.module, (NVFP4ColumnParallelLinear,
+                                                                      NVFP4RowParallelLinear)):
+            name = ".".join(path)
+            names.append(name)
+            params = dict(spec.params, layer_name=name)
+            if recipe is not None:
+                params["recipe"] = recipe
+            return dataclasses.replace(spec, params=params)
+        if spec.submodules is None:
+            return spec
+        return dataclasses.replace(spec, submodules=_named_linears(spec.submodules, path, recipe, names))
+    if isinstance(spec, functools.partial) and "submodules" in spec.keywords:
+        keywords = dict(spec.keywords, submodules=_named_linears(spec.keywords["submodules"], path, recipe, names))
+        return functools.partial(spec.func, *spec.args, **keywords)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {}
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            named = _named_linears(value, path + (field.name,), recipe, names)
+            if named is not value:
+                changes[field.name] = named
+        return dataclasses.replace(spec, **changes) if changes else spec
+    return spec
+
+
 def with_sdpa_attention(spec):
     """Any Megatron spec (layer or block) with DotProductAttention replaced by SDPACoreAttention."""
     def replace(field: str, value):
@@ -124,13 +155,15 @@ def with_sequence_parallel_norm(spec):
     return _swap_submodules(spec, replace)
 
 
-def get_gpt_layer_nvfp4_spec(*, recipe: Optional[NVFP4Recipe] = None, bf16: bool = False,
+def get_gpt_layer_nvfp4_spec(*, recipe: Optional[Union[NVFP4Recipe, RecipeMap]] = None, bf16: bool = False,
                              sdpa_attention: bool = False, fused_producers: bool = True,
                              **local_spec_kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with linear_qkv/proj/fc1/fc2 in NVFP4 and SP-capable norms.
 
     local_spec_kwargs go to Megatron's get_gpt_layer_local_spec (num_experts, qk_layernorm,
-    normalization, ...). recipe: per-layer NVFP4Recipe (None: nvfp4_dist.autocast, then environment).
+    normalization, ...). recipe: the layers' NVFP4Recipe, or a RecipeMap (its globs match each linear's
+    layer_name: call nvfp4_dist.name_layers(model) on the built model, or use get_gpt_decoder_block_nvfp4_spec,
+    which names them); None: nvfp4_dist.autocast, then environment.
     bf16: build the same layer with the adapters in their BF16 fallback.
     sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
     fused_producers: the norms inside linear_qkv and linear_fc1 and the activation inside linear_fc2
@@ -171,6 +204,7 @@ def bf16_layer_counts(config, recipe: Optional[NVFP4Recipe] = None,
 
 
 def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = None,
+                                     recipe_map: Optional[Union[RecipeMap, Mapping]] = None,
                                      bf16_first_layers: Optional[int] = None,
                                      bf16_last_layers: Optional[int] = None,
                                      sdpa_attention: bool = False, fused_producers: bool = True,
@@ -182,6 +216,11 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
     (vp_stage / pp_rank as in Megatron's get_gpt_decoder_block_spec). local_spec_kwargs default to
     the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention, fused_producers:
     see get_gpt_layer_nvfp4_spec.
+    Each linear is named as GPTModel's module, "decoder.layers.<n>.self_attention.linear_qkv" (n: the global,
+    0-based layer number), in its layer_name. recipe_map: per-layer recipes by glob over those names (a RecipeMap
+    or a mapping; nvfp4_dist/recipe_map.py), resolved at each forward with `recipe` as the base of its dict entries
+    and the recipe of the linears it does not match (None: autocast, then environment). Layers kept in BF16 by
+    the counts stay BF16 whatever the map says. Globs that match no linear of this stage are logged as warnings.
     """
     if getattr(config, "num_moe_experts", None):
         raise ValueError(f"config.num_moe_experts={config.num_moe_experts}: the block builder is for "
@@ -194,17 +233,25 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
                                            fused_producers=fused_producers, **local_spec_kwargs)
     bf16_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, bf16=True, sdpa_attention=sdpa_attention,
                                           fused_producers=fused_producers, **local_spec_kwargs)
+    recipe_map = as_recipe_map(recipe_map, "recipe_map")
+    layer_recipe = recipe
+    if recipe_map is not None:
+        recipe_map.check(recipe)
+        layer_recipe = recipe_map if recipe is None else recipe_map.with_base(recipe)
     num_layers = config.num_layers
-    layer_specs = [bf16_layer if (index < first or index >= num_layers - last) else nvfp4_layer
-                   for index in range(num_layers)]
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:
         from megatron.core.transformer.enums import LayerType
         local_ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
-        local_specs = [layer_specs[index] for index in local_ids]
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        local_specs = layer_specs[offset:offset + count]
+        local_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+    names, local_specs = [], []
+    for index in local_ids:
+        spec = bf16_layer if (index < first or index >= num_layers - last) else nvfp4_layer
+        local_specs.append(_named_linears(spec, ("decoder", "layers", str(index)), layer_recipe, names))
+    for pattern in recipe_map.unmatched(names) if recipe_map is not None else ():
+        logger.warning("recipe_map: %r matches none of this pipeline stage's NVFP4 linears (%s, ...)", pattern,
+                       names[0] if names else "none")
     logger.info("NVFP4 decoder block: %d layers, first %d and last %d in BF16", num_layers, first, last)
     return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=NVFP4Norm)
