@@ -70,9 +70,9 @@ MEGATRON_TP1_RELATIVE_TOLERANCE = 0.35  # any one quantity of a Megatron cell; c
 # gives correct NVFP4 (at the CPU and at the GPU shapes; the GPU's kernels give the same bytes) and what it gives
 # when every block scale is one binade too large (2 x s_b, a coarser grid): 6-13% from each.
 MEGATRON_TP1_RMS_BOUND = {
-    2: {"default": 0.158, "no_rht": 0.164, "no_sr": 0.137, "no_2d": 0.148, "row_scaled": 0.108},
-    4: {"default": 0.184, "no_rht": 0.190, "no_sr": 0.157, "no_2d": 0.175, "row_scaled": 0.134},
-    8: {"default": 0.201, "no_rht": 0.209, "no_sr": 0.179, "no_2d": 0.188, "row_scaled": 0.152},
+    2: {"default": 0.158, "no_rht": 0.164, "no_sr": 0.137, "no_2d": 0.148, "row_scaled": 0.138},
+    4: {"default": 0.184, "no_rht": 0.190, "no_sr": 0.157, "no_2d": 0.175, "row_scaled": 0.161},
+    8: {"default": 0.201, "no_rht": 0.209, "no_sr": 0.179, "no_2d": 0.188, "row_scaled": 0.182},
 }
 BF16_ROUNDING = 2.0 ** -8  # largest relative error of one rounding to BF16 (half a step)
 BF16_ULP = 2.0 ** -7  # largest relative size of one BF16 step: two roundings of nearby values may differ by it

@@ -108,11 +108,6 @@ def check_gemms(calls: list, expected: dict, what: str) -> dict:
 # ------------------------------------------------------------------------------------------------------
 # Expected values: (float64 value, elementwise bound) pairs.
 
-def dense_product(a: np.ndarray, b: np.ndarray) -> O.Product:
-    """a . b^T of float64 [M, K] and [N, K] as a matmul with FP32 accumulation computes it (K additions)."""
-    return O.Product(value=a @ b.T, magnitude=np.abs(a) @ np.abs(b).T, blocks=a.shape[1])
-
-
 def rounded(value_bound: tuple, dtype: torch.dtype) -> tuple:
     """A (value, bound) result rounded once more to dtype."""
     value, bound = value_bound
