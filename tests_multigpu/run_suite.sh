@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite by group: build once, then run the group's steps, side by side on GPU pairs where they fit.
-#   bash tests_multigpu/run_suite.sh tests OUTDIR            # 4 GPUs: every GPU test file (kernels, GEMMs; layers,
-#                                                           #   collectives and overlap at TP=2 and 4; agreement checks
-#                                                           #   at TP=2), nvfp4-train, GPT convergence
+#   bash tests_multigpu/run_suite.sh tests OUTDIR            # 4 GPUs: every GPU test file (kernels, GEMMs, fused
+#                                                           #   producers; layers, collectives and overlap at TP=2 and 4,
+#                                                           #   overlap over each link class; agreement checks at TP=2),
+#                                                           #   nvfp4-train, GPT convergence
 #   bash tests_multigpu/run_suite.sh megatron OUTDIR         # 4 GPUs: Megatron GPT training vs BF16 at TP=1, 2 and 4
 #   bash tests_multigpu/run_suite.sh megatron-checkpoint OUTDIR  # 4 GPUs: a TP=2 checkpoint loaded at TP=2, 1 and 4
 #   bash tests_multigpu/run_suite.sh matrix OUTDIR           # 4 GPUs: the test matrix (worlds 1, 2, 4; b200 GEMM cells)
@@ -46,12 +47,14 @@ one_gpu_tests() {
     step gemm_hopper 150 python3 -m pytest -q tests_multigpu/test_gemm_hopper.py tests_multigpu/test_finite_check_gpu.py
     step linear_tests 120 python3 -m pytest -q -s tests_multigpu/test_linear_gpu.py
     step blackwell_gemm 120 python3 -m pytest -q tests_multigpu/test_blackwell_gemm.py
+    step fused_producers 240 python3 -m pytest -q tests_multigpu/test_fused_producers_gpu.py
 }
 two_gpu_tests() {
     step parallel_tp2 150 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_parallel_gpu.py
     step symmetric_tp2 90 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_symmetric_gpu.py
     step overlap_tp2 120 $TORCHRUN --nproc-per-node 2 -m tests_multigpu.test_overlap_gpu
     step group_checks_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_group_checks_gpu.py
+    step fused_producers_tp2 150 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_fused_producers_parallel_gpu.py
 }
 megatron_cases() {  # name, limit, pytest -k expression: Megatron GPT training cases (the BF16 reference first)
     step "$1" "$2" env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py -k "$3"
@@ -59,16 +62,21 @@ megatron_cases() {  # name, limit, pytest -k expression: Megatron GPT training c
 
 case $GROUP in
 tests)
-    lane_01() { one_gpu_tests; two_gpu_tests; }
-    lane_23() {
+    lane_01() {
+        one_gpu_tests
         step train_gpu_tp2 200 env OUT="$R/train_gpu" bash tests_multigpu/run_train_gpu.sh
+    }
+    lane_23() {
+        two_gpu_tests
         step gpt_convergence 240 python3 -m tests_multigpu.gpt_convergence --out "$R/gpt_convergence_$GPU.json"
     }
     lane 0,1 lane_01; lane 2,3 lane_23; wait
     step parallel_tp4 150 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_parallel_gpu.py
     step symmetric_tp4 120 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_symmetric_gpu.py
-    step overlap_tp4 120 $TORCHRUN --nproc-per-node 4 -m tests_multigpu.test_overlap_gpu
     step overlap_tp4_nccl_ring 120 env NVFP4_SYMMETRIC_MEMORY=0 $TORCHRUN --nproc-per-node 4 -m tests_multigpu.test_overlap_gpu
+    # TP=4 over NVLink, over slow links and as two torchrun nodes on this host (docs/slow_links.md)
+    step overlap_tp4_links 480 python3 -m pytest -q tests_multigpu/test_overlap_gpu.py -k "4-"
+    step fused_producers_tp4 150 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_fused_producers_parallel_gpu.py
     ;;
 megatron)
     lane 0,1 megatron_cases megatron_tp1 300 "1-False-0 or 1-False-1"
@@ -100,6 +108,7 @@ benchmarks)  # the whole machine first, then the pairs side by side
     lane_23() {
         step gemm_bench 120 python3 benchmarks/gemm.py --out "$R/gemm_$GPU.json"
         step linear_bench 120 python3 benchmarks/linear.py --out "$R/linear_$GPU.json"
+        step fused_producers_bench 150 python3 benchmarks/fused_producers.py --out "$R/fused_producers_$GPU.json"
     }
     lane 0,1 lane_01; lane 2,3 lane_23; wait
     ;;
