@@ -6,7 +6,8 @@ add (tests/helpers/layer_oracle.py). The layer's output and ALL its gradients (i
 oracle's float64 values within elementwise bounds derived from the formats: the GEMM bound of each product, one
 BF16 rounding per term of a cross-rank sum (all-reduce, reduce-scatter, ring), the FP32 token sum of a bias
 gradient. Plain layer: recipes and dtypes. Parallel layers: TP 1, 2 and 4 on real gloo processes, sequence
-parallelism on and off, overlap on and off (ring pipelined at every size: overlap_min_chunk_gflops=0).
+parallelism on and off, overlap on and off (ring pipelined at every size and whatever the links:
+overlap_min_chunk_gflops=0, overlap_measure_links=False).
 """
 import numpy as np
 import pytest
@@ -206,7 +207,7 @@ def row_case(rank, world, recipe, sequence_parallel):
 
 
 def check_parallel(rank, world, kind, recipe_name, sequence_parallel, overlap):
-    recipe = RECIPES[recipe_name].replace(overlap=overlap, overlap_min_chunk_gflops=0)
+    recipe = RECIPES[recipe_name].replace(overlap=overlap, overlap_min_chunk_gflops=0, overlap_measure_links=False)
     case = column_case if kind == "column" else row_case
     got, calls, copies, want = case(rank, world, recipe, sequence_parallel)
     what = f"{kind} tp={world} sp={sequence_parallel} overlap={overlap} {recipe_name} rank={rank}"

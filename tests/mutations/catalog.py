@@ -136,7 +136,8 @@ MUTATIONS = (
     # --------------------------------------------------------------------------------------------------- overlap
     Mutation("overlap_factory_without_row_parallel", "overlap", "overlapped_comm loses its row-parallel branch",
              (("    if isinstance(comm, RowParallelComm):\n"
-               "        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops)\n", ""),),
+               "        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links)\n",
+               ""),),
              ("tests/test_matrix_cpu.py::test_quick_matrix_report", *LAYERS)),
     Mutation("ring_all_gather_order", "overlap", "the ring consumes chunks as if they came from rank + step",
              (("return [(rank - step) % world_size for step in range(world_size)]",
