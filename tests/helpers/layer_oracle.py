@@ -128,7 +128,7 @@ def token_sum(dy2d: torch.Tensor, out_dtype: torch.dtype) -> tuple:
 
 
 def as_dtype(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """float64 values rounded to FP32, then to dtype (what dequantize to dtype gives), back as float64."""
+    """float64 values rounded to FP32, then to dtype, back as float64."""
     return torch.from_numpy(values.astype(np.float32)).to(dtype).double().numpy()
 
 
