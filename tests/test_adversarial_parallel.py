@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import nvfp4_dist as nv
-from distributed_utils import run_distributed
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, all_reduce_amax, symmetric
 from nvfp4_dist.parallel.group_checks import TensorParallelMismatchError
+from tests.helpers.distributed import run_distributed
 
 WORLD = 2
 TIMEOUT_S = 400

@@ -492,7 +492,7 @@ def check_parallel_producers(rank, world_size, device="cpu", hidden=64, local=32
     """Each rank: the fused layers equal the unfused ones byte for byte, and the column-parallel output is the
     GEMM of the full norm output's copies (the amax all-reduce between the passes makes the gathered copies
     those of the full tensor) with this rank's weight shard."""
-    from linear_emulation import fprop, quantize_weight
+    from tests.helpers.emulation import fprop, quantize_weight
     from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
     generator = torch.Generator().manual_seed(5)
     seq, batch = seq_per_rank * world_size, 2
@@ -538,5 +538,5 @@ def check_parallel_producers(rank, world_size, device="cpu", hidden=64, local=32
 
 
 def test_parallel_layers_fuse_their_producers():
-    from distributed_utils import run_distributed
+    from tests.helpers.distributed import run_distributed
     run_distributed(check_parallel_producers, 2)

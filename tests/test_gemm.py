@@ -1,5 +1,6 @@
-"""NVFP4 GEMM on the CPU: the reference vs float64, gemm() options and validation, and the backend choice
-per device (the Blackwell backend's arguments: tests/test_blackwell_arguments.py)."""
+"""NVFP4 GEMM on the CPU: the reference against the oracle's float64 product of the decoded bytes (elementwise, within
+what FP32 accumulation and the output rounding may add), gemm() options and validation, and the backend choice per
+device (the Blackwell backend's arguments: tests/test_blackwell_arguments.py)."""
 import dataclasses
 import logging
 
@@ -10,8 +11,7 @@ import nvfp4_dist as nv
 from nvfp4_dist import reference
 from nvfp4_dist.gemm import dispatch, gpu_backends
 from nvfp4_dist.gemm import gemm, resolve_backend
-from nvfp4_dist.reference.gemm import block_values
-from nvfp4_dist.reference.quantize import decode_scale
+from tests.helpers import oracle as O
 
 RECIPE = nv.NVFP4Recipe(rht=False, stochastic_rounding=False)
 ROW_SCALED = nv.NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
@@ -43,55 +43,53 @@ def operands(a, a_copy, b, b_copy):
     return pick(a, a_copy) + pick(b, b_copy)
 
 
-def float64_gemm(a_data, a_scale, a_amax, b_data, b_scale, b_amax):
-    """A . B^T in float64 from the exact block values, times the FP32 alpha."""
-    a = block_values(a_data, a_scale).reshape(a_data.shape[0], -1).double()
-    b = block_values(b_data, b_scale).reshape(b_data.shape[0], -1).double()
-    alpha = decode_scale(a_amax).reshape(-1, 1).double() * decode_scale(b_amax).reshape(1, -1).double()
-    return (a @ b.t()) * alpha
+def oracle_product(a, a_copy, b, b_copy) -> O.Product:
+    """The oracle's float64 A . B^T of the two copies' bytes."""
+    return O.product(O.copy_of(a, a_copy), O.copy_of(b, b_copy))
 
 
 @pytest.mark.parametrize("m,n,k", [(128, 128, 128), (112, 128, 96), (48, 80, 256)])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_reference_matches_float64(m, n, k, name):
-    args = operands(*LAYOUTS[name](*layer(m, n, k, seed=m + k)))
-    out = reference.gemm_reference(*args)
-    expected = float64_gemm(*args)
+def test_reference_matches_the_oracle(m, n, k, name):
+    a, a_copy, b, b_copy = LAYOUTS[name](*layer(m, n, k, seed=m + k))
+    out = reference.gemm_reference(*operands(a, a_copy, b, b_copy))
+    expected = oracle_product(a, a_copy, b, b_copy)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    O.check_within(name, out, expected.value, expected.bound(torch.float32))
 
 
-def test_reference_row_scaled_matches_float64():
+def test_reference_row_scaled_matches_the_oracle():
     x, w, _ = layer(64, 48, 160, seed=4, recipe=ROW_SCALED)
     assert x.amax_rowwise.shape == (64,)
-    args = operands(x, "rowwise", w, "rowwise")
-    expected = float64_gemm(*args)
-    torch.testing.assert_close(reference.gemm_reference(*args).double(), expected, rtol=1e-5,
-                               atol=1e-5 * expected.abs().max().item())
+    expected = oracle_product(x, "rowwise", w, "rowwise")
+    out = reference.gemm_reference(*operands(x, "rowwise", w, "rowwise"))
+    O.check_within("row-scaled fprop", out, expected.value, expected.bound(torch.float32))
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_public_gemm_on_cpu(name):
     a, a_copy, b, b_copy = LAYOUTS[name](*layer(96, 64, 80, seed=9))
-    args = operands(a, a_copy, b, b_copy)
-    expected = float64_gemm(*args)
+    expected = oracle_product(a, a_copy, b, b_copy)
     out = gemm(a, b, a_copy=a_copy, b_copy=b_copy)
-    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
-    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), atol=8e-3, rtol=8e-3)
-    bias = torch.randn(expected.shape[1])
+    assert out.dtype == torch.bfloat16 and out.shape == expected.value.shape
+    O.check_within(f"{name} bf16", out, expected.value, expected.bound(torch.bfloat16))
+    bias = torch.randn(expected.value.shape[1])
     out32 = gemm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=torch.float32, bias=bias)
     assert out32.dtype == torch.float32
-    torch.testing.assert_close(out32.double(), expected + bias.double(), rtol=1e-5, atol=1e-4)
-    main_grad = torch.randn(*expected.shape)
-    before = main_grad.clone()
+    O.check_within(f"{name} fp32 + bias", out32, expected.value + bias.double().numpy(),
+                   expected.bound(torch.float32, bias))
+    main_grad = torch.randn(*expected.value.shape)
+    before = main_grad.double().numpy()
     returned = gemm(a, b, a_copy=a_copy, b_copy=b_copy, accumulate_into=main_grad)
     assert returned is main_grad
-    torch.testing.assert_close(main_grad.double(), before.double() + expected, rtol=1e-5, atol=1e-4)
-    whole = torch.zeros(3 * expected.shape[0], expected.shape[1], dtype=torch.bfloat16)
-    rows = slice(expected.shape[0], 2 * expected.shape[0])
+    total = before + expected.value  # one more FP32 rounding: the add into main_grad
+    O.check_within(f"{name} accumulated", main_grad, total,
+                   expected.bound(torch.float32) + O.FP32_UNIT_ROUNDOFF * (abs(total) + expected.bound(torch.float32)))
+    whole = torch.zeros(3 * out.shape[0], out.shape[1], dtype=torch.bfloat16)
+    rows = slice(out.shape[0], 2 * out.shape[0])
     returned = gemm(a, b, a_copy=a_copy, b_copy=b_copy, out=whole[rows])
     assert returned.data_ptr() == whole[rows].data_ptr()
-    assert torch.equal(whole[rows], out) and not whole[:expected.shape[0]].any() and not whole[rows.stop:].any()
+    assert torch.equal(whole[rows], out) and not whole[:out.shape[0]].any() and not whole[rows.stop:].any()
 
 
 def test_gemm_validation_errors():

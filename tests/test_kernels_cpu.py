@@ -22,6 +22,7 @@ import torch
 
 from nvfp4_dist import _extension, kernels, reference
 from nvfp4_dist.reference.philox import CURAND_ROUNDS, SR_ROUNDS, philox4x32
+from tests.helpers import oracle as O
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
@@ -294,9 +295,10 @@ def test_fp4_rounding_matches_reference(numerics, stochastic):
 
 
 @needs_nvcc
-def test_stochastic_rounding_ties_of_the_random_bits(numerics):
-    """Values whose p * 65536 is an integer, with bits just below, at and above it (the strict '<')."""
-    from nvfp4_dist.formats import fp4_neighbours
+def test_stochastic_rounding_ties_of_the_random_bits(numerics, monkeypatch):
+    """Values whose p * 65536 is an integer, with bits just below, at and above it (the strict '<'): the kernels'
+    codes equal the reference's rule fed the same bits, and the oracle's."""
+    import nvfp4_dist.reference.quantize as reference_quantize
     steps = torch.tensor([0.5] * 4 + [1.0] * 2 + [2.0])
     lows = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
     fractions = torch.tensor([0, 1, 2, 255, 32768, 40000, 65534, 65535], dtype=torch.float32)
@@ -305,13 +307,10 @@ def test_stochastic_rounding_ties_of_the_random_bits(numerics):
     v = torch.cat([a, -a]).repeat_interleave(3)
     base = (torch.cat([fractions.repeat(7), torch.zeros(3)]).repeat(2).repeat_interleave(3)).long()
     bits = (base + torch.tensor([-1, 0, 1]).repeat(v.numel() // 3)).clamp(0, 65535)
-    # the reference's rule, spelled out with injected bits (reference/quantize.py, _stochastic_codes)
-    magnitude = v.abs()
-    lower, lower_value, upper_value = fp4_neighbours(magnitude)
-    gap = upper_value - lower_value
-    probability_up = torch.where(gap > 0, torch.div(magnitude - lower_value, torch.where(gap > 0, gap, 1.0)), 0.0)
-    want = torch.where(bits.float() < probability_up * 65536.0, lower + 1, lower).clamp(max=7).to(torch.uint8)
-    want = want | torch.where(v < 0, 8, 0).to(torch.uint8)
+    # the reference's own rule, its random bits replaced by these
+    monkeypatch.setattr(reference_quantize, "stochastic_rounding_bits_grid", lambda *args: bits[None, :])
+    want = reference_quantize._stochastic_codes(v[None, :], 0, (0, 0), 0)[0]
+    assert np.array_equal(want.numpy(), O.stochastic_e2m1(v.numpy(), bits.numpy(), levels=65536))
     v_np = np.ascontiguousarray(v.numpy())
     bits_np = np.ascontiguousarray(bits.numpy().astype(np.uint32))
     out = np.zeros(v.numel(), dtype=np.uint8)

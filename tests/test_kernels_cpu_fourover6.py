@@ -12,8 +12,8 @@ import torch
 from nvfp4_dist import _extension
 from nvfp4_dist.reference.fourover6 import FourOverSix, quantize_blocks_4over6
 from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax
-from test_kernels_cpu import CSRC, pointer
-from test_reference_fourover6 import ALL_OPTIONS, CASES, ROW_SCALED_CASE, _random_bf16_input, _tie_input
+from tests.test_kernels_cpu import CSRC, pointer
+from tests.test_reference_fourover6 import ALL_OPTIONS, CASES, ROW_SCALED_CASE, _random_bf16_input, _tie_input
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
 

@@ -5,7 +5,7 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist.autocast import autocast
 from nvfp4_dist.linear import Linear
-from linear_emulation import draw_seed_like_backward, emulate_linear
+from tests.helpers.emulation import draw_seed_like_backward, emulate_linear
 
 RECIPES = {
     "default": nv.NVFP4Recipe(),

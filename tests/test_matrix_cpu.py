@@ -10,11 +10,10 @@ import sys
 import pytest
 import torch
 
+from tests_multigpu import matrix
+from tests_multigpu import matrix_cells as M
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MATRIX = ROOT / "tests_multigpu" / "matrix.py"
-sys.path.insert(0, str(ROOT / "tests_multigpu"))
-import matrix  # noqa: E402
-import matrix_cells as M  # noqa: E402
 
 # (tp, sp, overlap) configurations per world size, written out independently of the runner.
 CONFIGS = {1: [(1, False, False)],
@@ -28,7 +27,7 @@ LAYER_KINDS = {"column", "row", "mlp", "megatron"}
 
 
 def run_driver(out: pathlib.Path, *extra: str):
-    command = [sys.executable, str(MATRIX), "--driver", "--device", "cpu", "--quick", "--launcher", "torchrun",
+    command = [sys.executable, "-m", "tests_multigpu.matrix", "--driver", "--device", "cpu", "--quick", "--launcher", "torchrun",
                "--out", str(out), *extra]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     report_path = out / "matrix_report.json"
@@ -66,14 +65,13 @@ def test_quick_matrix_report(quick_run):
     for cell in cells:
         name, status, reason = cell["name"], cell["status"], cell["reason"]
         if cell["world"] > 2:
-            assert status == "not run" and "above --max-world 2" in reason, name
+            assert status == "not run" and "above --max-world 2" in reason and cell["missing"] == "max-world", name
         elif cell["kind"] == "gemm_cublaslt":
-            assert status == "not run" and reason == "needs sm_100 (device is cpu)", name
+            assert status == "not run" and reason == "needs sm_100 (device is cpu)" and cell["missing"] == "sm_100", name
         elif cell["kind"] == "megatron" and megatron_reason:
             assert status == "not run" and reason.startswith("megatron-core missing"), name
-        elif cell["overlap"] and status == "not run":
-            assert reason.startswith(M.OVERLAP_UNAVAILABLE), name
-        else:
+            assert cell["missing"] == "megatron-core", name
+        else:  # every built-in layer runs, overlap included
             assert status == "passed", (name, reason)
             assert cell["max_abs_err"] or cell["kind"] == "megatron", name
             if cell["tp"] > 1:
@@ -138,5 +136,31 @@ def test_merge_ranks():
     merged = matrix.merge_ranks([passed, failed])
     assert merged["status"] == "failed" and merged["reason"] == "rank 1: dx: bad"
     assert merged["seconds"] == 2.0 and merged["max_abs_err"] == {"y": 0.5} and merged["tp1_rel_err_worst"] == 0.2
-    not_run = dict(status="not run", reason="needs sm_100 (device is cpu)", seconds=0.0)
-    assert matrix.merge_ranks([not_run, not_run])["status"] == "not run"
+    not_run = dict(M.not_run("needs sm_100 (device is cpu)", "sm_100"), seconds=0.0)
+    merged = matrix.merge_ranks([not_run, not_run])
+    assert merged["status"] == "not run" and merged["missing"] == "sm_100"
+
+
+def test_not_run_without_a_missing_resource_fails_the_driver():
+    cells = [dict(name="a", status="not run", reason="needs 8 GPUs (4 present)", missing="gpus"),
+             dict(name="b", status="not run", reason="overlap unavailable: refused"),
+             dict(name="c", status="not run", reason="skipped", missing="patience"),
+             dict(name="d", status="passed", reason="")]
+    assert [c["name"] for c in matrix.unexplained_not_run(cells)] == ["b", "c"]
+    with pytest.raises(ValueError, match="missing='patience'"):
+        M.not_run("skipped", "patience")
+
+
+def test_overlap_refused_by_a_layer_fails_the_cell(monkeypatch):
+    """A ValueError from a built-in layer asked for overlap is a failure, never "not run"."""
+    from nvfp4_dist.parallel import overlap
+
+    def refuse(comm, min_chunk_gflops=0):
+        raise ValueError("overlap applies to ColumnParallelComm only")
+    monkeypatch.setattr(overlap, "overlapped_comm", refuse)
+    monkeypatch.setattr(M, "run_layers", lambda *args: overlap.overlapped_comm(None))
+    cell = M.Cell(2, 2, True, True, "default", "row")
+    shapes = M.Shapes(seq=32, batch=2, hidden=64, ffn=128, heads=4)
+    ctx = M.Context(world=2, rank=0, device=torch.device("cpu"), shapes=shapes, groups={2: None, 1: None})
+    result = M.run_cell(cell, ctx, None, None)
+    assert result["status"] == "failed" and "overlap applies" in result["reason"], result

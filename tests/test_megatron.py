@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 megatron_core = pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
@@ -21,6 +21,12 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 TP = 2
 HIDDEN, FFN, HEADS, VOCAB, SEQ, BATCH = 64, 128, 4, 128, 32, 2
+# NVFP4 adapters vs Megatron's BF16 layers, relative L2 of (output, input gradient, weight gradient): each case
+# within NVFP4_VS_BF16_CASE (a gross error: a wrong shard or a dropped reduction is >= 0.7), and the mean over the
+# six cases within NVFP4_VS_BF16_MEAN. Those sit between correct NVFP4 at these shapes (0.148, 0.174, 0.168) and
+# every block scale one binade too large (2 x s_b: 0.164, 0.202, 0.201), 5-9% from each: the error must be NVFP4's.
+NVFP4_VS_BF16_CASE = 0.25
+NVFP4_VS_BF16_MEAN = {"output": 0.156, "input gradient": 0.187, "weight gradient": 0.184}
 
 
 def _config(**overrides):
@@ -131,6 +137,7 @@ def _check_state_dicts(reference, nvfp4):
 
 def _contract_worker(rank, world_size):
     _init_megatron(TP)
+    nvfp4_errors = {name: [] for name in NVFP4_VS_BF16_MEAN}
     for kind, sequence_parallel, options in [
         ("column", False, dict(gather_output=False, skip_bias_add=False)),
         ("column", False, dict(gather_output=True, skip_bias_add=True)),
@@ -161,11 +168,15 @@ def _contract_worker(rank, world_size):
         # NVFP4 path: same shapes, close values.
         reference, nvfp4 = _build_pair(kind, config, seed=7, **options)
         (ref_out, _, ref_dx, ref_dw, _), (out, _, dx, dw, _) = _run_pair(reference, nvfp4, x)
-        for ours, theirs in ((out, ref_out), (dx, ref_dx), (dw, ref_dw)):
+        for name, ours, theirs in zip(NVFP4_VS_BF16_MEAN, (out, dx, dw), (ref_out, ref_dx, ref_dw)):
             assert ours.shape == theirs.shape, case
-            relative = (ours - theirs).norm() / theirs.norm()
-            assert relative < 0.25, (case, float(relative))
+            relative = float((ours - theirs).norm() / theirs.norm())
+            assert relative < NVFP4_VS_BF16_CASE, (case, name, relative)
+            nvfp4_errors[name].append(relative)
         assert nvfp4.weight.grad is not None and torch.isfinite(nvfp4.weight.grad).all()
+    for name, errors in nvfp4_errors.items():
+        mean = sum(errors) / len(errors)
+        assert mean <= NVFP4_VS_BF16_MEAN[name], f"{name}: mean relative L2 vs BF16 {mean:.4f} (cases {errors})"
 
 
 def test_adapters_match_megatron_contract():

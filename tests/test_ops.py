@@ -50,10 +50,38 @@ def test_tensor_bytes_save_restore_and_leading_dims():
     assert nv.dequantize(q, copy="columnwise").shape == x.shape
 
 
-def test_force_reference_env_on_cpu(monkeypatch):
+def test_force_reference_routes_cuda_tensors_to_the_reference(monkeypatch):
+    """NVFP4_FORCE_REFERENCE=1 sends CUDA tensors to the reference, through the public ops and the GEMM dispatch.
+    CUDA tensors here are fake (shape and device only); both backends' functions are replaced by recorders."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nvfp4_dist import kernels
+    from nvfp4_dist.gemm import resolve_backend
+    with FakeTensorMode():
+        x = torch.empty(32, 64, device="cuda", dtype=torch.bfloat16)
+        gathered = torch.empty(64, 16, device="cuda", dtype=torch.uint8)
+    called = []
+    for module in (nv.reference, kernels):
+        for name in ("quantize_tensor", "compute_amaxes", "swap_first_dims"):
+            monkeypatch.setattr(module, name, lambda *args, _where=module, **kwargs: called.append(_where))
+    recipe = NVFP4Recipe(check_finite=False)
+
+    def dispatch():
+        called.clear()
+        nv.quantize(x, recipe=recipe)
+        nv.compute_amaxes(x, recipe=recipe)
+        nv.swap_first_dims(gathered, 2)
+        return called
     monkeypatch.setenv("NVFP4_FORCE_REFERENCE", "1")
-    from nvfp4_dist.ops import backend_for
-    assert backend_for(torch.zeros(1)) is nv.reference
+    assert dispatch() == [nv.reference] * 3
+    assert resolve_backend(None, x.device) == "reference"
+    monkeypatch.setenv("NVFP4_FORCE_REFERENCE", "0")
+    assert dispatch() == [kernels] * 3
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_backend(None, x.device) == "emulated"
+    monkeypatch.delenv("NVFP4_FORCE_REFERENCE")
+    assert dispatch() == [kernels] * 3
+    assert nv.ops.backend_for(torch.zeros(1)) is nv.reference  # CPU tensors: the reference either way
 
 
 BAD_QUANTIZE_CALLS = [

@@ -21,7 +21,7 @@ from nvfp4_dist.linear import operand_amaxes, quantize_operand
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, all_gather_nvfp4, all_reduce_amax
 from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import overlap as O
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 TOKENS_PER_RANK = 32          # [seq/tp = 16, batch = 2]
 HIDDEN, LOCAL_FFN = 64, 32    # column: HIDDEN -> LOCAL_FFN per rank; row: LOCAL_FFN per rank -> HIDDEN

@@ -17,7 +17,7 @@ import nvfp4_dist as nv
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 from nvfp4_dist.parallel import link_speed as L
 from nvfp4_dist.parallel import overlap as O
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 MB = 2 ** 20
 TOKENS, HIDDEN, FFN, TP = 16384, 8192, 28672, 4

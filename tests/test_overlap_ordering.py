@@ -18,7 +18,7 @@ import nvfp4_dist as nv
 from nvfp4_dist import linear
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, collectives
 from nvfp4_dist.parallel import overlap as O
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 TOKENS_PER_RANK, HIDDEN, FFN_LOCAL = 32, 64, 32
 RECIPE = nv.NVFP4Recipe()

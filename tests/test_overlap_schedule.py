@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from distributed_utils import run_distributed
-
 from nvfp4_dist.parallel.overlap import (all_gather_order, reduce_scatter_order, ring_all_gather_consume,
                                          ring_reduce_scatter_produce)
+from tests.helpers.distributed import run_distributed
 
 
 def test_orders_cover_every_rank_once_and_end_on_own_chunk():

@@ -10,7 +10,7 @@ from nvfp4_dist.parallel import symmetric
 from nvfp4_dist.parallel.layer_comm import ColumnParallelComm
 from nvfp4_dist.parallel import (all_gather_bf16, all_gather_nvfp4, all_reduce_amax, all_reduce_bf16,
                                  reduce_scatter_bf16)
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 FIELDS = ("rowwise_data", "rowwise_scale", "amax_rowwise", "columnwise_data", "columnwise_scale", "amax_columnwise")
 

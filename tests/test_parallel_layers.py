@@ -1,7 +1,7 @@
 """Column- and row-parallel NVFP4 layers on gloo groups of 2 and 4 ranks.
 
-Each rank checks its outputs and gradients against a single-process emulation of the same sharded math
-built from nvfp4_dist.reference (tests/linear_emulation.py): exact, except the BF16 sums of partial GEMM
+Each rank checks its outputs and gradients against a single-process emulation of the same sharded math whose
+operands the independent oracle quantized (tests/helpers/emulation.py): exact, except the BF16 sums of partial GEMM
 outputs over 4 ranks, whose order is gloo's own: those are checked against the exact sum within the
 rounding bound of a 4-term BF16 sum (3 roundings). Then against the TP=1 nvfp4_dist.Linear within a
 stated tolerance (weights are quantized per shard, so the NVFP4 rounding differs).
@@ -12,9 +12,9 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist.linear import Linear
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
-from distributed_utils import run_distributed
-from linear_emulation import (draw_seed_like_backward, fprop, gemm_cols, gemm_row_col, quantize_activation,
-                              quantize_gradient, quantize_weight)
+from tests.helpers.distributed import run_distributed
+from tests.helpers.emulation import (draw_seed_like_backward, fprop, gemm_cols, gemm_row_col, quantize_activation,
+                                     quantize_gradient, quantize_weight)
 
 SEQ_PER_RANK, BATCH = 8, 2           # SP shards: 16 tokens per rank
 COLUMN_IN, ROW_OUT = 32, 32

@@ -320,7 +320,7 @@ def test_gemm_uses_each_operands_bound(bounds, monkeypatch):
     product of their dequantized values, through nvfp4_dist.gemm and through the cuBLASLt path's arguments (with
     tests/test_blackwell_arguments.py's decoded stand-in for torch._scaled_mm)."""
     from nvfp4_dist.gemm import blackwell
-    from test_blackwell_arguments import DecodedScaledMM
+    from tests.test_blackwell_arguments import DecodedScaledMM
     monkeypatch.setattr(torch, "_scaled_mm", DecodedScaledMM())
     a = quantize_tensor(_random_bf16_input(64, 128, seed=1), columnwise=False, four_over_six=FourOverSix("MAE", bounds[0]))
     b = quantize_tensor(_random_bf16_input(48, 128, seed=2), columnwise=False, block_2d=True,

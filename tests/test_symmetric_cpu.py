@@ -5,8 +5,8 @@ The peer-memory kernels themselves need GPUs: tests_multigpu/test_symmetric_gpu.
 import pytest
 import torch
 
-from distributed_utils import run_distributed
 from nvfp4_dist.parallel import all_reduce_amax, symmetric
+from tests.helpers.distributed import run_distributed
 
 
 def _gloo_group_is_not_symmetric(rank, world_size, monkeypatch_value):

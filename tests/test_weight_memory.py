@@ -10,7 +10,7 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist.linear import Linear
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 RECIPE = nv.NVFP4Recipe()
 

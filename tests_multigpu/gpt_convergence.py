@@ -1,7 +1,7 @@
 """One-GPU convergence check: a GPT (6 layers, hidden 512, 8 heads) trained 300 steps on a fixed token
 stream with NVFP4 linears must end within 2% of the same model in BF16. Prints both; exits 1 otherwise.
 
-    python tests_multigpu/gpt_convergence.py [--steps 300] [--out benchmarks/results/gpt_convergence.json]
+    python -m tests_multigpu.gpt_convergence [--steps 300] [--out benchmarks/results/gpt_convergence.json]
 """
 import argparse
 import dataclasses
@@ -12,8 +12,9 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from gpt_model import GPTConfig, final_loss, train  # noqa: E402
+if not __package__:
+    raise SystemExit("run from the repository root as a module: python -m tests_multigpu.gpt_convergence ...")
+from tests.helpers.gpt_model import GPTConfig, final_loss, train  # noqa: E402
 
 
 def main() -> int:

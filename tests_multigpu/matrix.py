@@ -1,12 +1,13 @@
 """The multi-GPU test matrix: world size x TP size x SP x overlap x recipe x layer kind.
 
-Driver (runs one launch per world size, merges, prints the table, exits non-zero on any failure):
-    python tests_multigpu/matrix.py --driver --max-world 4 --launcher torchrun --out out/matrix
-    python tests_multigpu/matrix.py --driver --max-world 4 --launcher mpirun --out out/matrix
-    python tests_multigpu/matrix.py --driver --device cpu --quick --max-world 2 --out /tmp/m   # CI, gloo
+Run from the repository root, as a module. Driver (runs one launch per world size, merges, prints the table,
+exits non-zero on any failure):
+    python -m tests_multigpu.matrix --driver --max-world 4 --launcher torchrun --out out/matrix
+    python -m tests_multigpu.matrix --driver --max-world 4 --launcher mpirun --out out/matrix
+    python -m tests_multigpu.matrix --driver --device cpu --quick --max-world 2 --out /tmp/m   # CI, gloo
 One world size (what the driver launches; all of that world's cells run inside this one launch):
-    torchrun --standalone --nproc-per-node 4 tests_multigpu/matrix.py --world 4 --out out/matrix
-    mpirun -np 4 python tests_multigpu/matrix.py --world 4 --launcher mpirun --out out/matrix
+    torchrun --standalone --nproc-per-node 4 -m tests_multigpu.matrix --world 4 --out out/matrix
+    mpirun -np 4 python -m tests_multigpu.matrix --world 4 --launcher mpirun --out out/matrix
 Options: --profile b200 adds the native cuBLASLt NVFP4 GEMM cells ("not run" without sm_100); --quick
 runs the recipes default and row_scaled only; --only REGEX keeps the cells whose name matches.
 What each cell checks, and the tolerances: tests_multigpu/matrix_cells.py.
@@ -31,11 +32,12 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import matrix_cells as M  # noqa: E402
+if not __package__:
+    raise SystemExit("run the matrix from the repository root as a module: python -m tests_multigpu.matrix ...")
+from tests_multigpu import matrix_cells as M  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = pathlib.Path(__file__).resolve()
+MODULE = "tests_multigpu.matrix"
 STATUSES = ("passed", "failed", "not run")
 
 
@@ -151,6 +153,8 @@ def merge_ranks(results: list[dict]) -> dict:
             merged["traceback"] = failed[0][1]["traceback"]
     else:
         merged["reason"] = not_run[0]["reason"] if not_run else ""
+        if not_run and "missing" in not_run[0]:
+            merged["missing"] = not_run[0]["missing"]
     merged["seconds"] = round(max(r["seconds"] for r in results), 4)
     for field in ("max_abs_err", "tp1_rel_err"):
         combined: dict = {}
@@ -162,6 +166,8 @@ def merge_ranks(results: list[dict]) -> dict:
             merged[f"{field}_worst"] = max(combined.values())
     if any("ring_schedules" in r for r in results):
         merged["ring_schedules"] = min(r.get("ring_schedules", 0) for r in results)
+    if any("tp1_rel_err_rms" in r for r in results):
+        merged["tp1_rel_err_rms"] = max(r.get("tp1_rel_err_rms", 0.0) for r in results)
     return merged
 
 
@@ -225,7 +231,7 @@ def worker_arguments(args, world: int) -> list[str]:
 
 
 def launch_command(args, world: int) -> list[str]:
-    worker = [str(SCRIPT), *worker_arguments(args, world)]
+    worker = ["-m", MODULE, *worker_arguments(args, world)]
     if args.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *worker]
     command = ["mpirun", "-np", str(world), "--bind-to", "none"]
@@ -259,12 +265,18 @@ def launch(args, world: int) -> dict:
                 cells={record["name"]: record for record in report.get("cells", [])})
 
 
-def not_run_reason(args, world: int, gpus: int) -> str | None:
+def world_not_run(args, world: int, gpus: int) -> dict | None:
+    """The "not run" result of every cell of a world size this machine (or --max-world) leaves out, else None."""
     if args.device == "cuda" and world > gpus:
-        return f"needs {world} GPUs ({gpus} present)"
+        return M.not_run(f"needs {world} GPUs ({gpus} present)", "gpus")
     if world > args.max_world:
-        return f"world size {world} above --max-world {args.max_world}"
+        return M.not_run(f"world size {world} above --max-world {args.max_world}", "max-world")
     return None
+
+
+def unexplained_not_run(cells: list[dict]) -> list[dict]:
+    """The cells reported "not run" for a reason other than a missing resource: each fails the driver."""
+    return [c for c in cells if c["status"] == "not run" and c.get("missing") not in M.MISSING_RESOURCES]
 
 
 def drive(args) -> int:
@@ -278,9 +290,9 @@ def drive(args) -> int:
     cells, launches, header = [], {}, None
     for world in M.WORLD_SIZES:
         wanted = selected_cells(world, args)
-        reason = not_run_reason(args, world, gpus)
-        if reason:
-            cells += [dict(c.describe(), status="not run", reason=reason, seconds=0.0) for c in wanted]
+        skipped = world_not_run(args, world, gpus)
+        if skipped:
+            cells += [dict(c.describe(), **skipped, seconds=0.0) for c in wanted]
             continue
         if not wanted:
             continue
@@ -305,11 +317,16 @@ def drive(args) -> int:
     (args.out / "matrix_table.txt").write_text(full + "\n")
     print(grouped)
     failed_launches = [w for w, l in launches.items() if l["rc"] != 0]
+    unexplained = unexplained_not_run(cells)
     print(f"\ncells: {len(cells)}  passed: {counts['passed']}  failed: {counts['failed']}  "
           f"not run: {counts['not run']}   (report {args.out / 'matrix_report.json'})")
     if failed_launches:
         print(f"launches that exited non-zero: world {failed_launches}")
-    return 1 if counts["failed"] or failed_launches else 0
+    if unexplained:
+        print(f"not run without a missing resource ({', '.join(M.MISSING_RESOURCES)}), counted as failures:")
+        for c in unexplained:
+            print(f"  {c['name']}: {c['reason'][:300]}")
+    return 1 if counts["failed"] or failed_launches or unexplained else 0
 
 
 def tables(cells: list[dict]) -> tuple[str, str]:
@@ -329,10 +346,11 @@ def tables(cells: list[dict]) -> tuple[str, str]:
         lines.append(f"{world:>5} {tp:>3} {dp:>3} {'on' if sp else 'off':>3} {'on' if overlap else 'off':>7}  "
                      + "  ".join(entries))
     lines.append("(P passed, F failed, N not run; per kind, over the recipe variants)")
-    reasons = collections.Counter(c["reason"] for c in cells if c["status"] == "not run")
+    reasons = collections.Counter((c["reason"], c.get("missing", "NO MISSING RESOURCE: a failure"))
+                                  for c in cells if c["status"] == "not run")
     if reasons:
-        lines.append("not run:")
-        lines += [f"  {count:4d} x {reason}" for reason, count in reasons.most_common()]
+        lines.append("not run (what is missing):")
+        lines += [f"  {count:4d} x {reason} [{missing}]" for (reason, missing), count in reasons.most_common()]
     failures = [c for c in cells if c["status"] == "failed"]
     if failures:
         lines.append("failed:")

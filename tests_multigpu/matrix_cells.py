@@ -4,8 +4,9 @@ A cell is (world size, TP size, sequence parallel, overlap, recipe variant, laye
 W / TP data-parallel replicas each get their own data and check independently. Per cell:
 
 1. The parallel layer's output and gradients (input, weight, bias) against a single-device emulation of
-   the same sharded math: every shard's operands quantized by nvfp4_dist.reference on the CPU (the SPEC,
-   independent of the CUDA kernels and of the comm code), the GEMMs run by nvfp4_dist.gemm with the
+   the same sharded math: every shard's operands quantized on the CPU by the independent oracle of
+   tests/helpers/oracle.py (docs/numerics.md written again in numpy, sharing no code with the package, the
+   kernels or the comm code), the GEMMs run by nvfp4_dist.gemm with the
    layer's own backend on the layer's device (reference on CPU, Triton emulation on Hopper, cuBLASLt on
    Blackwell; those backends are checked against the reference GEMM elsewhere, and by the b200 profile),
    partial outputs summed on one device. Tolerances (elementwise |got - want| <= allowed):
@@ -20,11 +21,12 @@ W / TP data-parallel replicas each get their own data and check independently. P
    error of every quantity <= TP1_RELATIVE_TOLERANCE = 0.4 (shards quantize with their own scales and
    draw their own stochastic rounding, so this comparison is loose by nature).
 3. Overlap cells must show that the overlapped schedule ran (a pipelined ring schedule was called) and
-   match the plain layer within the overlap tolerance; layers that refuse recipe.overlap make the cell
-   "not run: overlap unavailable: <their message>".
+   match the plain layer within the overlap tolerance. Every layer here supports overlap: an error from it fails
+   the cell like any other.
 4. Megatron GPT layer cells: one TransformerLayer from get_gpt_layer_nvfp4_spec at that TP/SP against the
-   same layer at TP = 1 (relative L2 <= MEGATRON_TP1_RELATIVE_TOLERANCE = 0.5), finite output and
-   gradients (parameter shards against the matching slice; SP-replicated parameters summed over TP first).
+   same layer at TP = 1: finite output and gradients (parameter shards against the matching slice;
+   SP-replicated parameters summed over TP first), each within relative L2 MEGATRON_TP1_RELATIVE_TOLERANCE, and
+   the RMS over all of them within MEGATRON_TP1_RMS_BOUND[tp][recipe] (NVFP4's noise, not a coarser one).
 5. b200 profile cells: gemm(backend="cublaslt") against gemm(backend="emulated") and the reference GEMM
    (docs/numerics.md §11: atol = rtol = 8e-3), only where sm_100 exists.
 """
@@ -32,8 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import pathlib
-import sys
 import time
 import traceback
 
@@ -43,9 +43,7 @@ import torch.nn.functional as F
 
 import nvfp4_dist
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-import linear_emulation as E  # noqa: E402  (the layer tests' reference-only quantizers, shared)
+from tests.helpers import emulation as E
 
 RECIPES = {
     "default": dict(),  # 2D weights, RHT and SR on gradients
@@ -65,12 +63,31 @@ TP_SIZES = (1, 2, 4, 8)
 # attention) on the CPU matrix. The bounds leave ~1.7x / ~1.9x headroom; a dropped reduction or a wrong
 # shard gives >= 0.7.
 TP1_RELATIVE_TOLERANCE = 0.4
-MEGATRON_TP1_RELATIVE_TOLERANCE = 0.5
+MEGATRON_TP1_RELATIVE_TOLERANCE = 0.35  # any one quantity of a Megatron cell; correct NVFP4 reaches 0.27 at TP=8
+# Megatron cells: the RMS over the cell's quantities (output, input gradient, every parameter gradient, each at its
+# worst rank) of the relative L2 distance TP=N vs TP=1. Shards quantize with their own weight amax and draw their
+# own SR bits, so the two differ by NVFP4 noise, more with more shards. Each bound sits between what the CPU matrix
+# gives correct NVFP4 (at the CPU and at the GPU shapes; the GPU's kernels give the same bytes) and what it gives
+# when every block scale is one binade too large (2 x s_b, a coarser grid): at least 8% from each.
+MEGATRON_TP1_RMS_BOUND = {
+    2: {"default": 0.158, "no_rht": 0.164, "no_sr": 0.137, "no_2d": 0.148, "row_scaled": 0.138},
+    4: {"default": 0.184, "no_rht": 0.190, "no_sr": 0.157, "no_2d": 0.175, "row_scaled": 0.161},
+    8: {"default": 0.201, "no_rht": 0.209, "no_sr": 0.179, "no_2d": 0.188, "row_scaled": 0.182},
+}
 BF16_ROUNDING = 2.0 ** -8  # largest relative error of one rounding to BF16 (half a step)
 BF16_ULP = 2.0 ** -7  # largest relative size of one BF16 step: two roundings of nearby values may differ by it
 GEMM_TOLERANCE = 8e-3  # docs/numerics.md §11
 SR_SEED_BASE = 20260
-OVERLAP_UNAVAILABLE = "overlap unavailable"
+# What a cell may lack and still count as "not run" rather than failed: the machine's resources, named in the
+# record's "missing" field. The driver fails on any other "not run".
+MISSING_RESOURCES = ("gpus", "sm_100", "megatron-core", "max-world")
+
+
+def not_run(reason: str, missing: str) -> dict:
+    """A cell's result when this machine lacks `missing` (one of MISSING_RESOURCES)."""
+    if missing not in MISSING_RESOURCES:
+        raise ValueError(f"missing={missing!r} is not one of {MISSING_RESOURCES}")
+    return dict(status="not run", reason=reason, missing=missing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,8 +289,8 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class Emulation:
-    """Quantize with the reference on the CPU; GEMMs on `device` like the layer. Values come with their allowed
-    error (zeros: the GEMMs are exact)."""
+    """Quantize with the independent oracle on the CPU; GEMMs on `device` like the layer. Values come with their
+    allowed error (zeros: the GEMMs are exact)."""
 
     def __init__(self, recipe: nvfp4_dist.NVFP4Recipe, device: torch.device):
         self.recipe, self.device = recipe, device
@@ -522,13 +539,8 @@ def run_layer_cell(cell: Cell, ctx: Context) -> dict:
     checks = Checks()
     extra = {}
     if cell.overlap:
-        try:
-            with ring_schedule_counter() as counter:
-                got = run_layers(cell, data, group, recipe, ctx.device)
-        except ValueError as error:
-            if "overlap" in str(error):
-                return dict(status="not run", reason=f"{OVERLAP_UNAVAILABLE}: {error}")
-            raise
+        with ring_schedule_counter() as counter:
+            got = run_layers(cell, data, group, recipe, ctx.device)
         extra["ring_schedules"] = counter["ring_schedules"]
         if counter["ring_schedules"] == 0:
             checks.failures.append("recipe.overlap=True but no pipelined ring schedule ran "
@@ -579,7 +591,7 @@ def sm100_reason(device: torch.device) -> str | None:
 def run_gemm_cell(cell: Cell, ctx: Context) -> dict:
     reason = sm100_reason(ctx.device)
     if reason:
-        return dict(status="not run", reason=reason)
+        return not_run(reason, "sm_100")
     recipe = make_recipe(cell)
     s = ctx.shapes
     generator = ctx.generator(ctx.rank, 99, list(RECIPES).index(cell.recipe))
@@ -695,13 +707,8 @@ class MegatronPhase:
             raise RuntimeError(f"the TP=1 reference layer failed: {type(reference).__name__}: {reference}")
         recipe = make_recipe(cell)
         extra = {}
-        try:
-            with ring_schedule_counter() as counter:
-                got = self.run(cell, tp, sp, recipe)
-        except ValueError as error:
-            if cell.overlap and "overlap" in str(error):
-                return dict(status="not run", reason=f"{OVERLAP_UNAVAILABLE}: {error}")
-            raise
+        with ring_schedule_counter() as counter:
+            got = self.run(cell, tp, sp, recipe)
         checks = Checks()
         if cell.overlap:
             extra["ring_schedules"] = counter["ring_schedules"]
@@ -722,6 +729,15 @@ class MegatronPhase:
                 value = value.float()
                 dist.all_reduce(value, group=group)  # SP-replicated parameters: per-rank partial gradients
             checks.relative(name, value, want, MEGATRON_TP1_RELATIVE_TOLERANCE)  # TP=1 cells: a rebuild
+        if tp > 1:
+            worst = torch.tensor([checks.tp1_rel_err.get(name, float("inf")) for name in got], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            rms = float(worst.pow(2).mean().sqrt())
+            extra["tp1_rel_err_rms"] = rms
+            bound = MEGATRON_TP1_RMS_BOUND[tp][cell.recipe]
+            if not rms <= bound:
+                checks.failures.append(f"RMS of the relative L2 errors vs TP=1 {rms:.3f} > {bound} (coarser than "
+                                       f"NVFP4's noise)")
         return finish(checks, extra)
 
 
@@ -737,8 +753,7 @@ def run_cell(cell: Cell, ctx: Context, megatron: MegatronPhase | None, megatron_
         elif cell.kind == GEMM_KIND:
             result = run_gemm_cell(cell, ctx)
         elif cell.kind == "megatron":
-            result = (dict(status="not run", reason=megatron_reason) if megatron_reason
-                      else megatron.run_cell(cell))
+            result = not_run(megatron_reason, "megatron-core") if megatron_reason else megatron.run_cell(cell)
         else:
             result = run_layer_cell(cell, ctx)
     except Exception as error:  # noqa: BLE001 - a cell's failure is recorded, the matrix goes on

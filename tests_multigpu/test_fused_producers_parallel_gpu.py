@@ -8,15 +8,11 @@ parallelism (and the overlapped comm carrying the input's columnwise copy): the 
 ones byte for byte (outputs and every gradient), and the column-parallel output is the GEMM of the full norm
 output's copies (tests/test_fused_producers.py check_parallel_producers, here at hidden 4096).
 """
-import pathlib
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-import test_fused_producers as fused_checks  # noqa: E402
+from tests import test_fused_producers as fused_checks
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs"),
               pytest.mark.usefixtures("nccl_group")]

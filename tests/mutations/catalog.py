@@ -1,0 +1,163 @@
+"""The planted bugs: each replaces source text of the package (found wherever it lives) and names the CPU tests that
+must catch it. Realistic slips, one per entry, across the reference, the host glue of the kernels, the collectives,
+the layers, the overlap schedules, the Megatron adapters and checkpointing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    area: str
+    description: str
+    edits: tuple  # (old source text, new source text) pairs; each old text occurs exactly once in the package
+    tests: tuple  # pytest node ids or files (relative to the repository root) that must fail
+
+
+REFERENCE_BYTES = ("tests/test_reference_oracle.py", "tests/test_reference_golden.py")
+LAYERS = ("tests/test_layer_oracle.py",)
+
+MUTATIONS = (
+    # ------------------------------------------------------------------------------------------------ reference
+    Mutation("nibble_order", "reference", "element 2i packed in the high nibble (pack and unpack agree)",
+             (("return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)",
+               "return (codes[..., 1::2] | (codes[..., 0::2] << 4)).to(torch.uint8)"),
+              ("low, high = packed & 0xF, packed >> 4", "high, low = packed & 0xF, packed >> 4")),
+             REFERENCE_BYTES),
+    Mutation("global_scale_python_division", "reference", "S_enc as 2688.0 / A (reciprocal times 2688 in torch)",
+             (("s_enc = torch.div(numerator, amax.to(torch.float32)).clamp(max=FLT_MAX)",
+               "s_enc = (GLOBAL_SCALE_NUMERATOR / amax.to(torch.float32)).clamp(max=FLT_MAX)"),),
+             ("tests/test_reference_oracle.py",)),
+    Mutation("rht_sign_vector", "reference", "the last sign of the RHT's sign vector flipped",
+             (("RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)",
+               "RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, 1)"),),
+             REFERENCE_BYTES),
+    Mutation("sr_columnwise_uses_rowwise_stream", "reference", "the columnwise copy draws the rowwise SR stream",
+             (("ROWWISE_STREAM, COLUMNWISE_STREAM = 0, 1", "ROWWISE_STREAM, COLUMNWISE_STREAM = 0, 0"),),
+             ("tests/test_reference_oracle.py", *LAYERS)),
+    Mutation("sr_rule_less_or_equal", "reference", "SR rounds up when bits <= p * 65536 instead of <",
+             (("torch.where(bits < probability_up * 65536.0", "torch.where(bits <= probability_up * 65536.0"),),
+             ("tests/test_reference_oracle.py",)),
+    Mutation("sr_philox_rounds", "reference", "SR bits from Philox4x32-10 (curand's round count) instead of 7",
+             (("SR_ROUNDS = 7 ", "SR_ROUNDS = 10 "),),
+             ("tests/test_reference_oracle.py",)),
+    Mutation("sr_counter_layout", "reference", "SR counter words 0 and 1 swapped (row, column group)",
+             (("words = philox4x32((groups, rows, torch.full_like(rows, stream), torch.zeros_like(rows))",
+               "words = philox4x32((rows, groups, torch.full_like(rows, stream), torch.zeros_like(rows))"),),
+             ("tests/test_reference_oracle.py",)),
+    Mutation("row_scaled_dequantize_first_row_amax", "reference", "row-scaled dequantize uses row 0's amax for all",
+             (("s_dec = decode_scale(amax, e4m3_bound).reshape(-1, 1, 1)",
+               "s_dec = decode_scale(amax[:1], e4m3_bound).reshape(-1, 1, 1)"),),
+             ("tests/test_reference_oracle.py", *LAYERS)),
+    Mutation("e4m3_rounding_through_bf16", "reference", "block scale rounded to BF16 before E4M3 (double rounding)",
+             (("(block_amax * factor).clamp(max=FLT_MAX).clamp(-E4M3_MAX, E4M3_MAX).to(SCALE_DTYPE)",
+               "(block_amax * factor).clamp(max=FLT_MAX).clamp(-E4M3_MAX, E4M3_MAX).to(torch.bfloat16).to(SCALE_DTYPE)"),),
+             REFERENCE_BYTES),
+    Mutation("block_amax_15_elements", "reference", "a block's amax taken over its first 15 elements",
+             (("block_amax = blocks.abs().amax(dim=2)                     # [M, K/16]",
+               "block_amax = blocks[..., :15].abs().amax(dim=2)"),),
+             REFERENCE_BYTES),
+    Mutation("block_scale_old_operation_order", "reference", "s_b from a_b / 6 * S_enc (an older TE order)",
+             (("return (block_amax * factor).clamp(max=FLT_MAX)", "return (block_amax / 6.0 * s_enc).clamp(max=FLT_MAX)"),),
+             REFERENCE_BYTES),
+    Mutation("block_scale_one_binade_large", "reference", "every block scale one binade too large (2 x s_b)",
+             (("factor = s_enc * _ONE_SIXTH.to(s_enc.device)", "factor = s_enc * _ONE_SIXTH.to(s_enc.device) * 2"),),
+             REFERENCE_BYTES),
+    Mutation("e2m1_tie_away_from_zero", "reference", "0.25 rounds up to 0.5 (ties away instead of to even)",
+             (("mag = torch.where(a > 0.25, 1, mag)", "mag = torch.where(a >= 0.25, 1, mag)"),),
+             REFERENCE_BYTES),
+    Mutation("columnwise_amax_before_rht", "reference", "the columnwise amax taken before the RHT",
+             (("source = columnwise_source(x2d, rht, rht_random_sign) if rht or row_scaled else x2d",
+               "source = x2d.t() if row_scaled else x2d"),),
+             REFERENCE_BYTES),
+    Mutation("weight_2d_tiles_as_1d", "reference", "16x16 weight tiles scaled per 1x16 row block",
+             (("block_amax = tile_amax.repeat_interleave(BLOCK_SIZE, dim=0)", "block_amax = blocks.abs().amax(dim=2)"),),
+             REFERENCE_BYTES),
+    Mutation("fourover6_ties_pick_map_to_4", "reference", "4over6 keeps map-to-4 where the two errors tie",
+             (("pick4 = err4 < err6 ", "pick4 = err4 <= err6 "),),
+             REFERENCE_BYTES[:1]),
+    Mutation("fourover6_bound_ignored", "reference", "4over6's global scale uses 448 whatever the bound",
+             (("s_enc = encode_scale(amax, options.e4m3_bound).reshape(-1, 1, 1)",
+               "s_enc = encode_scale(amax).reshape(-1, 1, 1)"),),
+             REFERENCE_BYTES[:1]),
+    Mutation("gemm_column_factors_of_first_row", "reference", "a per-row B amax (row-scaled wgrad) read as its first",
+             (("alpha = (decode_scale(a_amax, a_e4m3_bound).reshape(-1, 1) * decode_scale(b_amax, b_e4m3_bound)",
+               "alpha = (decode_scale(a_amax, a_e4m3_bound).reshape(-1, 1) * decode_scale(b_amax[:1], b_e4m3_bound)"),),
+             ("tests/test_gemm.py", *LAYERS)),
+    # ------------------------------------------------------------------------------------------ kernels' host glue
+    Mutation("force_reference_ignored", "ops", "NVFP4_FORCE_REFERENCE=1 no longer sends CUDA tensors to the reference",
+             (("return tensor.is_cuda and not environment.FORCE_REFERENCE.read()", "return tensor.is_cuda"),),
+             ("tests/test_ops.py::test_force_reference_routes_cuda_tensors_to_the_reference",)),
+    Mutation("force_reference_ignored_by_gemm", "ops", "the GEMM dispatch ignores NVFP4_FORCE_REFERENCE=1",
+             (('if backend == "auto" and environment.FORCE_REFERENCE.read():', "if False:"),),
+             ("tests/test_ops.py::test_force_reference_routes_cuda_tensors_to_the_reference",)),
+    Mutation("sr_on_activations", "ops", "stochastic rounding applied to activations as well as gradients",
+             (('stochastic_rounding=role == "gradient" and recipe.stochastic_rounding',
+               'stochastic_rounding=role != "weight" and recipe.stochastic_rounding'),),
+             ("tests/test_ops.py", *LAYERS)),
+    Mutation("sr_row_offset_dropped", "ops", "quantize() passes sr_row_offset 0 to the backend",
+             (("sr_row_offset=sr_row_offset, amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise, **options)",
+               "sr_row_offset=0, amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise, **options)"),),
+             ("tests/test_parallel_comm.py", *LAYERS)),
+    Mutation("kernel_sr_rule_less_or_equal", "kernels", "the CUDA SR rule rounds up when bits <= p * 65536",
+             (("return (255u << 24) | (bits16 << 8) | 1u;", "return (255u << 24) | (bits16 << 8);"),),
+             ("tests/test_kernels_cpu.py::test_stochastic_rounding_ties_of_the_random_bits",
+              "tests/test_kernels_cpu.py::test_fp4_rounding_matches_reference")),
+    Mutation("kernel_philox_rounds", "kernels", "the CUDA SR bits from 10 Philox rounds",
+             (("constexpr int kStochasticRoundingPhiloxRounds = 7;", "constexpr int kStochasticRoundingPhiloxRounds = 10;"),),
+             ("tests/test_kernels_cpu.py::test_philox_matches_reference",
+              "tests/test_kernels_cpu.py::test_stochastic_rounding_matches_reference")),
+    # ------------------------------------------------------------------------------------------------------ comm
+    Mutation("swap_first_dims_order", "comm", "swap_first_dims reshapes (W, K, X) without swapping W and K",
+             (("return gathered.reshape(world_size, rows // world_size, cols).transpose(0, 1).reshape(rows // world_size, "
+               "world_size * cols)", "return gathered.reshape(rows // world_size, world_size * cols)"),),
+             ("tests/test_parallel_comm.py",)),
+    Mutation("amax_reduce_sum", "comm", "the amax all-reduce sums instead of taking the maximum",
+             (("dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)",
+               "dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)"),),
+             ("tests/test_parallel_comm.py",)),
+    Mutation("gathered_columnwise_not_swapped", "comm", "the NVFP4 all-gather leaves columnwise pieces unswapped",
+             (("if name in fields and not swapped:", "if name in fields and swapped:"),),
+             ("tests/test_parallel_comm.py", *LAYERS)),
+    # ---------------------------------------------------------------------------------------------------- layers
+    Mutation("dgrad_uses_rowwise_weight", "layers", "dgrad multiplies by the weight's rowwise copy",
+             (('return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)',
+               'return gemm(dyq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, recipe=recipe)'),),
+             LAYERS),
+    Mutation("row_parallel_sr_offset", "layers", "row-parallel SP gradient shards draw SR bits from row 0",
+             (("sr_row_offset=self.rank * dy2d.shape[0])", "sr_row_offset=0)"),),
+             LAYERS),
+    Mutation("column_parallel_amax_not_reduced", "layers", "column-parallel SP input quantized with its shard's amax",
+             (("collectives.all_reduce_amax([None if recipe.row_scaled_activation else amax_rowwise, amax_columnwise],",
+               "collectives.all_reduce_amax([None, None],"),),
+             LAYERS),
+    # --------------------------------------------------------------------------------------------------- overlap
+    Mutation("overlap_factory_without_row_parallel", "overlap", "overlapped_comm loses its row-parallel branch",
+             (("    if isinstance(comm, RowParallelComm):\n"
+               "        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links)\n",
+               ""),),
+             ("tests/test_matrix_cpu.py::test_quick_matrix_report", *LAYERS)),
+    Mutation("ring_all_gather_order", "overlap", "the ring consumes chunks as if they came from rank + step",
+             (("return [(rank - step) % world_size for step in range(world_size)]",
+               "return [(rank + step) % world_size for step in range(world_size)]"),),
+             ("tests/test_overlap_schedule.py", *LAYERS)),
+    Mutation("columnwise_carry_placement", "overlap", "the carried columnwise blocks land in mirrored columns",
+             (("gathered_data[:, source * data_cols:(source + 1) * data_cols].copy_(pieces[0])",
+               "gathered_data[:, (world_size - 1 - source) * data_cols:(world_size - source) * data_cols]"
+               ".copy_(pieces[0])"),),
+             ("tests/test_overlap_layers.py",)),
+    # -------------------------------------------------------------------------------------------------- megatron
+    Mutation("megatron_strided_shards", "megatron", "GLU (stride 2) shards taken as contiguous chunks",
+             (("return torch.cat([chunks[rank + tp_size * j] for rank in range(tp_size) for j in range(stride)],",
+               "return torch.cat([chunks[rank * stride + j] for rank in range(tp_size) for j in range(stride)],"),),
+             ("tests/test_megatron.py::test_adapters_match_megatron_contract",)),
+    Mutation("megatron_row_checkpoint_axis", "megatron", "row-parallel weight checkpointed as sharded along dim 0",
+             (('metadata, {"weight": 1})', 'metadata, {"weight": 0})'),),
+             ("tests/test_megatron.py::test_adapters_match_megatron_contract",)),
+    # ---------------------------------------------------------------------------------------------- checkpointing
+    Mutation("checkpoint_rng_not_restored", "checkpoint", "resuming from a checkpoint leaves torch's RNG unrestored",
+             (('    torch.set_rng_state(state["torch"])\n', ""),),
+             ("tests/test_train_job.py::test_short_run_trains_saves_and_resumes_exactly",)),
+)
