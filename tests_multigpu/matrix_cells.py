@@ -730,7 +730,8 @@ class MegatronPhase:
                 dist.all_reduce(value, group=group)  # SP-replicated parameters: per-rank partial gradients
             checks.relative(name, value, want, MEGATRON_TP1_RELATIVE_TOLERANCE)  # TP=1 cells: a rebuild
         if tp > 1:
-            worst = torch.tensor([checks.tp1_rel_err.get(name, float("inf")) for name in got], dtype=torch.float64)
+            worst = torch.tensor([checks.tp1_rel_err.get(name, float("inf")) for name in got], dtype=torch.float64,
+                                 device=self.ctx.device)  # NCCL groups reduce CUDA tensors only
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
             rms = float(worst.pow(2).mean().sqrt())
             extra["tp1_rel_err_rms"] = rms
