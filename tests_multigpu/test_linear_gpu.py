@@ -5,6 +5,7 @@
 - with the default (Hopper emulated / Blackwell cuBLASLt) GEMM it is within the backends' difference of that
   emulation, element by element: both BF16 roundings plus the tensor cores' accumulation allowance on the sum of
   |terms| (tests/helpers/oracle.py, backend_difference_bound);
+- each backward mode (recipe.backward_mode) against the float64 computation of tests/test_backward_modes.py;
 - weight-cache invalidation, BF16 fallback vs nn.Linear, saved bytes, at realistic sizes.
 
     python -m pytest tests_multigpu/test_linear_gpu.py -q
@@ -65,6 +66,27 @@ def test_default_gemm_within_the_backends_difference(name):
         value = O.as_float32(e).astype("float64")
         O.check_within(f"{name} {what}", g, value, O.backend_difference_bound(value, magnitudes[what], unit))
     assert torch.equal(got[3], expected[3]), f"{name} db"  # the same token sum on the same device
+
+
+@pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
+def test_backward_modes_against_float64(mode):
+    """The kernels' copies, the GPU GEMMs (NVFP4 in default, BF16 otherwise) and the layer's plumbing of each mode
+    within BF16 rounding of float64 arithmetic on the reference's copies."""
+    from tests.test_backward_modes import assert_matches, expected_backward, expected_fprop
+    recipe = nv.NVFP4Recipe(backward_mode=mode)
+    torch.manual_seed(0)
+    layer = Linear(256, 192, bias=False, recipe=recipe, device="cuda", dtype=torch.float32)
+    x = torch.randn(512, 256, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(512, 192, device="cuda").to(torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    y = layer(xg)
+    torch.manual_seed(9)
+    y.backward(dy)
+    torch.manual_seed(9)
+    dx, dw = expected_backward(mode, recipe, x, dy, layer.weight.detach(), sr_seed=draw_seed_like_backward())
+    assert_matches(y.detach(), expected_fprop(recipe, x, layer.weight.detach()), f"{mode} y", torch.bfloat16)
+    assert_matches(xg.grad, dx, f"{mode} dx", torch.bfloat16)
+    assert_matches(layer.weight.grad, dw, f"{mode} dW", torch.bfloat16)
 
 
 def test_weight_cache_invalidated_by_optimizer_step():
