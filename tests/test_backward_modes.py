@@ -2,8 +2,8 @@
 computation of what the mode means.
 
 The quantized bytes come from the oracle of tests/helpers (tests/helpers/emulation.py: docs/numerics.md written
-independently of the package); this file decodes them itself in float64 (code table x E4M3 scale x amax / (6 B), B the copy's global-scale
-bound: 448, or 256 for some 4over6 copies) and multiplies in float64:
+independently of the package); this file decodes them itself in float64 (code table x E4M3 scale x amax / (6 B),
+B the copy's global-scale bound: 448, or 256 for some 4over6 copies) and multiplies in float64:
   default         dx = Q(dy)_row . Q(W)_col^T          dW = Q(dy)_col . Q(x)_col^T      (RHT, SR as the recipe)
   high_precision  dx = dy . W                          dW = dy^T . x
   dequantized     dx = dy . D(Q(W)_row)                dW = dy^T . D(Q(x)_row)          (D: to the compute dtype)
