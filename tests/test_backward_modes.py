@@ -1,7 +1,7 @@
 """recipe.backward_mode (docs/numerics.md §10): default | high_precision | dequantized, each against a float64
 computation of what the mode means.
 
-The quantized bytes come from nvfp4_dist.reference (tests/linear_emulation.py), the definition of the copies;
+The quantized bytes come from the independent oracle (tests/helpers/oracle.py through tests/helpers/emulation.py);
 this file decodes them itself in float64 (code table x E4M3 scale x amax / (6 B), B the copy's global-scale
 bound: 448, or 256 for some 4over6 copies) and multiplies in float64:
   default         dx = Q(dy)_row . Q(W)_col^T          dW = Q(dy)_col . Q(x)_col^T      (RHT, SR as the recipe)
@@ -18,8 +18,8 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist import formats
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, collectives
-from distributed_utils import run_distributed
-from linear_emulation import draw_seed_like_backward, quantize_activation, quantize_gradient, quantize_weight
+from tests.helpers.distributed import run_distributed
+from tests.helpers.emulation import draw_seed_like_backward, quantize_activation, quantize_gradient, quantize_weight
 
 MODES = ("default", "high_precision", "dequantized")
 BACKWARD_SEED = 5

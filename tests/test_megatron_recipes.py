@@ -11,12 +11,12 @@ import warnings
 import pytest
 import torch
 
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
-from test_megatron import TP, _config, _gpt, _gpt_loss, _init_megatron  # noqa: E402
+from tests.test_megatron import TP, _config, _gpt, _gpt_loss, _init_megatron  # noqa: E402
 
 LAYERS = 4
 ATTENTION = {"nvfp4_4over6": "all", "rht": False}

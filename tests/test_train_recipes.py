@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from distributed_utils import run_distributed
 from nvfp4_dist import NVFP4Recipe, environment
 from nvfp4_dist.launch import cli, plan, spawn, train
-from test_train_job import metrics, run_train
+from tests.helpers.distributed import run_distributed
+from tests.test_train_job import metrics, run_train
 
 RECIPES = {"layers.0.*": "bf16", "*.qkv": {"backward_mode": "dequantized"}, "*.fc2": {"weight_2d": False}}
 MEGATRON_RECIPES = {"decoder.layers.1.*": "bf16", "*.self_attention.linear_qkv": {"backward_mode": "dequantized"},
