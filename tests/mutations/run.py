@@ -34,10 +34,18 @@ class Outcome:
     seconds: float
 
 
+SKIPPED_DIRS = {".git", "__pycache__", "build", "dist", ".pytest_cache", ".whl"}
+
+
 def repository_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """The files of the working tree that git tracks or would track (ignored build outputs left out)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                            capture_output=True, check=True).stdout
+    """The files of the working tree that git tracks or would track (ignored build outputs left out); without git,
+    every file outside the usual build and cache folders."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return [path.relative_to(root) for path in root.rglob("*")
+                if path.is_file() and not SKIPPED_DIRS.intersection(path.relative_to(root).parts)]
     return [pathlib.Path(name) for name in listed.decode().split("\0") if name and (root / name).is_file()]
 
 
