@@ -1,9 +1,9 @@
 """recipe.backward_mode (docs/numerics.md §10): default | high_precision | dequantized, each against a float64
 computation of what the mode means.
 
-The quantized bytes come from the oracle of tests/helpers (tests/helpers/emulation.py: docs/numerics.md written
-independently of the package); this file decodes them itself in float64 (code table x E4M3 scale x amax / (6 B),
-B the copy's global-scale bound: 448, or 256 for some 4over6 copies) and multiplies in float64:
+The quantized bytes come from the independent oracle (tests/helpers/oracle.py through tests/helpers/emulation.py);
+this file decodes them itself in float64 (code table x E4M3 scale x amax / (6 B), B the copy's global-scale
+bound: 448, or 256 for some 4over6 copies) and multiplies in float64:
   default         dx = Q(dy)_row . Q(W)_col^T          dW = Q(dy)_col . Q(x)_col^T      (RHT, SR as the recipe)
   high_precision  dx = dy . W                          dW = dy^T . x
   dequantized     dx = dy . D(Q(W)_row)                dW = dy^T . D(Q(x)_row)          (D: to the compute dtype)
@@ -19,8 +19,7 @@ import nvfp4_dist as nv
 from nvfp4_dist import formats
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, collectives
 from tests.helpers.distributed import run_distributed
-from tests.helpers.emulation import (draw_seed_like_backward, quantize_activation, quantize_gradient,
-                                    quantize_weight)
+from tests.helpers.emulation import draw_seed_like_backward, quantize_activation, quantize_gradient, quantize_weight
 
 MODES = ("default", "high_precision", "dequantized")
 BACKWARD_SEED = 5
@@ -32,7 +31,7 @@ BF16_TOLERANCE = 1e-2   # BF16 outputs (and BF16 dequantized operands) against f
 def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, bound: int) -> torch.Tensor:
     """float64 values of one NVFP4 copy: FP4 code value x E4M3 block scale x amax / (6 x bound), per row when amax
     is (a row-scaled rowwise copy, or the per-column columnwise copy of a row-scaled activation)."""
-    magnitudes = torch.tensor(formats.FP4_MAGNITUDES, dtype=torch.float64, device=data.device)
+    magnitudes = torch.tensor(formats.FP4_MAGNITUDES, dtype=torch.float64)
     table = torch.cat([magnitudes, -magnitudes])
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2).long()
     values = table[codes]

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
 from nvfp4_dist import NVFP4Recipe, environment
 from nvfp4_dist.launch import cli, plan, spawn, train
+from tests.helpers.distributed import run_distributed
 from tests.test_train_job import metrics, run_train
 
 RECIPES = {"layers.0.*": "bf16", "*.qkv": {"backward_mode": "dequantized"}, "*.fc2": {"weight_2d": False}}

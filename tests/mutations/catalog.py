@@ -28,7 +28,7 @@ MUTATIONS = (
              REFERENCE_BYTES),
     Mutation("global_scale_python_division", "reference", "S_enc as 2688.0 / A (reciprocal times 2688 in torch)",
              (("s_enc = torch.div(numerator, amax.to(torch.float32)).clamp(max=FLT_MAX)",
-               "s_enc = (GLOBAL_SCALE_NUMERATOR / amax.to(torch.float32)).clamp(max=FLT_MAX)"),),
+               "s_enc = (FP4_MAX * e4m3_bound / amax.to(torch.float32)).clamp(max=FLT_MAX)"),),
              ("tests/test_reference_oracle.py",)),
     Mutation("rht_sign_vector", "reference", "the last sign of the RHT's sign vector flipped",
              (("RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)",

@@ -7,6 +7,7 @@ copy and must pass (--no-baseline skips that, for a tree whose suite just passed
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import os
 import pathlib
@@ -33,24 +34,47 @@ class Outcome:
     seconds: float
 
 
+SKIPPED_DIRS = {".git", "__pycache__", "build", "dist", ".pytest_cache", ".whl"}
+
+
 def repository_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """The files of the working tree that git tracks or would track (ignored build outputs left out)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                            capture_output=True, check=True).stdout
+    """The files of the working tree that git tracks or would track (ignored build outputs left out); without git,
+    every file outside the usual build and cache folders."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return [path.relative_to(root) for path in root.rglob("*")
+                if path.is_file() and not SKIPPED_DIRS.intersection(path.relative_to(root).parts)]
     return [pathlib.Path(name) for name in listed.decode().split("\0") if name and (root / name).is_file()]
 
 
 def package_dirs(root: pathlib.Path) -> dict:
-    """pyproject's setuptools package-dir map: {"nvfp4_dist.parallel": "parallel", ...}."""
+    """The packages that install from another folder ({"nvfp4_dist.parallel": "parallel", ...}): pyproject's
+    setuptools package-dir, or the literal package-name -> folder tables of setup.py."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
         tomllib = None
     text = (root / "pyproject.toml").read_text()
     if tomllib is not None:
-        return tomllib.loads(text).get("tool", {}).get("setuptools", {}).get("package-dir", {})
-    match = re.search(r"^package-dir\s*=\s*\{([^}]*)\}", text, re.MULTILINE)
-    return dict(re.findall(r'"([^"]+)"\s*=\s*"([^"]+)"', match.group(1))) if match else {}
+        table = tomllib.loads(text).get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    else:
+        match = re.search(r"^package-dir\s*=\s*\{([^}]*)\}", text, re.MULTILINE)
+        table = dict(re.findall(r'"([^"]+)"\s*=\s*"([^"]+)"', match.group(1))) if match else {}
+    setup = root / "setup.py"
+    if setup.exists():
+        for node in ast.walk(ast.parse(setup.read_text())):
+            if not isinstance(node, ast.Assign):
+                continue
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            pairs = value.items() if isinstance(value, dict) else [value] if isinstance(value, tuple) else []
+            table.update({package: folder for package, folder in (p for p in pairs if len(p) == 2)
+                          if isinstance(package, str) and isinstance(folder, str) and package.startswith("nvfp4_dist")})
+    return table
 
 
 def make_scratch(directory: pathlib.Path) -> pathlib.Path:
