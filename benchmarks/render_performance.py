@@ -108,6 +108,19 @@ def linear_command(record: dict) -> str:
     return shlex.join(["python", "benchmarks/linear.py", "--shapes", *shapes])
 
 
+def fused_producers_summary(record: dict) -> list[str]:
+    """Fused chain time / unfused chain time per producer, copies and width (the range over the token counts)."""
+    groups: dict = {}
+    for r in record["speedups"]:
+        groups.setdefault((r["producer"], r["copies"], r["width"]), []).append(r["speedup"])
+    return [f"{producer}, width {width}, {copies}: fused {times(min(v))}-{times(max(v))} the speed of unfused"
+            for (producer, copies, width), v in groups.items()]
+
+
+def fused_producers_command(record: dict) -> str:
+    return record.get("command") or "python benchmarks/fused_producers.py"
+
+
 def convergence_summary(record: dict) -> list[str]:
     config = record["config"]
     return [f"GPT of {config['num_layers']} layers, hidden {config['hidden_size']}, {config['num_heads']} heads, "
@@ -242,6 +255,8 @@ BENCHMARKS = {  # row order
     "gemm": Benchmark("GEMM (Hopper emulation)", "cuBLAS BF16 `torch.matmul`, same shapes", gemm_summary, gemm_command),
     "linear": Benchmark("`nv.Linear` forward + backward", "`torch.nn.Linear` in BF16", linear_summary,
                         linear_command),
+    "fused_producers": Benchmark("norm / activation fused into the NVFP4 cast", "the unfused chain (BF16 output "
+                                 "written, then quantized)", fused_producers_summary, fused_producers_command),
     "gpt_convergence": Benchmark("GPT training, final loss", "the same model in BF16, same seed and data",
                                  convergence_summary, convergence_command),
     "allgather": Benchmark("NVFP4 all-gather", "NCCL's BF16 all-gather of the same tensor", allgather_summary,

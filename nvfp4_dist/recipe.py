@@ -125,7 +125,8 @@ class NVFP4Recipe:
     nvfp4_4over6_err_use_fast_math: measure that error in the scaled domain (docs/numerics.md §12.4).
     fused_producers: layers whose input comes from a norm or an activation (nvfp4_dist.layernorm_linear, the
       parallel layers and Megatron specs built on them) quantize it in the producer's passes without writing it
-      (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only.
+      (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only. Off by
+      default: on Hopper the fused kernels measured slower than the unfused chain (docs/performance.md).
     backward_mode: the operands of the dgrad and wgrad GEMMs (docs/numerics.md §10). default: NVFP4 as in §3-7;
       high_precision: the input and weight as given (forward saves the input; the weight in the compute dtype) and
       the unquantized output gradient, GEMMs in the compute dtype; dequantized: the NVFP4 copies fprop used (the
@@ -147,7 +148,7 @@ class NVFP4Recipe:
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
     overlap_measure_links: bool = True
-    fused_producers: bool = True
+    fused_producers: bool = False
     check_finite: bool = True
     nvfp4_4over6: str = "none"
     nvfp4_4over6_e4m3_use_256: str = "all"

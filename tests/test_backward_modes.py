@@ -201,7 +201,7 @@ def test_fused_producers_in_each_backward_mode(mode, monkeypatch):
         monkeypatch.setattr(layernorm_linear, name,
                             lambda *args, _original=original, _name=name, **kwargs: (calls.append(_name),
                                                                                     _original(*args, **kwargs))[1])
-    recipe = nv.NVFP4Recipe(backward_mode=mode)
+    recipe = nv.NVFP4Recipe(backward_mode=mode, fused_producers=True)
     torch.manual_seed(3)
     mlp = nv.LayerNormMLP(64, 32, activation="swiglu", normalization="RMSNorm", recipe=recipe)
     x, dy, _, _ = inputs(torch.bfloat16, out_features=64)

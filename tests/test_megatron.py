@@ -13,6 +13,8 @@ import warnings
 import pytest
 import torch
 
+import nvfp4_dist as nv
+
 from tests.helpers.distributed import run_distributed
 
 megatron_core = pytest.importorskip(
@@ -325,11 +327,11 @@ def _gpt_worker(rank, world_size):
                                atol=1e-5)
 
     # NVFP4 model with the first and last layers in BF16, SP on.
-    nvfp4 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=1, bf16_last_layers=1),
-                 seed=11)
+    nvfp4 = _gpt(sp_config, get_gpt_decoder_block_nvfp4_spec(sp_config, bf16_first_layers=1, bf16_last_layers=1,
+                                                              fused_producers=True), seed=11)
     layers = nvfp4.decoder.layers
     assert [layer.mlp.linear_fc1.bf16_fallback for layer in layers] == [True, False, True]
-    for layer in layers:  # the norms inside linear_qkv and linear_fc1 (fused_producers, the default)
+    for layer in layers:  # the norms inside linear_qkv and linear_fc1 (fused_producers=True)
         assert isinstance(layer.self_attention.linear_qkv, NVFP4LayerNormColumnParallelLinear)
         assert isinstance(layer.self_attention.linear_proj, NVFP4RowParallelLinear)
         assert isinstance(layer.mlp.linear_fc1, NVFP4LayerNormColumnParallelLinear)
@@ -370,7 +372,8 @@ def _fused_producers_worker(rank, world_size):
     megatron_local = _gpt(config, get_gpt_layer_local_spec(), seed=11)
     unfused = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3, fused_producers=False),
                    seed=11)
-    fused = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3), seed=11)
+    fused = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=3, fused_producers=True,
+                                                          recipe=nv.NVFP4Recipe(fused_producers=True)), seed=11)
     def checkpoint_keys(model):  # the keys in the checkpoint: after the layers' sharded_state_dict_keys_map
         return sorted(value.key for value in model.sharded_state_dict(metadata=metadata).values())
     assert checkpoint_keys(fused) == checkpoint_keys(megatron_local)
@@ -397,14 +400,17 @@ def _fused_producers_worker(rank, world_size):
     swiglu = _config(gated_linear_unit=True, activation_func=F.silu, sequence_parallel=True,
                      normalization="RMSNorm", params_dtype=torch.bfloat16)
     torch.manual_seed(13)
-    layer = build_module(with_sdpa_attention(get_gpt_layer_nvfp4_spec()), config=swiglu, layer_number=1)
+    layer = build_module(with_sdpa_attention(get_gpt_layer_nvfp4_spec(fused_producers=True)), config=swiglu,
+                         layer_number=1)
     assert isinstance(layer.mlp, NVFP4MLP) and isinstance(layer.input_layernorm, IdentityOp)
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=generator).bfloat16().chunk(TP)[rank]  # SP: this rank's tokens
     dy = torch.randn(SEQ, BATCH, HIDDEN, generator=generator).bfloat16().chunk(TP)[rank]
     runs = []
     for disabled in ("0", "1"):
-        os.environ["NVFP4_DISABLE_FUSED_PRODUCERS"] = disabled
+        for module in layer.modules():  # the recipe fuses the casts (off by default)
+            if isinstance(getattr(module, "recipe", None), nv.NVFP4Recipe) or hasattr(module, "weight_cache"):
+                module.recipe = nv.NVFP4Recipe(fused_producers=disabled == "0")
         inp = x.clone().requires_grad_(True)
         out = layer(hidden_states=inp, attention_mask=None)[0]
         torch.manual_seed(17)
@@ -413,7 +419,6 @@ def _fused_producers_worker(rank, world_size):
         layer.zero_grad(set_to_none=True)
         if disabled == "0":  # the two norms and the activation, each fused into its linear's cast
             assert calls == {"norm": 2, "activation": 1}, calls
-    del os.environ["NVFP4_DISABLE_FUSED_PRODUCERS"]
     assert calls == {"norm": 2, "activation": 1}, calls
     for index, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), index
