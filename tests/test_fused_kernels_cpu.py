@@ -8,19 +8,14 @@
 """
 import ctypes
 import inspect
-import pathlib
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from nvfp4_dist import _extension, fused_kernels
+from nvfp4_dist import fused_kernels
 from nvfp4_dist.reference import fused_producers as R
-
-CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
+from tests.helpers.host_harness import compile_harness, needs_nvcc, pointer
 
 # Host entry points over csrc/producer_numerics.cuh, composed as csrc/norm_quantize.cu composes them: thread t of
 # `threads` holds blocks row_block_of_thread(t, k, threads) of a row (k < K, the kernel's blocks per thread), zeros
@@ -124,17 +119,7 @@ void elementwise(const float* x, const float* up, long n, int kind, float* out) 
 @pytest.fixture(scope="module")
 def numerics(tmp_path_factory):
     """The harness compiled by nvcc for the host, loaded through ctypes."""
-    directory = tmp_path_factory.mktemp("producer_numerics")
-    source = directory / "harness.cu"
-    source.write_text(HARNESS)
-    library = directory / "libharness.so"
-    subprocess.run(["nvcc", "-O2", f"-std={_extension.cxx_standard()}", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
-                    f"-I{CSRC}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
-    return ctypes.CDLL(str(library))
-
-
-def pointer(array: np.ndarray):
-    return array.ctypes.data_as(ctypes.c_void_p)
+    return compile_harness(tmp_path_factory.mktemp("producer_numerics"), HARNESS)
 
 
 def f32(t: torch.Tensor) -> np.ndarray:

@@ -12,7 +12,6 @@ import ctypes
 import inspect
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -23,9 +22,7 @@ import torch
 from nvfp4_dist import _extension, kernels, reference
 from nvfp4_dist.reference.philox import CURAND_ROUNDS, SR_ROUNDS, philox4x32
 from tests.helpers import oracle as O
-
-CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
+from tests.helpers.host_harness import CSRC, compile_harness, needs_nvcc, pointer
 
 # Host entry points over csrc/nvfp4_numerics.cuh and csrc/tile_order.cuh, composed exactly as csrc/quantize.cu
 # composes them.
@@ -108,17 +105,7 @@ void dequantize_codes(const unsigned char* codes, const unsigned char* scales, l
 @pytest.fixture(scope="module")
 def numerics(tmp_path_factory):
     """The harness compiled by nvcc for the host, loaded through ctypes."""
-    directory = tmp_path_factory.mktemp("numerics")
-    source = directory / "harness.cu"
-    source.write_text(HARNESS)
-    library = directory / "libharness.so"
-    subprocess.run(["nvcc", "-O2", f"-std={_extension.cxx_standard()}", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
-                    f"-I{CSRC}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
-    return ctypes.CDLL(str(library))
-
-
-def pointer(array: np.ndarray):
-    return array.ctypes.data_as(ctypes.c_void_p)
+    return compile_harness(tmp_path_factory.mktemp("numerics"), HARNESS)
 
 
 def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset=(0, 0), stream=0):

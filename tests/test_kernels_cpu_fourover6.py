@@ -2,20 +2,16 @@
 (nvfp4_dist/reference/fourover6.py) byte for byte: candidates, errors, choice, the 16x16 tree, the bound 256."""
 import ctypes
 import json
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from nvfp4_dist import _extension
 from nvfp4_dist.reference.fourover6 import FourOverSix, quantize_blocks_4over6
 from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax
-from tests.test_kernels_cpu import CSRC, pointer
+from tests.helpers.host_harness import compile_harness, needs_nvcc, pointer
 from tests.test_reference_fourover6 import ALL_OPTIONS, CASES, ROW_SCALED_CASE, _random_bf16_input, _tie_input
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on the PATH")
 
 # Host entry point over csrc/nvfp4_numerics.cuh's 4over6 functions, composed as csrc/quantize_4over6.cu composes
 # them: one block's candidates, the choice (1x16), or the 16 rows' tree-summed errors (16x16).
@@ -82,15 +78,7 @@ extern "C" float tile_error(const float* row_errors) {
 
 @pytest.fixture(scope="module")
 def numerics(tmp_path_factory):
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc (CUDA toolkit) on the PATH")
-    directory = tmp_path_factory.mktemp("numerics_4over6")
-    source = directory / "harness.cu"
-    source.write_text(HARNESS)
-    library = directory / "libharness.so"
-    subprocess.run(["nvcc", "-O2", f"-std={_extension.cxx_standard()}", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
-                    f"-I{CSRC}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(str(library))
+    lib = compile_harness(tmp_path_factory.mktemp("numerics_4over6"), HARNESS)
     lib.tile_error.restype = ctypes.c_float
     return lib
 
