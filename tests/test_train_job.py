@@ -1,10 +1,8 @@
 """nvfp4-train end to end on CPU (2 gloo processes, TP=2): loss, logs, checkpoints, resume, flag validation."""
 import json
 import os
-import pathlib
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -142,38 +140,31 @@ def test_an_unusable_out_dir_is_refused(tmp_path, capsys, monkeypatch, make_out_
     assert err.count("\n") == 1
 
 
-def as_unprivileged_user():
-    """preexec_fn for a child that cannot write where permissions forbid it (root writes anywhere)."""
-    if os.geteuid() != 0:
-        return None
-
-    def drop():
-        os.setgid(65534)
-        os.setuid(65534)
-    return drop
+def access_by_mode_bits(path, mode, *args, **kwargs) -> bool:
+    """os.access as the owner's mode bits decide it: what a user who is not root gets (root writes anywhere)."""
+    wanted = (0o400 if mode & os.R_OK else 0) | (0o200 if mode & os.W_OK else 0) | (0o100 if mode & os.X_OK else 0)
+    return os.stat(path).st_mode & wanted == wanted
 
 
 @pytest.mark.parametrize("target", ["the_dir", "the_dir/new_out"])
-def test_a_read_only_out_dir_is_refused_by_the_command(target):
-    """The real command, as a user who cannot write to the directory: one line, no process started."""
-    base = pathlib.Path(tempfile.mkdtemp(prefix="nvfp4_readonly_"))  # reachable by an unprivileged user
+def test_a_read_only_out_dir_is_refused(tmp_path, capsys, monkeypatch, target):
+    """A directory its mode makes read-only: one line naming the flag, no process started."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    if os.geteuid() == 0:
+        monkeypatch.setattr(os, "access", access_by_mode_bits)
+    (tmp_path / "the_dir").mkdir()
+    (tmp_path / "the_dir").chmod(0o555)  # read and enter, no writing
     try:
-        base.chmod(0o755)
-        (base / "the_dir").mkdir()
-        (base / "the_dir").chmod(0o555)  # read and enter, no writing
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        env["HOME"] = str(base)
-        result = subprocess.run([sys.executable, "-m", "nvfp4_dist.launch.train", "--device", "cpu",
-                                 "--out-dir", str(base / target)], capture_output=True, text=True, timeout=120,
-                                env=env, cwd=base, preexec_fn=as_unprivileged_user())
-        assert result.returncode == 2, result.stderr[-2000:]
-        expected = ("the directory is not writable" if target == "the_dir"
-                    else f"cannot be created, {base / 'the_dir'} is not writable")
-        assert result.stderr == f"nvfp4-train: error: --out-dir={base / target}: {expected}\n"
-        assert result.stdout == "" and list((base / "the_dir").iterdir()) == []
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(["--device", "cpu", "--out-dir", str(tmp_path / target)])
     finally:
-        (base / "the_dir").chmod(0o755)
-        subprocess.run(["rm", "-rf", str(base)], check=True)
+        (tmp_path / "the_dir").chmod(0o755)
+    err = capsys.readouterr().err
+    expected = ("the directory is not writable" if target == "the_dir"
+                else f"cannot be created, {tmp_path / 'the_dir'} is not writable")
+    assert exit_info.value.code == 2 and f"--out-dir={tmp_path / target}: {expected}" in err, err
+    assert err.count("\n") == 1 and list((tmp_path / "the_dir").iterdir()) == []
 
 
 def test_megatron_flags_are_checked(capsys, monkeypatch):
