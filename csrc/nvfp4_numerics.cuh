@@ -590,23 +590,41 @@ struct FourOverSixScale {
   float s_enc;        // min(6 B / A, FLT_MAX), 1 where that is 0
   float s_dec;        // 1 / S_enc
   float denominator;  // 6 B, exact
+  float reciprocal;   // fp32(1 / (6 B)), for divide_by_exact_constant
 };
 
 NVFP4_HD FourOverSixScale four_over_six_scale(float amax, float e4m3_bound) {
   const float denominator = kFp4Max * e4m3_bound;
   const float s_enc = encode_scale(amax, denominator);
-  return FourOverSixScale{amax, s_enc, decode_scale(s_enc), denominator};
+  const float reciprocal = denominator == 1536.0f ? 6.51041686e-04f    // fp32(1 / 1536)
+                           : denominator == 2688.0f ? 3.72023811e-04f  // fp32(1 / 2688)
+                                                    : 1.0f / denominator;
+  return FourOverSixScale{amax, s_enc, decode_scale(s_enc), denominator, reciprocal};
 }
 
-// base = div(a_b, 6) * S_enc, the division first (docs/numerics.md §12.2; not the order of §2.3).
-NVFP4_HD float four_over_six_base_scale(float block_amax, float s_enc) { return (block_amax / kFp4Max) * s_enc; }
+// a / c correctly rounded, for c = 6, 1536 or 2688 and reciprocal = fp32(1 / c): one multiply and two FMAs give the
+// IEEE quotient of every significand of a (tests/test_kernels_cpu_fourover6.py checks all of them for each c), as
+// long as a, the quotient and the residual are normal: the callers keep the quotient in [2^-100, 2^124].
+NVFP4_HD float divide_by_exact_constant(float a, float c, float reciprocal) {
+  const float q = a * reciprocal;
+  return fmaf(fmaf(-q, c, a), reciprocal, q);
+}
+
+// base = div(a_b, 6) * S_enc, the division first (docs/numerics.md §12.2; not the order of §2.3); the quotient by
+// divide_by_exact_constant where it is normal (and for a_b = 0), else by the IEEE division.
+NVFP4_HD float four_over_six_base_scale(float block_amax, float s_enc) {
+  const bool in_range = block_amax == 0.0f || (block_amax >= 6.310887241768095e-30f && block_amax <= 8.507059173023462e+37f);
+  const float quotient = in_range ? divide_by_exact_constant(block_amax, kFp4Max, kOneSixth) : block_amax / kFp4Max;
+  return quotient * s_enc;  // 2^-97 and 2^126 above
+}
 
 // One candidate of a block (docs/numerics.md §12.3-4): its codes, encoded as the plain casts encode (round to nearest
 // even with e_c = min(1 / (fp32(s_c) * S_dec), FLT_MAX)), and its error: the sum over i = 0..15, in order, of |d_i|
 // (MAE) or d_i * d_i (MSE), with d_i = ((fp4value_i * s_c) * A) / (6 B) - x_i, or with kFastMath
 // d_i = fp4value_i * s_c - x_i * S_enc (targets[i] holds x_i * S_enc). fp4value_i * s_c is exact in FP32 (at most 6
 // significant bits): the FP16 product the fast-math error is defined with is the same number.
-// block_amax: an upper bound of the |values| (the 16x16 tile's amax for 2D blocks).
+// block_amax: an upper bound of the |values| (the 16x16 tile's amax for 2D blocks). Any input (NaN, inf, values that
+// saturate or underflow); four_over_six_candidates takes the common case a shorter way.
 template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
 NVFP4_HD float four_over_six_candidate(const float (&values)[kBlockSize], const float (&targets)[kBlockSize],
                                        float block_amax, uint32_t scale, const FourOverSixScale& global,
@@ -633,15 +651,147 @@ struct FourOverSixCandidates {
   float error[2];
 };
 
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
+// The common case, in which a candidate's codes and error follow from |x_i| alone: 16-bit values (no -0.0 product
+// once x + 0 has no -0.0), encode >= 2^-16 (no product underflows to zero), block_amax * encode below the limit (no
+// saturation; false for NaN), and for the exact error, quotients of divide_by_exact_constant in its range: every nonzero
+// product fp4value * s_c * A lies in [s_c A / 2, 6 s_c A], so s_c A in [2^-80, 2^110] (or s_c = 0) with A <= 2^113
+// (A * 2^14 finite) keeps them there.
+// limit: 7, or for the map-to-4 candidate kMapToFourLimit.
+template <bool kFastMath>
+NVFP4_HD bool four_over_six_common_case(float block_amax, float encode, float scale_value, const FourOverSixScale& global,
+                                        float limit) {
+  if (!(encode >= kEncodeKeepingSixteenBitProductsNonzero && block_amax * encode < limit)) return false;
+  if (kFastMath) return true;
+  const float product = scale_value * global.amax;
+  return global.amax <= 1.0384593717069655e+34f &&  // 2^113
+         (scale_value == 0.0f || (product >= 8.271806125530277e-25f && product <= 1.298074214633707e+33f));  // 2^-80, 2^110
+}
+
+// fp4value(index_even) * s and fp4value(index_odd) * s, both times 2^-14, as FP32 (indices in the low halves of their
+// words, s_pair: the FP16 bits of s in both halves). An index's E2M1 bits placed in an FP16 (bits 9..11) are its
+// magnitude times 2^-14, and one packed FP16 multiply forms both products exactly: each has at most 6 significant bits
+// and is a multiple of 2^-24, FP16's smallest subnormal (E2M1 values are multiples of 1/2, E4M3 ones of 2^-9).
+// kMultiply: without it, s = 1 and no multiply.
+template <bool kMultiply>
+NVFP4_HD void fp4_magnitude_products_scaled(uint32_t index_even, uint32_t index_odd, uint32_t s_pair, float& even,
+                                            float& odd) {
+#ifdef __CUDA_ARCH__
+  const uint32_t bits = __byte_perm(index_even, index_odd, 0x5410) << 9;
+  const __half2 magnitudes = *reinterpret_cast<const __half2*>(&bits);
+  const float2 both =
+      __half22float2(kMultiply ? __hmul2(magnitudes, *reinterpret_cast<const __half2*>(&s_pair)) : magnitudes);
+  even = both.x;
+  odd = both.y;
+#else
+  const float s = __half2float(__ushort_as_half(static_cast<unsigned short>(s_pair & 0xFFFFu)));
+  even = fp4_magnitude(index_even & 0xFFFFu) * s * 6.103515625e-05f;  // 2^-14
+  odd = fp4_magnitude(index_odd & 0xFFFFu) * s * 6.103515625e-05f;
+#endif
+}
+
+// The FP16 bits of an E4M3 scale value (exact) in both halves.
+NVFP4_HD uint32_t half_pair_bits(float scale_value) {
+  const uint32_t half = __half_as_ushort(__float2half_rn(scale_value));
+  return half | (half << 16);
+}
+
+// The map-to-4 candidate's scaled magnitudes stay below this bound (about 4 * 17/16 for a normal E4M3 scale), where
+// the grid's steps of 1 and 1/2 alone round them: below 4.5 the step-2 rounding adds nothing (4 and 6 are 6 and 7's
+// neighbours only above 5).
+constexpr float kMapToFourLimit = 4.5f;
+
+// The index 0..7 of the FP4 magnitude nearest to 0 <= a < 4.5 (ties to the even code) in the low 16 bits: the two
+// finer roundings of fp4_index_rne_below_7_in_low_half.
+NVFP4_HD uint32_t fp4_index_rne_below_4_5_in_low_half(float a) {
+  const uint32_t fine = float_bits(a + kRoundToHalves);
+  const uint32_t middle = float_bits(a + (kRoundToOnes + 2.0f));
+  return min_of_low_halves(fine, middle, middle);
+}
+
+// One candidate in the common case (four_over_six_common_case): the packed magnitudes (no sign bits) and the error.
+// magnitudes[i] = |x_i|, targets[i] = |x_i| * S_enc (fast-math); kBelowFourAndAHalf: the scaled magnitudes are below
+// kMapToFourLimit.
+template <bool kMSE, bool kFastMath, bool kBelowFourAndAHalf>
+NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSize], const float (&targets)[kBlockSize],
+                                              float encode, float scale_value, const FourOverSixScale& global,
+                                              uint2& packed) {
+  uint32_t indices[kBlockSize];
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) {
+    const float scaled = magnitudes[i] * encode;
+    indices[i] = kBelowFourAndAHalf ? fp4_index_rne_below_4_5_in_low_half(scaled) : fp4_index_rne_below_7_in_low_half(scaled);
+  }
+  packed = make_uint2(pack_eight_codes(indices), pack_eight_codes(indices + 8));
+  // fast-math: the magnitudes times 2^-14 (times s = 1), then one FMA; exact: the products times 2^-14
+  const uint32_t s_pair = half_pair_bits(kFastMath ? 1.0f : scale_value);
+  const float scale_scaled = scale_value * 16384.0f;  // s * 2^14, exact
+  const float amax_scaled = global.amax * 16384.0f;   // A * 2^14, exact (A <= 2^113)
+  float error = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlockSize; i += 2) {
+    float products[2];  // fp4value * 2^-14 (fast-math), fp4value * s * 2^-14 (exact)
+    fp4_magnitude_products_scaled<!kFastMath>(indices[i], indices[i + 1], s_pair, products[0], products[1]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      // fast-math: fp4value * s - |x| * S_enc, the exact product less the target, rounded once;
+      // exact: ((fp4value * s) * A) / (6 B) - |x|, with (fp4value * s * 2^-14) * (A * 2^14) the same product
+      const float difference =
+          kFastMath ? fmaf(products[j], scale_scaled, -targets[i + j])
+                    : divide_by_exact_constant(products[j] * amax_scaled, global.denominator, global.reciprocal) -
+                          magnitudes[i + j];
+      error = error + (kMSE ? difference * difference : fabsf(difference));
+    }
+  }
+  return error;
+}
+
+// e_b of a scale byte under one tensor scale, computed (the kernels look it up in a table of these values).
+struct BlockEncodeFactor {
+  float s_dec;
+  NVFP4_HD float operator()(uint32_t scale) const { return block_encode_factor(static_cast<uint8_t>(scale), s_dec); }
+};
+
+// Both candidates of a block; encode_of(scale byte) gives e_b under global's S_dec (BlockEncodeFactor, or a table of
+// its values). A candidate's d_i has the sign of x_i (or is -x_i where the code is 0), so the common case takes the
+// error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for both.
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, typename EncodeOf>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
-                                                        const FourOverSixScale& global) {
+                                                        const FourOverSixScale& global, const EncodeOf& encode_of) {
   FourOverSixCandidates c;
   const float base = four_over_six_base_scale(block_amax, global.s_enc);
   // e4m3(clamp(base * f, +-448)): SATFINITE clamps (base >= 0, or NaN, which stays NaN)
   c.scale[0] = block_scale_e4m3_of_nonnegative(base, kMapToFourFactor);
   c.scale[1] = block_scale_e4m3_of_nonnegative(base, 1.0f);
   float targets[kBlockSize];
+  if constexpr (kSixteenBitValues) {
+    float scale_value[2], encode[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      scale_value[k] = e4m3_to_float(static_cast<uint8_t>(c.scale[k]));
+      encode[k] = encode_of(c.scale[k]);
+    }
+    if (four_over_six_common_case<kFastMath>(block_amax, encode[0], scale_value[0], global, kMapToFourLimit) &&
+        four_over_six_common_case<kFastMath>(block_amax, encode[1], scale_value[1], global, 7.0f)) {
+      float magnitudes[kBlockSize], signed_values[kBlockSize];
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) {
+        magnitudes[i] = fabsf(values[i]);
+        targets[i] = kFastMath ? magnitudes[i] * global.s_enc : 0.0f;
+        signed_values[i] = values[i] + 0.0f;
+      }
+      const uint2 signs = make_uint2(sign_bits_of_eight(signed_values), sign_bits_of_eight(signed_values + 8));
+      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true>(magnitudes, targets, encode[0], scale_value[0],
+                                                                         global, c.packed[0]);
+      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false>(magnitudes, targets, encode[1],
+                                                                          scale_value[1], global, c.packed[1]);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        c.packed[k].x |= signs.x;
+        c.packed[k].y |= signs.y;
+      }
+      return c;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) targets[i] = kFastMath ? values[i] * global.s_enc : 0.0f;
 #pragma unroll
@@ -650,6 +800,13 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
                                                                              global, c.packed[k]);
   }
   return c;
+}
+
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
+NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
+                                                        const FourOverSixScale& global) {
+  return four_over_six_candidates<kMSE, kFastMath, kSixteenBitValues>(values, block_amax, global,
+                                                                      BlockEncodeFactor{global.s_dec});
 }
 
 // The kept candidate's index: map-to-4 (0) only where its error is smaller; ties (and NaN) keep map-to-6 (1).

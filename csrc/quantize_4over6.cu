@@ -59,14 +59,17 @@ __device__ __forceinline__ float tile_error_across_16_lanes(float error) {
 
 // One block (16 values along the quantized dimension): both candidates, the choice, and the kept one's codes and
 // scale at data / scale when `inside`. Every lane of the warp takes part (the 16x16 sums shuffle).
-template <typename T, bool k2D, bool kMSE, bool kFastMath>
+// encode_of: e_b of a scale byte under global's S_dec (a shared-memory table, or BlockEncodeFactor).
+template <typename T, bool k2D, bool kMSE, bool kFastMath, typename EncodeOf>
 __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlockSize], const FourOverSixScale& global,
-                                                    bool inside, uint8_t* data, uint8_t* scale) {
+                                                    const EncodeOf& encode_of, bool inside, uint8_t* data,
+                                                    uint8_t* scale) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) amax = fmaxf(amax, fabsf(values[i]));
   if constexpr (k2D) amax = max_across_16_lanes(amax);
-  const FourOverSixCandidates c = four_over_six_candidates<kMSE, kFastMath, sizeof(T) == 2>(values, amax, global);
+  const FourOverSixCandidates c =
+      four_over_six_candidates<kMSE, kFastMath, sizeof(T) == 2>(values, amax, global, encode_of);
   float error4 = c.error[0], error6 = c.error[1];
   if constexpr (k2D) {
     error4 = tile_error_across_16_lanes(error4);
@@ -82,13 +85,32 @@ __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlock
 // One CTA per 64 x 64 tile, row-major over the tiles. Thread t encodes the rowwise block (row t % 64, 16-column block
 // t / 64) and the columnwise block (column t % 64, 16-row block t / 64): lanes 16j .. 16j + 15 hold the 16 rows (or
 // columns) of one 16x16 block, and read the shared tile without bank conflicts.
+// e_b of each scale byte a non-negative block amax gives (0x00..0x7F) under one tensor scale, in shared memory.
+struct EncodeTable {
+  const float* encode;
+  __device__ float operator()(uint32_t scale) const { return encode[scale]; }
+};
+constexpr int kPositiveScales = 128;
+static_assert(kThreads == 2 * kPositiveScales, "one thread per scale byte of each copy fills the e_b tables");
+
 template <typename T, bool k2D, bool kMSE, bool kFastMath>
 __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles) {
   __shared__ float tile[kTile][kTileStride];
+  __shared__ float encode_of_scale[2][kPositiveScales];  // rowwise (tensor-scaled), columnwise
   const int tid = threadIdx.x;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) / column_tiles * kTile;
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) % column_tiles * kTile;
   const float bound = static_cast<float>(args.e4m3_bound);
+  const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
+  const FourOverSixScale rowwise_global = four_over_six_scale(rowwise_tensor_scaled ? args.amax_rowwise[0] : 1.0f, bound);
+  const FourOverSixScale columnwise_global =
+      four_over_six_scale(args.columnwise_data != nullptr ? args.amax_columnwise[0] : 1.0f, bound);
+  {
+    const int copy = tid / kPositiveScales;
+    encode_of_scale[copy][tid % kPositiveScales] =
+        block_encode_factor(static_cast<uint8_t>(tid % kPositiveScales),
+                            copy == 0 ? rowwise_global.s_dec : columnwise_global.s_dec);
+  }
   load_tile<T>(tile, args, m0, k0, tid);
   __syncthreads();
   const int lane_index = tid % kTile, block = tid / kTile;
@@ -96,13 +118,19 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
   if (args.rowwise_data != nullptr) {
     const int64_t m = m0 + lane_index, k = k0 + block * kBlockSize;
     const bool inside = m < args.rows && k < args.cols;
-    const float amax = args.row_scaled ? (m < args.rows ? args.amax_rowwise[m] : 0.0f) : args.amax_rowwise[0];
     float values[kBlockSize];
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) values[i] = tile[lane_index][block * kBlockSize + i];
-    encode_4over6_block<T, k2D, kMSE, kFastMath>(values, four_over_six_scale(amax, bound), inside,
-                                                 args.rowwise_data + m * (args.cols / 2) + k / 2,
-                                                 args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize);
+    uint8_t* const data = args.rowwise_data + m * (args.cols / 2) + k / 2;
+    uint8_t* const scale = args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize;
+    if (args.row_scaled) {  // 1D blocks only: S_enc per row
+      const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
+      encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, inside, data,
+                                                     scale);
+    } else {
+      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, inside,
+                                                   data, scale);
+    }
   }
   if (args.columnwise_data != nullptr) {  // rows % 16 == 0
     const int64_t k = k0 + lane_index, m = m0 + block * kBlockSize;
@@ -110,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
     float values[kBlockSize];
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) values[i] = tile[block * kBlockSize + i][lane_index];
-    encode_4over6_block<T, k2D, kMSE, kFastMath>(values, four_over_six_scale(args.amax_columnwise[0], bound), inside,
+    encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]}, inside,
                                                  args.columnwise_data + k * (args.rows / 2) + m / 2,
                                                  args.columnwise_scale + k * (args.rows / kBlockSize) + m / kBlockSize);
   }

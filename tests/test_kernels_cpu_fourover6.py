@@ -68,6 +68,17 @@ extern "C" void quantize_4over6(const float* x, long rows, long cols, const floa
     default: quantize<true, true, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
   }
 }
+extern "C" long division_mismatches(float c) {  // divide_by_exact_constant against a / c, every significand in [1, 4)
+  const float reciprocal = four_over_six_scale(1.0f, c / 6.0f).reciprocal;
+  long mismatches = 0;
+  for (uint32_t bits = 0x3F800000u; bits < 0x40800000u; ++bits) {
+    const float a = bits_float(bits);
+    mismatches += float_bits(divide_by_exact_constant(a, c, reciprocal)) != float_bits(a / c);
+  }
+  return mismatches;
+}
+extern "C" float scale_reciprocal(float bound) { return four_over_six_scale(1.0f, bound).reciprocal; }
+extern "C" float base_scale(float block_amax, float s_enc) { return four_over_six_base_scale(block_amax, s_enc); }
 extern "C" float tile_error(const float* row_errors) {
   float rows[kBlockSize];
   for (int r = 0; r < kBlockSize; ++r) rows[r] = row_errors[r];
@@ -80,7 +91,36 @@ extern "C" float tile_error(const float* row_errors) {
 def numerics(tmp_path_factory):
     lib = compile_harness(tmp_path_factory.mktemp("numerics_4over6"), HARNESS)
     lib.tile_error.restype = ctypes.c_float
+    lib.division_mismatches.restype = ctypes.c_long
+    lib.scale_reciprocal.restype = ctypes.c_float
+    lib.base_scale.restype = ctypes.c_float
     return lib
+
+
+@needs_nvcc
+@pytest.mark.parametrize("bound", [256, 448])
+def test_reciprocal_constants(numerics, bound):
+    """The 1 / (6 B) the kernels multiply by is fp32(1 / (6 B))."""
+    expected = np.float32(1.0) / np.float32(6 * bound)
+    assert numerics.scale_reciprocal(ctypes.c_float(bound)) == expected
+
+
+@needs_nvcc
+@pytest.mark.parametrize("constant", [6.0, 1536.0, 2688.0])
+def test_division_by_constant_is_correctly_rounded(numerics, constant):
+    """divide_by_exact_constant (one multiply, two FMAs) equals the IEEE quotient for every significand: the 4over6
+    error's division by 6 B and the block scale's division by 6 take it in their normal range."""
+    assert numerics.division_mismatches(ctypes.c_float(constant)) == 0
+
+
+@needs_nvcc
+def test_base_scale_outside_the_fast_range(numerics):
+    """a_b / 6 for block amaxes at and beyond the ends of divide_by_exact_constant's range (subnormal, huge, inf)."""
+    amaxes = np.array([0.0, 1e-45, 2.0 ** -126, 6.310887e-30, 6.3108867e-30, 2.0 ** 126, 8.5070596e37, 3.4028235e38,
+                       np.inf], dtype=np.float32)
+    for amax in amaxes:
+        expected = torch.div(torch.tensor(float(amax)), torch.tensor(6.0)).item()
+        assert numerics.base_scale(ctypes.c_float(amax), ctypes.c_float(1.0)) == np.float32(expected), amax
 
 
 def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, options: FourOverSix, block_2d: bool):
