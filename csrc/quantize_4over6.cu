@@ -23,37 +23,25 @@ constexpr int kTileStride = kTile + 1;    // floats per shared-memory row: confl
 constexpr int kBlocksPerTileRow = kTile / kBlockSize;
 static_assert(kThreads == kTile * kBlocksPerTileRow, "one rowwise and one columnwise block per thread");
 
-// A thread's share of the tile at (m0, k0): 16-byte chunks of x, zeros outside x (cols % 16 == 0: a chunk lies
-// wholly inside or outside), loaded into registers so that the next tile's loads are in flight while this one is
-// encoded, then stored to shared memory as FP32.
+// The tile at (m0, k0) as FP32, zeros outside x (cols % 16 == 0: a 16-byte chunk lies wholly inside or outside).
 template <typename T>
-struct TileChunks {
-  static constexpr int kChunkElements = 16 / sizeof(T);
-  static constexpr int kChunksPerRow = kTile / kChunkElements;
-  static constexpr int kChunksPerThread = kTile * kChunksPerRow / kThreads;
-  uint4 chunks[kChunksPerThread];
-
-  __device__ void load(const QuantizeArgs& args, int64_t m0, int64_t k0, int tid) {
-    const T* x = static_cast<const T*>(args.x);
+__device__ __forceinline__ void load_tile(float (*tile)[kTileStride], const QuantizeArgs& args, int64_t m0, int64_t k0,
+                                          int tid) {
+  constexpr int kChunkElements = 16 / sizeof(T);
+  constexpr int kChunksPerRow = kTile / kChunkElements;
+  constexpr int kChunksPerThread = kTile * kChunksPerRow / kThreads;
+  const T* x = static_cast<const T*>(args.x);
 #pragma unroll
-    for (int u = 0; u < kChunksPerThread; ++u) {
-      const int q = tid + u * kThreads;
-      const int64_t m = m0 + q / kChunksPerRow, k = k0 + (q % kChunksPerRow) * kChunkElements;
-      chunks[u] = m < args.rows && k < args.cols ? load_streaming(x + m * args.cols + k) : make_uint4(0, 0, 0, 0);
-    }
+  for (int u = 0; u < kChunksPerThread; ++u) {
+    const int q = tid + u * kThreads;
+    const int row = q / kChunksPerRow, column = (q % kChunksPerRow) * kChunkElements;
+    const int64_t m = m0 + row, k = k0 + column;
+    float values[kChunkElements] = {};
+    if (m < args.rows && k < args.cols) unpack_vector<T>(load_streaming(x + m * args.cols + k), values);
+#pragma unroll
+    for (int e = 0; e < kChunkElements; ++e) tile[row][column + e] = values[e];
   }
-
-  __device__ void store(float (*tile)[kTileStride], int tid) const {
-#pragma unroll
-    for (int u = 0; u < kChunksPerThread; ++u) {
-      const int q = tid + u * kThreads;
-      float values[kChunkElements];
-      unpack_vector<T>(chunks[u], values);
-#pragma unroll
-      for (int e = 0; e < kChunkElements; ++e) tile[q / kChunksPerRow][(q % kChunksPerRow) * kChunkElements + e] = values[e];
-    }
-  }
-};
+}
 
 // The maximum over lanes 16j .. 16j + 15 of non-negative values (the 16 rows, or columns, of one 16x16 block).
 __device__ __forceinline__ float max_across_16_lanes(float v) {
@@ -97,6 +85,9 @@ __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlock
   }
 }
 
+// One CTA per 64 x 64 tile, row-major over the tiles. Thread t encodes the rowwise block (row t % 64, 16-column block
+// t / 64) and the columnwise block (column t % 64, 16-row block t / 64): lanes 16j .. 16j + 15 hold the 16 rows (or
+// columns) of one 16x16 block, and read the shared tile without bank conflicts.
 // e_b of each scale byte a non-negative block amax gives (0x00..0x7F) under one tensor scale, in shared memory.
 struct EncodeTable {
   const float* encode;
@@ -105,23 +96,13 @@ struct EncodeTable {
 constexpr int kPositiveScales = 128;
 static_assert(kThreads == 2 * kPositiveScales, "one thread per scale byte of each copy fills the e_b tables");
 
-// Consecutive tiles (row-major over the tiles of x) per CTA: the per-CTA setup (global scales, e_b tables) is paid
-// once for them, and each tile's loads overlap the previous tile's encoding.
-constexpr int kTilesPerCta = 4;
-
-// Each CTA encodes up to kTilesPerCta consecutive 64 x 64 tiles. Thread t encodes the rowwise block (row t % 64,
-// 16-column block t / 64) and the columnwise block (column t % 64, 16-row block t / 64) of each: lanes 16j .. 16j + 15
-// hold the 16 rows (or columns) of one 16x16 block, and read the shared tile without bank conflicts.
 template <typename T, bool k2D, bool kMSE, bool kFastMath>
-__global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles,
-                                                                   int64_t tiles) {
+__global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles) {
   __shared__ float tile[kTile][kTileStride];
   __shared__ float encode_of_scale[2][kPositiveScales];  // rowwise (tensor-scaled), columnwise
   const int tid = threadIdx.x;
-  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerCta;
-  const int64_t end_tile = first_tile + kTilesPerCta < tiles ? first_tile + kTilesPerCta : tiles;
-  TileChunks<T> chunks;
-  chunks.load(args, first_tile / column_tiles * kTile, first_tile % column_tiles * kTile, tid);
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) / column_tiles * kTile;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) % column_tiles * kTile;
   const float bound = static_cast<float>(args.e4m3_bound);
   const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
   const FourOverSixScale rowwise_global = four_over_six_scale(rowwise_tensor_scaled ? args.amax_rowwise[0] : 1.0f, bound);
@@ -133,44 +114,36 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
         block_encode_factor(static_cast<uint8_t>(tid % kPositiveScales),
                             copy == 0 ? rowwise_global.s_dec : columnwise_global.s_dec);
   }
+  load_tile<T>(tile, args, m0, k0, tid);
+  __syncthreads();
   const int lane_index = tid % kTile, block = tid / kTile;
 
-  for (int64_t tile_index = first_tile; tile_index < end_tile; ++tile_index) {
-    const int64_t m0 = tile_index / column_tiles * kTile, k0 = tile_index % column_tiles * kTile;
-    if (tile_index > first_tile) __syncthreads();  // the previous tile's readers are done
-    chunks.store(tile, tid);
-    __syncthreads();
-    if (tile_index + 1 < end_tile) {
-      chunks.load(args, (tile_index + 1) / column_tiles * kTile, (tile_index + 1) % column_tiles * kTile, tid);
-    }
-
-    if (args.rowwise_data != nullptr) {
-      const int64_t m = m0 + lane_index, k = k0 + block * kBlockSize;
-      const bool inside = m < args.rows && k < args.cols;
-      float values[kBlockSize];
+  if (args.rowwise_data != nullptr) {
+    const int64_t m = m0 + lane_index, k = k0 + block * kBlockSize;
+    const bool inside = m < args.rows && k < args.cols;
+    float values[kBlockSize];
 #pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) values[i] = tile[lane_index][block * kBlockSize + i];
-      uint8_t* const data = args.rowwise_data + m * (args.cols / 2) + k / 2;
-      uint8_t* const scale = args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize;
-      if (args.row_scaled) {  // 1D blocks only: S_enc per row
-        const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
-        encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, inside, data,
-                                                       scale);
-      } else {
-        encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, inside,
-                                                     data, scale);
-      }
+    for (int i = 0; i < kBlockSize; ++i) values[i] = tile[lane_index][block * kBlockSize + i];
+    uint8_t* const data = args.rowwise_data + m * (args.cols / 2) + k / 2;
+    uint8_t* const scale = args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize;
+    if (args.row_scaled) {  // 1D blocks only: S_enc per row
+      const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
+      encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, inside, data,
+                                                     scale);
+    } else {
+      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, inside,
+                                                   data, scale);
     }
-    if (args.columnwise_data != nullptr) {  // rows % 16 == 0
-      const int64_t k = k0 + lane_index, m = m0 + block * kBlockSize;
-      const bool inside = m < args.rows && k < args.cols;
-      float values[kBlockSize];
+  }
+  if (args.columnwise_data != nullptr) {  // rows % 16 == 0
+    const int64_t k = k0 + lane_index, m = m0 + block * kBlockSize;
+    const bool inside = m < args.rows && k < args.cols;
+    float values[kBlockSize];
 #pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) values[i] = tile[block * kBlockSize + i][lane_index];
-      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]}, inside,
-                                                   args.columnwise_data + k * (args.rows / 2) + m / 2,
-                                                   args.columnwise_scale + k * (args.rows / kBlockSize) + m / kBlockSize);
-    }
+    for (int i = 0; i < kBlockSize; ++i) values[i] = tile[block * kBlockSize + i][lane_index];
+    encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]}, inside,
+                                                 args.columnwise_data + k * (args.rows / 2) + m / 2,
+                                                 args.columnwise_scale + k * (args.rows / kBlockSize) + m / kBlockSize);
   }
 }
 
@@ -180,11 +153,11 @@ cudaError_t launch_with_error(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t tiles = (args.rows + kTile - 1) / kTile * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned int>((tiles + kTilesPerCta - 1) / kTilesPerCta));
+  const dim3 grid(static_cast<unsigned int>(tiles));
   if (args.four_over_six_fast_math) {
-    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles);
+    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles);
   } else {
-    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles);
+    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles);
   }
   return cudaGetLastError();
 }
