@@ -13,6 +13,7 @@ from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.reference import dequantize_tensor, quantize_tensor
 from nvfp4_dist.reference.fourover6 import FourOverSix, candidate_products, quantize_blocks_4over6
 from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax, decode_scale, encode_scale
+from tests.helpers.golden import assert_golden_bytes
 
 CASES = [f"4over6_{dtype}_{tile}_{mode}_{bound}_{math}" for dtype in ("bf16", "fp32") for tile in ("1x16", "16x16")
          for mode in ("MAE", "MSE") for bound in (448, 256) for math in ("exact", "fast")]
@@ -31,24 +32,12 @@ def _case(golden, name):
     return config, x, options
 
 
-def _assert_bytes(golden, name, q, columnwise):
-    pairs = {"data": q.rowwise_data, "scale": q.rowwise_scale, "amax_row": q.amax_rowwise}
-    if columnwise:
-        pairs.update(data_t=q.columnwise_data, scale_t=q.columnwise_scale, amax_col=q.amax_columnwise)
-    for key, ours in pairs.items():
-        ours = (ours if ours.dtype == torch.float32 else ours.view(torch.uint8)).numpy()
-        theirs = golden[f"{name}/{key}"]
-        theirs = theirs[:, :ours.shape[1]] if key.startswith("scale") else theirs  # TE's padding columns
-        assert ours.shape == theirs.shape, f"{name}/{key}: shape {ours.shape} vs {theirs.shape}"
-        assert int((ours != theirs).sum()) == 0, f"{name}/{key}: {int((ours != theirs).sum())} bytes differ"
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_golden_4over6_both_copies(golden_v2, name):
     config, x, options = _case(golden_v2, name)
     q = quantize_tensor(x, block_2d=config["tile"] == [16, 16], four_over_six=options)
     assert q.e4m3_bound == options.e4m3_bound
-    _assert_bytes(golden_v2, name, q, columnwise=True)
+    assert_golden_bytes(golden_v2, name, q, columnwise=True)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -61,13 +50,13 @@ def test_golden_4over6_through_the_recipe(golden_v2, name):
                          nvfp4_4over6_e4m3_use_256=scope if options.e4m3_bound == 256 else "none",
                          nvfp4_4over6_err_mode=options.err_mode, nvfp4_4over6_err_use_fast_math=options.fast_math)
     q = nv.quantize(x, "weight" if is_weight else "activation", recipe=recipe)
-    _assert_bytes(golden_v2, name, q, columnwise=True)
+    assert_golden_bytes(golden_v2, name, q, columnwise=True)
 
 
 def test_golden_4over6_row_scaled(golden_v2):
     config, x, options = _case(golden_v2, ROW_SCALED_CASE)
     q = quantize_tensor(x, columnwise=False, row_scaled=True, four_over_six=options)
-    _assert_bytes(golden_v2, ROW_SCALED_CASE, q, columnwise=False)
+    assert_golden_bytes(golden_v2, ROW_SCALED_CASE, q, columnwise=False)
     assert np.array_equal(q.amax_rowwise.numpy(), golden_v2[f"{ROW_SCALED_CASE}/amax_col"])
 
 

@@ -2,7 +2,6 @@
 (after the RHT), Transformer Engine's golden bytes, the wgrad GEMM's per-column scale, and sharding along tokens."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,6 +10,7 @@ from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.reference import (compute_amaxes, dequantize_blocks, dequantize_tensor, gemm_reference,
                                   quantize_tensor, rht_transpose, swap_first_dims)
 from nvfp4_dist.reference.quantize import decode_scale
+from tests.helpers.golden import assert_golden_bytes
 
 CASES = ["rowscaled_columnwise_bf16_128x256", "rowscaled_columnwise_bf16_128x256_rht",
          "rowscaled_columnwise_bf16_128x256_rht_nosign"]
@@ -23,29 +23,18 @@ def _case(golden, name):
     return config, x
 
 
-def _assert_bytes(golden, name, q):
-    pairs = {"data": q.rowwise_data, "scale": q.rowwise_scale, "amax_row": q.amax_rowwise,
-             "data_t": q.columnwise_data, "scale_t": q.columnwise_scale, "amax_col": q.amax_columnwise}
-    for key, ours in pairs.items():
-        ours = (ours if ours.dtype == torch.float32 else ours.view(torch.uint8)).numpy()
-        theirs = golden[f"{name}/{key}"]
-        theirs = theirs[:, :ours.shape[1]] if key.startswith("scale") else theirs  # TE's padding columns
-        assert ours.shape == theirs.shape, f"{name}/{key}: shape {ours.shape} vs {theirs.shape}"
-        assert int((ours != theirs).sum()) == 0, f"{name}/{key}: {int((ours != theirs).sum())} bytes differ"
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_golden_row_scaled_with_columnwise_copy(golden_v2, name):
     config, x = _case(golden_v2, name)
     q = quantize_tensor(x, row_scaled=True, rht=config["with_rht"], rht_random_sign=config["with_random_sign_mask"])
     assert q.amax_rowwise.shape == (x.shape[0],) and q.amax_columnwise.shape == (x.shape[1],)
-    _assert_bytes(golden_v2, name, q)
+    assert_golden_bytes(golden_v2, name, q)
 
 
 def test_golden_through_the_public_quantize(golden_v2):
     _, x = _case(golden_v2, CASES[0])
     recipe = NVFP4Recipe(row_scaled_activation=True, rht=False, stochastic_rounding=False)
-    _assert_bytes(golden_v2, CASES[0], nv.quantize(x, "activation", recipe=recipe))
+    assert_golden_bytes(golden_v2, CASES[0], nv.quantize(x, "activation", recipe=recipe))
 
 
 @pytest.mark.parametrize("rht", [False, True])
