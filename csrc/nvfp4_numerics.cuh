@@ -745,22 +745,6 @@ NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSi
   return error;
 }
 
-// Both candidates of any block (scales in c): the general way, out of line on the GPU so that the common case keeps
-// its registers.
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
-static __host__ __device__ __noinline__ FourOverSixCandidates four_over_six_general_candidates(
-    const float (&values)[kBlockSize], float block_amax, const FourOverSixScale& global, FourOverSixCandidates c) {
-  float targets[kBlockSize];
-#pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) targets[i] = kFastMath ? values[i] * global.s_enc : 0.0f;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    c.error[k] = four_over_six_candidate<kMSE, kFastMath, kSixteenBitValues>(values, targets, block_amax, c.scale[k],
-                                                                             global, c.packed[k]);
-  }
-  return c;
-}
-
 // e_b of a scale byte under one tensor scale, computed (the kernels look it up in a table of these values).
 struct BlockEncodeFactor {
   float s_dec;
@@ -778,6 +762,7 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
   // e4m3(clamp(base * f, +-448)): SATFINITE clamps (base >= 0, or NaN, which stays NaN)
   c.scale[0] = block_scale_e4m3_of_nonnegative(base, kMapToFourFactor);
   c.scale[1] = block_scale_e4m3_of_nonnegative(base, 1.0f);
+  float targets[kBlockSize];
   if constexpr (kSixteenBitValues) {
     float scale_value[2], encode[2];
 #pragma unroll
@@ -787,7 +772,7 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
     }
     if (four_over_six_common_case<kFastMath>(block_amax, encode[0], scale_value[0], global, kMapToFourLimit) &&
         four_over_six_common_case<kFastMath>(block_amax, encode[1], scale_value[1], global, 7.0f)) {
-      float magnitudes[kBlockSize], targets[kBlockSize], signed_values[kBlockSize];
+      float magnitudes[kBlockSize], signed_values[kBlockSize];
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
         magnitudes[i] = fabsf(values[i]);
@@ -807,7 +792,14 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
       return c;
     }
   }
-  return four_over_six_general_candidates<kMSE, kFastMath, kSixteenBitValues>(values, block_amax, global, c);
+#pragma unroll
+  for (int i = 0; i < kBlockSize; ++i) targets[i] = kFastMath ? values[i] * global.s_enc : 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    c.error[k] = four_over_six_candidate<kMSE, kFastMath, kSixteenBitValues>(values, targets, block_amax, c.scale[k],
+                                                                             global, c.packed[k]);
+  }
+  return c;
 }
 
 template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
