@@ -23,7 +23,7 @@ from tests.helpers.gpt_model import GPTConfig, train  # noqa: E402
 from tests_multigpu.convergence_variants import (NAMES, add_gaps, entry, gpu_suffix, provenance,  # noqa: E402
                                                  select, summary_lines)
 
-DEFAULT_STEPS = 250  # every variant in about 3 minutes on one H100
+DEFAULT_STEPS = 250  # chosen for every variant within about 3 minutes on one H100
 
 
 def run_variants(variants, config: GPTConfig, *, steps: int, batch_size: int, lr: float, device: str,

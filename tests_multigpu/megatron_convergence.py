@@ -7,7 +7,8 @@ gaps to BF16 and to its baseline, the run's seconds (process start to exit) and 
     python -m tests_multigpu.megatron_convergence [--nproc 1] [--variants nvfp4 4over6_all]
                                                   [--out benchmarks/results/megatron_convergence_<gpu>.json]
 
-The defaults (200 steps of 4 x 1024 tokens on one GPU, TP=1) keep the eight runs within about 5 minutes on one H100.
+The defaults (200 steps of 4 x 1024 tokens on one GPU, TP=1) are chosen for the eight runs to take about 5 minutes
+on one H100; each run prints its seconds.
 """
 import argparse
 import json
