@@ -121,20 +121,6 @@ def fused_producers_command(record: dict) -> str:
     return record.get("command") or "python benchmarks/fused_producers.py"
 
 
-def convergence_summary(record: dict) -> list[str]:
-    config = record["config"]
-    return [f"GPT of {config['num_layers']} layers, hidden {config['hidden_size']}, {config['num_heads']} heads, "
-            f"seq {config['seq_length']}; {record['steps']} steps of batch {record['batch_size']}",
-            f"final loss (mean of the last 10 steps) {record['nvfp4']['final_loss']:.4f} vs "
-            f"{record['bf16']['final_loss']:.4f}: gap {100 * record['gap']:.2f}% (bound {100 * record['bound']:g}%)"]
-
-
-def convergence_command(record: dict) -> str:
-    return shlex.join(["python", "tests_multigpu/gpt_convergence.py", "--steps", str(record["steps"]),
-                       "--batch-size", str(record["batch_size"]), "--lr", f"{record['lr']:g}",
-                       "--bound", f"{record['bound']:g}"])
-
-
 def allgather_summary(record: dict) -> list[str]:
     rows = record["results"]
     transport = "NVLink symmetric memory" if rows[0]["transport"] == "peer_memory" else "NCCL"
@@ -257,8 +243,6 @@ BENCHMARKS = {  # row order
                         linear_command),
     "fused_producers": Benchmark("norm / activation fused into the NVFP4 cast", "the unfused chain (BF16 output "
                                  "written, then quantized)", fused_producers_summary, fused_producers_command),
-    "gpt_convergence": Benchmark("GPT training, final loss", "the same model in BF16, same seed and data",
-                                 convergence_summary, convergence_command),
     "allgather": Benchmark("NVFP4 all-gather", "NCCL's BF16 all-gather of the same tensor", allgather_summary,
                            allgather_command),
     "tp_linear": Benchmark("tensor-parallel MLP block", "Megatron-Core's BF16 layers; the BF16 fallback",
@@ -271,6 +255,98 @@ BENCHMARKS = {  # row order
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The convergence section: one table per model and GPU kind, one row per recipe variant.
+
+def gpt_convergence_setup(record: dict) -> str:
+    config = record["config"]
+    return (f"{config['num_layers']} layers, hidden {config['hidden_size']}, {config['num_heads']} heads, seq "
+            f"{config['seq_length']}, a fixed Markov token stream; {record['steps']} steps of batch "
+            f"{record['batch_size']}, lr {record['lr']:g}")
+
+
+def gpt_convergence_command(record: dict) -> str:
+    return shlex.join(["python", "-m", "tests_multigpu.gpt_convergence", "--steps", str(record["steps"]),
+                       "--batch-size", str(record["batch_size"]), "--lr", f"{record['lr']:g}", "--bound",
+                       f"{record['bound']:g}", "--variants", *[name for name in record["variants"] if name != "bf16"]])
+
+
+def megatron_convergence_setup(record: dict) -> str:
+    return (f"{record['layers']} layers, hidden {record['hidden']}, ffn {record['ffn']} (SwiGLU), {record['heads']} "
+            f"heads, vocab {record['vocab']}, {record['data']} text (entropy rate {record['data_entropy_rate']:.3f} "
+            f"nats/byte); {record['steps']} steps of {record['micro_batch']} x {record['seq']} tokens, seed "
+            f"{record['seed']}, TP={record['tp']} on {record['gpus']} GPU{'s' if record['gpus'] > 1 else ''}; "
+            f"megatron-core {record['megatron_core']}")
+
+
+def megatron_convergence_command(record: dict) -> str:
+    tp = [] if record["tp"] == record["gpus"] else ["--tp", str(record["tp"])]
+    return shlex.join(["python", "-m", "tests_multigpu.megatron_convergence", "--nproc", str(record["gpus"]), *tp,
+                       "--steps", str(record["steps"]), "--seq", str(record["seq"]), "--micro-batch",
+                       str(record["micro_batch"]), "--seed", str(record["seed"]), "--variants",
+                       *[name for name in record["variants"] if name != "bf16"]])
+
+
+@dataclasses.dataclass(frozen=True)
+class Convergence:
+    """How one model's convergence JSON becomes a table."""
+
+    model: str
+    driver: str  # the module that writes the JSON
+    setup: Callable[[dict], str]
+    command: Callable[[dict], str]
+
+
+CONVERGENCE = {  # table order
+    "gpt_convergence": Convergence("GPT of `tests/helpers/gpt_model.py`", "tests_multigpu.gpt_convergence",
+                                   gpt_convergence_setup, gpt_convergence_command),
+    "megatron_convergence": Convergence("Megatron-Core GPTModel of `tests_multigpu/megatron_train.py`",
+                                        "tests_multigpu.megatron_convergence", megatron_convergence_setup,
+                                        megatron_convergence_command),
+}
+CONVERGENCE_INTRODUCTION = (
+    "Training runs of one model under each recipe variant of `tests_multigpu/convergence_variants.py`, same initial "
+    "weights and data: BF16, the default NVFP4 recipe, the RHT off, 4over6 on the weights, on the activations or on "
+    "both ([docs/numerics.md](numerics.md) §12; on the activations with the RHT off), and row-scaled activations "
+    "(§6, §6b) with their NVFP4 backward or their BF16 backward (`backward_mode` dequantized, §10). Final loss: the "
+    "mean of the last 10 steps' training losses. Each gap is (final loss - the other's) / the other's, to BF16 and to "
+    "the variant's baseline, the variant it differs from in one respect; negative means a lower loss. Seconds: the "
+    "variant's whole run (for Megatron, process start to exit, with the training loop alone in parentheses).")
+
+
+def signed_percent(value) -> str:
+    return "" if value is None else f"{100 * value:+.2f}%"
+
+
+def convergence_rows(record: dict) -> list[str]:
+    rows = ["| variant | recipe fields | final loss | vs BF16 | baseline | vs baseline | seconds |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, variant in record["variants"].items():
+        fields = ("BF16 linears" if variant["recipe"] is None else
+                  ", ".join(f"`{field}={value}`" for field, value in variant["recipe"].items()) or "defaults")
+        seconds = f"{variant['seconds']:.1f}" + (f" ({variant['train_seconds']:.1f})" if "train_seconds" in variant
+                                                 else "")
+        rows.append(f"| {name}: {variant['description']} | {fields} | {variant['final_loss']:.4f} | "
+                    f"{signed_percent(variant['gap_vs_bf16'])} | {variant['baseline'] or ''} | "
+                    f"{signed_percent(variant['gap_vs_baseline'])} | {seconds} |")
+    return rows
+
+
+def render_convergence(results: list) -> list[str]:
+    """The convergence section: per model, one table per GPU kind, or a line saying no result is there."""
+    out = ["## Convergence", "", CONVERGENCE_INTRODUCTION, ""]
+    for benchmark, convergence in CONVERGENCE.items():
+        runs = sorted((r for r in results if r.benchmark == benchmark), key=lambda r: r.kind)
+        if not runs:
+            out += [f"### {convergence.model}", "",
+                    f"No result in `benchmarks/results/` yet: `python -m {convergence.driver}` on a GPU writes "
+                    f"`{benchmark}_<gpu>.json` there.", ""]
+        for result in runs:
+            out += [f"### {convergence.model}, {result.kind}", "", convergence.setup(result.record) + ".", "",
+                    f"Command: `{result.command}`; JSON {result.provenance.replace('<br>', ', ')}", "", *convergence_rows(result.record), ""]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Result:
@@ -280,12 +356,13 @@ class Result:
     @property
     def benchmark(self) -> str:
         """The recorded benchmark name, else the longest known name that starts the file name."""
-        if self.record.get("benchmark") in BENCHMARKS:
+        known = [*BENCHMARKS, *CONVERGENCE]
+        if self.record.get("benchmark") in known:
             return self.record["benchmark"]
-        names = [name for name in BENCHMARKS if self.path.stem.startswith(name + "_")]
+        names = [name for name in known if self.path.stem.startswith(name + "_")]
         if not names:
-            raise ValueError(f"{self.path.name}: its benchmark is none of {list(BENCHMARKS)}; give it a summary and a "
-                             f"command in BENCHMARKS of benchmarks/render_performance.py")
+            raise ValueError(f"{self.path.name}: its benchmark is none of {known}; give it a summary and a "
+                             f"command in BENCHMARKS (or CONVERGENCE) of benchmarks/render_performance.py")
         return max(names, key=len)
 
     @property
@@ -326,7 +403,7 @@ class Result:
     def command(self) -> str:
         """The recorded command line without its output-location flags, else the rebuilt one."""
         if "command" not in self.record:
-            return BENCHMARKS[self.benchmark].command(self.record)
+            return (BENCHMARKS.get(self.benchmark) or CONVERGENCE[self.benchmark]).command(self.record)
         words, shown, skip = shlex.split(self.record["command"]), [], False
         for word in words:
             if skip:
@@ -374,12 +451,13 @@ def render(results: list[Result]) -> str:
            "baseline time / NVFP4 time, so above 1.00x NVFP4 is faster.", "",
            "Correctness is not measured here: the kernels match the reference byte for byte, and the GEMMs agree "
            "with it within the tolerances of [docs/numerics.md](numerics.md) §11.", ""]
-    kinds = sorted({result.kind for result in results}, key=lambda kind: (kind.split(" x ")[-1],
+    benchmarks = [result for result in results if result.benchmark in BENCHMARKS]
+    kinds = sorted({result.kind for result in benchmarks}, key=lambda kind: (kind.split(" x ")[-1],
                                                                           int(kind.split(" x ")[0]) if " x " in kind
                                                                           else 1))
     order = list(BENCHMARKS)
     for kind in kinds:
-        rows = sorted((r for r in results if r.kind == kind), key=lambda r: (order.index(r.benchmark), r.variant))
+        rows = sorted((r for r in benchmarks if r.kind == kind), key=lambda r: (order.index(r.benchmark), r.variant))
         out += [f"## {kind}", "", "| benchmark | compared with | result | command | JSON |",
                 "| --- | --- | --- | --- | --- |"]
         for result in rows:
@@ -388,7 +466,8 @@ def render(results: list[Result]) -> str:
             out.append(f"| {title} | {benchmark.baseline} | {cell(benchmark.summary(result.record))} | "
                        f"`{result.command}` | {result.provenance} |")
         out.append("")
-    return "\n".join(out)
+    out += render_convergence(results)
+    return "\n".join(out).rstrip("\n") + "\n"
 
 
 def main(argv=None) -> int:

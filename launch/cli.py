@@ -5,8 +5,14 @@ import argparse
 import pathlib
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "fables.txt"
-# nvfp4_dist.environment.BACKWARD_MODES, written out so that --help imports no torch (a test keeps them equal).
+# nvfp4_dist.environment's BACKWARD_MODES, FOUR_OVER_SIX_SCOPES and FOUR_OVER_SIX_ERR_MODES, written out so that
+# --help imports no torch (a test keeps them equal).
 BACKWARD_MODES = ("default", "high_precision", "dequantized")
+FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
+FOUR_OVER_SIX_ERR_MODES = ("MAE", "MSE")
+# Recipe fields whose flag (--<field with dashes>) leaves the field to its environment variable when not given.
+FIELDS_FROM_FLAG_OR_ENVIRONMENT = ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256", "nvfp4_4over6_err_mode",
+                                   "nvfp4_4over6_err_use_fast_math", "backward_mode")
 DESCRIPTION = "Train a GPT whose linear layers run in NVFP4 under tensor (and sequence) parallelism."
 EPILOG = ("Without a launcher it starts its own processes on this machine; under torchrun, mpirun "
           "(python -m nvfp4_dist.launch.mpi) or srun each process is one rank. See docs/launching.md.")
@@ -26,6 +32,30 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_four_over_six_flags(group) -> None:
+    """The 4over6 flags (docs/numerics.md §12) of the recipe fields of the same names; unset: the NVFP4_4OVER6*
+    environment variables, else the recipe's defaults."""
+    group.add_argument("--nvfp4-4over6", choices=FOUR_OVER_SIX_SCOPES, default=None,
+                       help="4over6 adaptive block scaling for none, the weights, the activations (forward inputs) or "
+                            "all; activations and all need the RHT off (unset: NVFP4_4OVER6, else none)")
+    group.add_argument("--nvfp4-4over6-e4m3-use-256", choices=FOUR_OVER_SIX_SCOPES, default=None,
+                       help="the 4over6 tensors whose global scale takes the bound 256 instead of 448 "
+                            "(unset: NVFP4_4OVER6_E4M3_USE_256, else all)")
+    group.add_argument("--nvfp4-4over6-err-mode", choices=FOUR_OVER_SIX_ERR_MODES, default=None,
+                       help="the error that picks each block's 4over6 candidate (unset: NVFP4_4OVER6_ERR_MODE, "
+                            "else MAE)")
+    group.add_argument("--nvfp4-4over6-err-use-fast-math", action="store_true",
+                       help="measure that error in the scaled domain (docs/numerics.md §12; unset: "
+                            "NVFP4_4OVER6_ERR_USE_FAST_MATH)")
+
+
+def given_recipe_fields(args: argparse.Namespace) -> dict:
+    """The recipe fields of FIELDS_FROM_FLAG_OR_ENVIRONMENT that the command line gives, by field name (for
+    NVFP4Recipe.from_env: the others keep their environment variable or default)."""
+    return {field: getattr(args, field) for field in FIELDS_FROM_FLAG_OR_ENVIRONMENT
+            if getattr(args, field, None) not in (None, False)}
 
 
 def build_parser() -> ArgumentParser:
@@ -68,7 +98,10 @@ def build_parser() -> ArgumentParser:
     recipe.add_argument("--backward-mode", choices=BACKWARD_MODES, default=None,
                         help="dgrad and wgrad in NVFP4 (default), on the unquantized input and weight "
                              "(high_precision) or on the forward's NVFP4 copies dequantized (dequantized), "
-                             "docs/numerics.md §10 (unset: NVFP4_BACKWARD_MODE, else default)")
+                             "docs/numerics.md §10 (unset: NVFP4_BACKWARD_MODE, else default); with "
+                             "--row-scaled-activation, dequantized runs its backward in BF16 instead of on the "
+                             "per-column scaled wgrad copy")
+    add_four_over_six_flags(recipe)
     recipe.add_argument("--recipe-config", type=pathlib.Path, default=None, metavar="FILE",
                         help="per-layer recipes, YAML or JSON: module-name globs to \"bf16\" or to recipe fields "
                              "that change this recipe, first match wins (docs/numerics.md §10). Module names: "

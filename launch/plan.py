@@ -186,7 +186,6 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the flags against each other, the machine and the world; ValueError names the offending flag."""
     from nvfp4_dist.launch.faults import FaultInjection
-    from nvfp4_dist.recipe import NVFP4Recipe
 
     check_numbers(args)
     device = detect_device(args.device)
@@ -217,14 +216,38 @@ def make_plan(args: argparse.Namespace) -> Plan:
     fault = FaultInjection.parse(args.inject_fault) if args.inject_fault else None
     if fault is not None and fault.rank >= world_size:
         raise ValueError(f"--inject-fault={args.inject_fault}: rank {fault.rank} >= {world_size} processes")
-    backward_mode = {} if args.backward_mode is None else {"backward_mode": args.backward_mode}
-    recipe = NVFP4Recipe.from_env(rht=not args.no_rht, stochastic_rounding=not args.no_sr, weight_2d=not args.no_2d,
-                                  row_scaled_activation=args.row_scaled_activation,
-                                  bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers,
-                                  gemm_backend=args.gemm_backend, overlap=args.overlap,
-                                  check_finite=True, **backward_mode)
+    recipe = make_recipe(args)
     recipe_map = load_recipe_config(args.recipe_config, recipe) if args.recipe_config is not None else None
     return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map)
+
+
+def check_four_over_six_flags(args: argparse.Namespace) -> None:
+    """4over6 on the activations needs the RHT off and no row scaling (docs/numerics.md §12, §6b); said in flags,
+    as nvfp4-train sets rht and row_scaled_activation from its flags alone."""
+    if args.nvfp4_4over6 not in ("activations", "all"):
+        return
+    if not args.no_rht:
+        raise ValueError(f"--nvfp4-4over6={args.nvfp4_4over6} needs --no-rht: 4over6 is not combined with the RHT "
+                         "of the activations' columnwise copy (docs/numerics.md §12); add --no-rht, or use "
+                         "--nvfp4-4over6=weights")
+    if args.row_scaled_activation:
+        raise ValueError(f"--nvfp4-4over6={args.nvfp4_4over6} cannot be combined with --row-scaled-activation: the "
+                         "columnwise copy of a row-scaled activation takes no 4over6 (docs/numerics.md §6b); use "
+                         "--nvfp4-4over6=weights")
+
+
+def make_recipe(args: argparse.Namespace):
+    """The job's NVFP4Recipe: the flags, and the environment for the fields whose flags are not given
+    (cli.FIELDS_FROM_FLAG_OR_ENVIRONMENT); a combination the recipe refuses is its ValueError."""
+    from nvfp4_dist.launch.cli import given_recipe_fields
+    from nvfp4_dist.recipe import NVFP4Recipe
+
+    check_four_over_six_flags(args)
+    return NVFP4Recipe.from_env(rht=not args.no_rht, stochastic_rounding=not args.no_sr, weight_2d=not args.no_2d,
+                                row_scaled_activation=args.row_scaled_activation,
+                                bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers,
+                                gemm_backend=args.gemm_backend, overlap=args.overlap, check_finite=True,
+                                **given_recipe_fields(args))
 
 
 def load_recipe_config(path: pathlib.Path, recipe):

@@ -1,6 +1,6 @@
 """Convergence: a tiny GPT trained with NVFP4 linears follows the same model in BF16 step by step (CPU).
 
-The GPU version (tests_multigpu/gpt_convergence.py: 6 layers, hidden 512, 8 heads, 300 steps) holds 2% on the final
+The GPU version (tests_multigpu/gpt_convergence.py: 6 layers, hidden 512, 8 heads, 250 steps) holds 2% on the final
 loss.
 """
 import math

@@ -59,12 +59,17 @@ def test_every_result_is_a_row_naming_its_command():
     page = render_performance.OUTPUT.read_text()
     for result in results:
         row = next(line for line in page.splitlines() if f"[{result.path.name}]" in line)
-        command = row.split(" | ")[3].strip("`")
+        if result.benchmark in render_performance.CONVERGENCE:  # a line above the table: Command: `...`; JSON ...
+            command = re.match(r"Command: `([^`]+)`; JSON ", row).group(1)
+        else:
+            command = row.split(" | ")[3].strip("`")
         assert command == result.command
         words = shlex.split(command)
         scripts = [word for word in words if word.endswith(".py")]
+        scripts += [words[index + 1].replace(".", "/") + ".py" for index, word in enumerate(words[:-1]) if word == "-m"]
         assert scripts and (REPOSITORY / scripts[0]).is_file(), command
-        assert {"python", "torchrun"} & set(words[:words.index(scripts[0])]), command
+        start = next(index for index, word in enumerate(words) if word.endswith(".py") or word == "-m")
+        assert {"python", "torchrun"} & set(words[:start]), command
         assert "--out" not in words
 
 
@@ -227,3 +232,48 @@ def test_a_result_of_an_unknown_benchmark_is_refused(tmp_path):
     _copy_result("gemm_h200.json", tmp_path, "attention_h200.json", benchmark="attention")
     with pytest.raises(ValueError, match="attention_h200.json: its benchmark is none of"):
         render_performance.load_results(tmp_path)
+
+
+def _convergence_record(benchmark: str) -> dict:
+    """A convergence JSON of three variants, in the drivers' format (tests_multigpu/convergence_variants.py)."""
+    variants = {"bf16": dict(description="BF16", recipe=None, baseline=None, final_loss=2.0, gap_vs_bf16=None,
+                             gap_vs_baseline=None),
+                "nvfp4": dict(description="NVFP4, default recipe", recipe={}, baseline="bf16", final_loss=2.02,
+                              gap_vs_bf16=0.01, gap_vs_baseline=0.01),
+                "4over6_all": dict(description="4over6 on weights and activations, RHT off",
+                                   recipe={"nvfp4_4over6": "all", "rht": False}, baseline="nvfp4_no_rht",
+                                   final_loss=2.01, gap_vs_bf16=0.005, gap_vs_baseline=-0.0075)}
+    for variant in variants.values():
+        variant.update(first_loss=6.0, seconds=30.0, losses=[6.0, variant["final_loss"]])
+    if benchmark == "gpt_convergence":
+        return dict(benchmark=benchmark, config=dict(num_layers=6, hidden_size=512, num_heads=8, seq_length=256,
+                                                     vocab_size=512), gpu="NVIDIA H100 80GB HBM3", steps=250,
+                    batch_size=16, lr=1e-3, bound=0.02, gap=0.01, variants=variants, commit="abc1234",
+                    date="2026-11-27")
+    for variant in variants.values():
+        variant["train_seconds"] = 12.5
+    return dict(benchmark=benchmark, gpu="NVIDIA H100 80GB HBM3", gpus=1, tp=1, steps=200, seq=1024, micro_batch=4,
+                seed=1234, layers=8, hidden=1024, heads=16, ffn=2816, vocab=32000, data="markov",
+                data_entropy_rate=1.234, megatron_core="0.16.1", variants=variants, commit="abc1234",
+                date="2026-11-27")
+
+
+def test_convergence_tables_one_per_model_and_a_line_for_a_missing_one(tmp_path):
+    (tmp_path / "megatron_convergence_h100.json").write_text(json.dumps(_convergence_record("megatron_convergence")))
+    page = render_performance.render(render_performance.load_results(tmp_path))
+    section = page[page.index("## Convergence"):]
+    assert "No result in `benchmarks/results/` yet: `python -m tests_multigpu.gpt_convergence` on a GPU" in section
+    assert "### Megatron-Core GPTModel of `tests_multigpu/megatron_train.py`, NVIDIA H100 80GB HBM3" in section
+    assert ("Command: `python -m tests_multigpu.megatron_convergence --nproc 1 --steps 200 --seq 1024 --micro-batch 4 "
+            "--seed 1234 --variants nvfp4 4over6_all`; JSON [megatron_convergence_h100.json]") in section
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == [
+        "| bf16: BF16 | BF16 linears | 2.0000 |  |  |  | 30.0 (12.5) |",
+        "| nvfp4: NVFP4, default recipe | defaults | 2.0200 | +1.00% | bf16 | +1.00% | 30.0 (12.5) |",
+        "| 4over6_all: 4over6 on weights and activations, RHT off | `nvfp4_4over6=all`, `rht=False` | 2.0100 | "
+        "+0.50% | nvfp4_no_rht | -0.75% | 30.0 (12.5) |"]
+    (tmp_path / "gpt_convergence_h100.json").write_text(json.dumps(_convergence_record("gpt_convergence")))
+    page = render_performance.render(render_performance.load_results(tmp_path))
+    assert "No result" not in page and "## NVIDIA H100" not in page  # convergence results make no benchmark table
+    assert ("Command: `python -m tests_multigpu.gpt_convergence --steps 250 --batch-size 16 --lr 0.001 --bound 0.02 "
+            "--variants nvfp4 4over6_all`") in page

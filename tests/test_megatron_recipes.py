@@ -115,3 +115,36 @@ def test_the_gpu_runs_recipe_file_resolves_as_intended():
         layer = int(name.split(".")[2])
         expected = ("bf16" if layer in (0, 7) else four_over_six if ".self_attention." in name else base)
         assert recipes.resolve(name, base) == expected, name
+
+
+def _whole_recipe_worker(rank, world_size):
+    """The decoder-block spec with a 4over6 recipe (and the row-scaled recipe in both backwards) as its `recipe`:
+    every linear runs it, the losses are finite and near BF16's, and differ from the default recipe's (the recipe
+    reaches the quantization); the row-scaled recipe's two backwards give the same loss and other gradients."""
+    import nvfp4_dist as nv
+    from nvfp4_dist.parallel.megatron import get_gpt_decoder_block_nvfp4_spec
+    _init_megatron(TP)
+    config = _config(num_layers=2, gated_linear_unit=True, sequence_parallel=True)
+    plain = nv.NVFP4Recipe(stochastic_rounding=False, rht=False)
+    recipes = {"default": plain, "4over6 weights": plain.replace(nvfp4_4over6="weights"),
+               "4over6 all": plain.replace(nvfp4_4over6="all", nvfp4_4over6_err_mode="MSE"),
+               "row-scaled": plain.replace(row_scaled_activation=True),
+               "row-scaled, BF16 backward": plain.replace(row_scaled_activation=True, backward_mode="dequantized")}
+    reference = float(_gpt_loss(_gpt(config, get_gpt_decoder_block_nvfp4_spec(config, bf16_first_layers=2), seed=11)))
+    losses, weight_grads = {}, {}
+    for name, recipe in recipes.items():
+        model = _gpt(config, get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe), seed=11)
+        losses[name] = float(_gpt_loss(model))
+        linears = _linears(model)
+        weight_grads[name] = linears["decoder.layers.1.mlp.linear_fc1"].weight.grad
+        assert len(linears) == 8 and all(layer.last_recipe == recipe for layer in linears.values()), name
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters()), name
+        assert abs(losses[name] - reference) < 0.05 * reference, (name, losses[name], reference)
+    assert losses["4over6 weights"] != losses["default"] and losses["4over6 all"] != losses["4over6 weights"]
+    assert losses["row-scaled"] != losses["default"]
+    assert losses["row-scaled, BF16 backward"] == losses["row-scaled"]
+    assert not torch.equal(weight_grads["row-scaled, BF16 backward"], weight_grads["row-scaled"])
+
+
+def test_decoder_block_spec_with_a_4over6_or_row_scaled_recipe_at_tp2_sp():
+    run_distributed(_whole_recipe_worker, TP)

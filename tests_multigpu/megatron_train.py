@@ -9,6 +9,7 @@ into memorisation of the 360 KB corpus); --data fables trains on random windows 
 
   torchrun --nproc-per-node 2 tests_multigpu/megatron_train.py --tp 2 --sp --spec nvfp4 --out run.json
   ... --recipe-config recipes.yaml --backward-mode dequantized   # per-layer recipes, the backward mode
+  ... --nvfp4-4over6 all --no-rht            # 4over6 (docs/numerics.md §12), nvfp4-train's recipe flags
   ... --steps 50 --save /tmp/ckpt            # then evaluate and save a distributed checkpoint
   torchrun --nproc-per-node 4 tests_multigpu/megatron_train.py --tp 4 --steps 0 --load /tmp/ckpt
 
@@ -37,6 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nvfp4_dist import NVFP4Recipe, RecipeMap
 from nvfp4_dist.environment import BACKWARD_MODES
+from nvfp4_dist.launch.cli import add_four_over_six_flags, given_recipe_fields
 from nvfp4_dist.launch.markov_text import MarkovText
 from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, get_gpt_decoder_block_nvfp4_spec, with_sdpa_attention
 
@@ -53,7 +55,12 @@ def parse_args(argv=None):
                         help="keep the first N and last N transformer layers in BF16 (nvfp4 spec)")
     parser.add_argument("--overlap", action="store_true", help="recipe.overlap: pipelined TP communication")
     parser.add_argument("--backward-mode", choices=BACKWARD_MODES, default=None,
-                        help="recipe.backward_mode (default: NVFP4_BACKWARD_MODE, else default)")
+                        help="recipe.backward_mode (default: NVFP4_BACKWARD_MODE, else default); with "
+                             "--row-scaled-activation, dequantized is the row-scaled recipe's BF16 backward")
+    parser.add_argument("--no-rht", action="store_true", help="recipe.rht=False (default: NVFP4_DISABLE_RHT)")
+    parser.add_argument("--row-scaled-activation", action="store_true",
+                        help="recipe.row_scaled_activation=True (default: NVFP4_ROW_SCALED_ACTIVATION)")
+    add_four_over_six_flags(parser)
     parser.add_argument("--recipe-config", default=None, metavar="FILE",
                         help="per-layer recipes (YAML or JSON; nvfp4_dist/recipe_map.py) by glob over GPTModel's "
                              "module names, e.g. \"decoder.layers.0.*\": bf16 (nvfp4 spec)")
@@ -84,12 +91,28 @@ def parse_args(argv=None):
         parser.error(f"--tp {args.tp} must divide the number of processes {world}")
     if args.sp and args.spec == "local":
         parser.error("--sp with --spec local: Megatron's local norm refuses sequence parallelism")
-    if args.spec == "local" and (args.recipe_config or args.backward_mode):
-        parser.error("--recipe-config and --backward-mode configure the nvfp4 spec; --spec local has no NVFP4 layers")
+    if args.spec == "local" and (args.recipe_config or recipe_overrides(args)):
+        parser.error("--recipe-config and the recipe flags configure the nvfp4 spec; --spec local has no NVFP4 "
+                     "layers")
+    if args.spec == "nvfp4":
+        try:  # a combination the recipe refuses (4over6 on activations with the RHT on, ...): its one-line error
+            NVFP4Recipe.from_env(**recipe_overrides(args))
+        except ValueError as error:
+            parser.error(str(error))
     for name in ("hidden", "ffn", "seq"):
         if getattr(args, name) % (16 * args.tp):
             parser.error(f"--{name} {getattr(args, name)} must be a multiple of 16 * tp = {16 * args.tp}")
     return args
+
+
+def recipe_overrides(args) -> dict:
+    """The recipe fields the flags give (the others: the NVFP4_* environment variables, else the defaults)."""
+    overrides = given_recipe_fields(args)
+    for flag, field, value in (("overlap", "overlap", True), ("no_rht", "rht", False),
+                               ("row_scaled_activation", "row_scaled_activation", True)):
+        if getattr(args, flag):
+            overrides[field] = value
+    return overrides
 
 
 def initialize_distributed(tp: int) -> None:
@@ -109,8 +132,7 @@ def model_provider(args) -> GPTModel:
         init_method_std=0.02, bias_activation_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False)
     if args.spec == "nvfp4":
-        overrides = {name: value for name, value in (("overlap", args.overlap or None),
-                                                      ("backward_mode", args.backward_mode)) if value is not None}
+        overrides = recipe_overrides(args)
         recipe = NVFP4Recipe.from_env(**overrides) if overrides else None
         recipe_map = RecipeMap.from_file(args.recipe_config) if args.recipe_config else None
         spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, recipe_map=recipe_map,

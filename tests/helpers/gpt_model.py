@@ -85,8 +85,9 @@ def markov_token_stream(num_tokens: int, vocab_size: int, seed: int = 1234) -> t
 
 
 def train(config: GPTConfig, *, bf16: bool, steps: int, batch_size: int, lr: float, device="cpu", seed: int = 0,
-          recipe: NVFP4Recipe | None = None, log_every: int = 0) -> list[float]:
-    """Train from a fixed init on a fixed stream; returns the per-step losses."""
+          recipe: NVFP4Recipe | None = None, log_every: int = 0, label: str | None = None) -> list[float]:
+    """Train from a fixed init on a fixed stream; returns the per-step losses. recipe: the NVFP4 linears' (None: the
+    defaults); label: the name in the log lines (default bf16 or nvfp4)."""
     torch.manual_seed(seed)
     model = GPT(config, bf16=bf16, recipe=recipe, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -105,7 +106,7 @@ def train(config: GPTConfig, *, bf16: bool, steps: int, batch_size: int, lr: flo
         schedule.step()
         losses.append(loss.item())
         if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"{'bf16' if bf16 else 'nvfp4'} step {step:4d} loss {losses[-1]:.4f}", flush=True)
+            print(f"{label or ('bf16' if bf16 else 'nvfp4')} step {step:4d} loss {losses[-1]:.4f}", flush=True)
     return losses
 
 
