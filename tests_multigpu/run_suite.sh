@@ -68,7 +68,7 @@ tests)
     }
     lane_23() {
         two_gpu_tests
-        step gpt_convergence 240 python3 -m tests_multigpu.gpt_convergence --out "$R/gpt_convergence_$GPU.json"
+        step gpt_convergence 420 python3 -m tests_multigpu.gpt_convergence --out "$R/gpt_convergence_$GPU.json"
     }
     lane 0,1 lane_01; lane 2,3 lane_23; wait
     step parallel_tp4 150 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_parallel_gpu.py
@@ -116,7 +116,7 @@ tests-2gpu)
     one_gpu_tests
     two_gpu_tests
     step train_gpu_tp2 200 env OUT="$R/train_gpu" bash tests_multigpu/run_train_gpu.sh
-    step gpt_convergence 240 python3 -m tests_multigpu.gpt_convergence --out "$R/gpt_convergence_$GPU.json"
+    step gpt_convergence 420 python3 -m tests_multigpu.gpt_convergence --out "$R/gpt_convergence_$GPU.json"
     ;;
 megatron-2gpu)
     megatron_cases megatron_tp1_tp2 560 "1-False-0 or 1-False-1 or 2-True-0 or 2-False-1 or tp_invariant"
