@@ -7,7 +7,7 @@ device memory each NVFP4 path allocates beyond its output. The dequantize path d
 call; B's BF16 copy is reused while B is unchanged (in a layer: once per weight copy and step),
 so its one decode is not in the timed calls. Writes JSON (--out).
 
-    python benchmarks/gemm.py [--sweep] [--out benchmarks/results/gemm_h100.json]
+    python benchmarks/gemm.py [--sweep] [--out benchmarks/results/gemm_<gpu>.json]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import triton
 from nvfp4_dist import reference
 from nvfp4_dist.gemm import hopper
 from nvfp4_dist.reference.quantize import decode_scale
-from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, default_results_path, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 SHAPES = [  # (M, N, K): y[M, N] = A[M, K] . B[N, K]^T
     (8192, 8192, 8192),
@@ -142,7 +142,7 @@ def fastest(results: dict, names) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "gemm.json"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results/gemm_<gpu>.json")
     parser.add_argument("--sweep", action="store_true", help="time the fused-kernel configurations first")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -163,8 +163,9 @@ def main() -> None:
         report["shapes"].append(measure_shape(m, n, k, config, rows_per_chunk, device))
         torch.cuda.empty_cache()
         print(report["shapes"][-1], flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    out = args.out or str(default_results_path("gemm", report["gpu"]))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\n{report['gpu']}  fused config {report['fused_config']}, dequantize rows_per_chunk "
           f"{report['dequantize_rows_per_chunk']}")
@@ -177,7 +178,7 @@ def main() -> None:
               f"{r['dequantize_matmul_ratio']:>6.3f} | {r['dequantize_fp32_tflops']:>8.1f} "
               f"{r['dequantize_fp32_ratio']:>6.3f} | {r['fused_extra_bytes'] / 2**20:>9.1f}/"
               f"{r['dequantize_matmul_extra_bytes'] / 2**20:<9.1f}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a benchmark ran from: the commit and the command line to record in its JSON."""
+"""Where a benchmark ran from: the commit and the command line to record in its JSON, and where it writes it."""
 import os
 import pathlib
 import shlex
@@ -37,3 +37,11 @@ def command_line() -> str:
         nodes = int(os.environ.get("WORLD_SIZE", per_node)) // per_node
         launcher = ["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc-per-node", str(per_node)]
     return shlex.join([*settings, *launcher, str(script), *sys.argv[1:]])
+
+
+def default_results_path(benchmark: str, device_name: str) -> pathlib.Path:
+    """benchmarks/results/<benchmark>_<kind>.json, kind from the device name ("NVIDIA H100 80GB HBM3" -> h100): the
+    latest result per GPU kind replaces the previous one."""
+    words = device_name.split()
+    kind = (words[1] if len(words) > 1 else device_name).lower()
+    return REPOSITORY_ROOT / "benchmarks" / "results" / f"{benchmark}_{kind}.json"

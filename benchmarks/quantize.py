@@ -15,7 +15,7 @@ a fifth while the memory-bound copy kept its speed. nvidia-smi's SM clock, power
 reasons, sampled during each shape where nvidia-smi exists, go into the JSON (their range).
 
     python benchmarks/quantize.py [--sizes 4096 8192 16384] [--shapes 8192x16384 ...]
-                                  [--settle-seconds 2] [--out benchmarks/results/quantize.json]
+                                  [--settle-seconds 2] [--out benchmarks/results/quantize_<gpu>.json]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
 from nvfp4_dist.reference.fourover6 import FourOverSix
-from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, default_results_path, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 BLOCK = 16
 
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[], help="more shapes, ROWSxCOLS")
     parser.add_argument("--settle-seconds", type=float, default=2.0,
                         help="idle time before each shape, so that none inherits the power-capped clock of the last")
-    parser.add_argument("--out", default="benchmarks/results/quantize.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/quantize_<gpu>.json")
     args = parser.parse_args()
     if args.settle_seconds < 0:
         parser.error(f"--settle-seconds {args.settle_seconds}: must be >= 0")
@@ -274,7 +274,7 @@ def main() -> None:
                   results=results,
                   settle_seconds=args.settle_seconds, card_state_per_shape=card,
                   fixed_and_per_element_cost=fits, stochastic_rounding_time_ratios=ratios)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out) if args.out else default_results_path("quantize", torch.cuda.get_device_name())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
