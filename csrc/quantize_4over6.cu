@@ -1,6 +1,6 @@
 // The 4over6 cast (docs/numerics.md §12): each 1x16 (or 16x16) block is encoded with its max mapped to 4 and to 6,
 // and the candidate with the smaller error (MAE or MSE, exact or fast-math) is written, with its E4M3 scale; the
-// global scale uses the bound B (256 or 448). Both copies come from one 64 x 64 tile of x in shared memory (FP32):
+// global scale uses the bound B (256 or 448). Both copies come from one 64 x 64 tile of x in shared memory:
 // the rowwise copy from its rows, the columnwise copy (of x^T) from its columns. A 16x16 block's error sums its 16
 // rows' (or, for the columnwise copy, its 16 columns') errors as a tree of warp shuffles, in the order of
 // docs/numerics.md §12.5, so each copy makes its own choice, as the reference quantizes x^T on its own.
@@ -17,31 +17,60 @@
 namespace nvfp4 {
 namespace {
 
-constexpr int kTile = 64;                 // a CTA's tile: 64 x 64 elements of x
+constexpr int kTile = 64;                 // a tile: 64 x 64 elements of x
 constexpr int kThreads = 256;
-constexpr int kTileStride = kTile + 1;    // floats per shared-memory row: conflict-free rows and columns
 constexpr int kBlocksPerTileRow = kTile / kBlockSize;
 static_assert(kThreads == kTile * kBlocksPerTileRow, "one rowwise and one columnwise block per thread");
+// Consecutive tiles (row-major over the tiles of x) per CTA: the per-CTA setup (global scales, e_b tables) is paid
+// once for them, and each tile's copy into shared memory overlaps the previous tile's encoding.
+constexpr int kTilesPerCta = 4;
 
-// The tile at (m0, k0) as FP32, zeros outside x (cols % 16 == 0: a 16-byte chunk lies wholly inside or outside).
+// A tile of x as it is in memory (T), in shared memory, each row padded by 16 bytes: the rowwise reads (16-byte
+// loads, a quarter warp on 8 consecutive rows) and the columnwise ones (a warp on 32 consecutive columns of a row)
+// are free of bank conflicts.
 template <typename T>
-__device__ __forceinline__ void load_tile(float (*tile)[kTileStride], const QuantizeArgs& args, int64_t m0, int64_t k0,
-                                          int tid) {
-  constexpr int kChunkElements = 16 / sizeof(T);
-  constexpr int kChunksPerRow = kTile / kChunkElements;
-  constexpr int kChunksPerThread = kTile * kChunksPerRow / kThreads;
-  const T* x = static_cast<const T*>(args.x);
+struct RawTile {
+  static constexpr int kChunkElements = 16 / sizeof(T);
+  static constexpr int kChunksPerRow = kTile / kChunkElements;
+  static constexpr int kChunksPerThread = kTile * kChunksPerRow / kThreads;
+  static constexpr int kRowBytes = kTile * sizeof(T) + 16;
+  static constexpr int kBytes = kTile * kRowBytes;
+
+  // The tile at (m0, k0) copied asynchronously (cp.async, 16-byte chunks, zeros outside x: cols % 16 == 0, so a
+  // chunk lies wholly inside or outside), one commit group.
+  __device__ static void copy_async(uint8_t* tile, const QuantizeArgs& args, int64_t m0, int64_t k0, int tid) {
+    const T* x = static_cast<const T*>(args.x);
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
 #pragma unroll
-  for (int u = 0; u < kChunksPerThread; ++u) {
-    const int q = tid + u * kThreads;
-    const int row = q / kChunksPerRow, column = (q % kChunksPerRow) * kChunkElements;
-    const int64_t m = m0 + row, k = k0 + column;
-    float values[kChunkElements] = {};
-    if (m < args.rows && k < args.cols) unpack_vector<T>(load_streaming(x + m * args.cols + k), values);
-#pragma unroll
-    for (int e = 0; e < kChunkElements; ++e) tile[row][column + e] = values[e];
+    for (int u = 0; u < kChunksPerThread; ++u) {
+      const int q = tid + u * kThreads, row = q / kChunksPerRow, chunk = q % kChunksPerRow;
+      const int64_t m = m0 + row, k = k0 + chunk * kChunkElements;
+      const bool inside = m < args.rows && k < args.cols;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(base + row * kRowBytes + chunk * 16),
+                   "l"(inside ? x + m * args.cols + k : x), "r"(inside ? 16 : 0) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
   }
-}
+
+  // Elements [16 b, 16 b + 16) of row r, as FP32.
+  __device__ static void read_row_block(const uint8_t* tile, int row, int block, float (&values)[kBlockSize]) {
+#pragma unroll
+    for (int q = 0; q < kBlockSize / kChunkElements; ++q) {
+      float part[kChunkElements];
+      unpack_vector<T>(*reinterpret_cast<const uint4*>(tile + row * kRowBytes + (block * kBlockSize + q * kChunkElements) * sizeof(T)), part);
+#pragma unroll
+      for (int e = 0; e < kChunkElements; ++e) values[q * kChunkElements + e] = part[e];
+    }
+  }
+
+  // Rows [16 b, 16 b + 16) of column c, as FP32.
+  __device__ static void read_column_block(const uint8_t* tile, int column, int block, float (&values)[kBlockSize]) {
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) {
+      values[i] = to_float(*reinterpret_cast<const T*>(tile + (block * kBlockSize + i) * kRowBytes + column * sizeof(T)));
+    }
+  }
+};
 
 // The maximum over lanes 16j .. 16j + 15 of non-negative values (the 16 rows, or columns, of one 16x16 block).
 __device__ __forceinline__ float max_across_16_lanes(float v) {
@@ -85,9 +114,6 @@ __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlock
   }
 }
 
-// One CTA per 64 x 64 tile, row-major over the tiles. Thread t encodes the rowwise block (row t % 64, 16-column block
-// t / 64) and the columnwise block (column t % 64, 16-row block t / 64): lanes 16j .. 16j + 15 hold the 16 rows (or
-// columns) of one 16x16 block, and read the shared tile without bank conflicts.
 // e_b of each scale byte a non-negative block amax gives (0x00..0x7F) under one tensor scale, in shared memory.
 struct EncodeTable {
   const float* encode;
@@ -96,13 +122,20 @@ struct EncodeTable {
 constexpr int kPositiveScales = 128;
 static_assert(kThreads == 2 * kPositiveScales, "one thread per scale byte of each copy fills the e_b tables");
 
+// Each CTA encodes up to kTilesPerCta consecutive 64 x 64 tiles, two tile buffers in shared memory: the next tile's
+// copy is in flight while one is encoded. Thread t encodes the rowwise block (row t % 64, 16-column block t / 64) and
+// the columnwise block (column t % 64, 16-row block t / 64) of each: lanes 16j .. 16j + 15 hold the 16 rows (or
+// columns) of one 16x16 block.
 template <typename T, bool k2D, bool kMSE, bool kFastMath>
-__global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles) {
-  __shared__ float tile[kTile][kTileStride];
+__global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles,
+                                                                   int64_t tiles) {
+  using Tile = RawTile<T>;
+  __shared__ __align__(128) uint8_t tile_buffers[2][Tile::kBytes];
   __shared__ float encode_of_scale[2][kPositiveScales];  // rowwise (tensor-scaled), columnwise
   const int tid = threadIdx.x;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) / column_tiles * kTile;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.x) % column_tiles * kTile;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerCta;
+  const int64_t end_tile = first_tile + kTilesPerCta < tiles ? first_tile + kTilesPerCta : tiles;
+  Tile::copy_async(tile_buffers[0], args, first_tile / column_tiles * kTile, first_tile % column_tiles * kTile, tid);
   const float bound = static_cast<float>(args.e4m3_bound);
   const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
   const FourOverSixScale rowwise_global = four_over_six_scale(rowwise_tensor_scaled ? args.amax_rowwise[0] : 1.0f, bound);
@@ -114,36 +147,47 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
         block_encode_factor(static_cast<uint8_t>(tid % kPositiveScales),
                             copy == 0 ? rowwise_global.s_dec : columnwise_global.s_dec);
   }
-  load_tile<T>(tile, args, m0, k0, tid);
-  __syncthreads();
   const int lane_index = tid % kTile, block = tid / kTile;
 
-  if (args.rowwise_data != nullptr) {
-    const int64_t m = m0 + lane_index, k = k0 + block * kBlockSize;
-    const bool inside = m < args.rows && k < args.cols;
-    float values[kBlockSize];
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) values[i] = tile[lane_index][block * kBlockSize + i];
-    uint8_t* const data = args.rowwise_data + m * (args.cols / 2) + k / 2;
-    uint8_t* const scale = args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize;
-    if (args.row_scaled) {  // 1D blocks only: S_enc per row
-      const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
-      encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, inside, data,
-                                                     scale);
+#pragma unroll 1
+  for (int64_t tile_index = first_tile, buffer = 0; tile_index < end_tile; ++tile_index, buffer ^= 1) {
+    const int64_t m0 = tile_index / column_tiles * kTile, k0 = tile_index % column_tiles * kTile;
+    if (tile_index + 1 < end_tile) {  // the other buffer's readers passed the barrier at the end of the last tile
+      Tile::copy_async(tile_buffers[buffer ^ 1], args, (tile_index + 1) / column_tiles * kTile,
+                       (tile_index + 1) % column_tiles * kTile, tid);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
-      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, inside,
-                                                   data, scale);
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
-  }
-  if (args.columnwise_data != nullptr) {  // rows % 16 == 0
-    const int64_t k = k0 + lane_index, m = m0 + block * kBlockSize;
-    const bool inside = m < args.rows && k < args.cols;
-    float values[kBlockSize];
-#pragma unroll
-    for (int i = 0; i < kBlockSize; ++i) values[i] = tile[block * kBlockSize + i][lane_index];
-    encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]}, inside,
-                                                 args.columnwise_data + k * (args.rows / 2) + m / 2,
-                                                 args.columnwise_scale + k * (args.rows / kBlockSize) + m / kBlockSize);
+    __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
+    const uint8_t* const tile = tile_buffers[buffer];
+
+    if (args.rowwise_data != nullptr) {
+      const int64_t m = m0 + lane_index, k = k0 + block * kBlockSize;
+      const bool inside = m < args.rows && k < args.cols;
+      float values[kBlockSize];
+      Tile::read_row_block(tile, lane_index, block, values);
+      uint8_t* const data = args.rowwise_data + m * (args.cols / 2) + k / 2;
+      uint8_t* const scale = args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize;
+      if (args.row_scaled) {  // 1D blocks only: S_enc per row
+        const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
+        encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, inside, data,
+                                                       scale);
+      } else {
+        encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, inside,
+                                                     data, scale);
+      }
+    }
+    if (args.columnwise_data != nullptr) {  // rows % 16 == 0
+      const int64_t k = k0 + lane_index, m = m0 + block * kBlockSize;
+      const bool inside = m < args.rows && k < args.cols;
+      float values[kBlockSize];
+      Tile::read_column_block(tile, lane_index, block, values);
+      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]}, inside,
+                                                   args.columnwise_data + k * (args.rows / 2) + m / 2,
+                                                   args.columnwise_scale + k * (args.rows / kBlockSize) + m / kBlockSize);
+    }
+    __syncthreads();  // this buffer's readers are done before the copy two tiles on
   }
 }
 
@@ -153,11 +197,11 @@ cudaError_t launch_with_error(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t tiles = (args.rows + kTile - 1) / kTile * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned int>(tiles));
+  const dim3 grid(static_cast<unsigned int>((tiles + kTilesPerCta - 1) / kTilesPerCta));
   if (args.four_over_six_fast_math) {
-    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles);
+    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles);
   } else {
-    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles);
+    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles);
   }
   return cudaGetLastError();
 }
