@@ -39,6 +39,20 @@ uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.data_p
 uint8_t* optional_bytes(const std::optional<at::Tensor>& t) { return t.has_value() ? bytes(*t) : nullptr; }
 const float* optional_floats(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
+// The copies a cast writes (absent ones null) and their amaxes, into QuantizeArgs or ProducerCastArgs.
+template <typename Args>
+void set_copies(Args& args, const std::optional<at::Tensor>& amax_rowwise,
+                const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
+                const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
+                const std::optional<at::Tensor>& columnwise_scale) {
+  args.amax_rowwise = optional_floats(amax_rowwise);
+  args.amax_columnwise = optional_floats(amax_columnwise);
+  args.rowwise_data = optional_bytes(rowwise_data);
+  args.rowwise_scale = optional_bytes(rowwise_scale);
+  args.columnwise_data = optional_bytes(columnwise_data);
+  args.columnwise_scale = optional_bytes(columnwise_scale);
+}
+
 void check_launch(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "nvfp4_dist._C.", what, " failed: ", cudaGetErrorString(status));
 }
@@ -94,12 +108,7 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   args.type = input_type(x);
   args.rows = x.size(0);
   args.cols = x.size(1);
-  args.amax_rowwise = optional_floats(amax_rowwise);
-  args.amax_columnwise = optional_floats(amax_columnwise);
-  args.rowwise_data = optional_bytes(rowwise_data);
-  args.rowwise_scale = optional_bytes(rowwise_scale);
-  args.columnwise_data = optional_bytes(columnwise_data);
-  args.columnwise_scale = optional_bytes(columnwise_scale);
+  set_copies(args, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
   args.row_scaled = row_scaled;
   args.block_2d = block_2d;
   args.rht = rht;
@@ -290,12 +299,7 @@ nvfp4::ProducerCastArgs producer_cast_args(int64_t rows, int64_t cols, const std
   nvfp4::ProducerCastArgs args{};
   args.rows = rows;
   args.cols = cols;
-  args.amax_rowwise = optional_floats(amax_rowwise);
-  args.amax_columnwise = optional_floats(amax_columnwise);
-  args.rowwise_data = optional_bytes(rowwise_data);
-  args.rowwise_scale = optional_bytes(rowwise_scale);
-  args.columnwise_data = optional_bytes(columnwise_data);
-  args.columnwise_scale = optional_bytes(columnwise_scale);
+  set_copies(args, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
   args.row_scaled = row_scaled;
   args.rht = rht;
   args.rht_random_sign = rht_random_sign;
