@@ -3,11 +3,11 @@
 // Row pass (launch_norm_rows): a CTA takes bands of 16 rows, the rows of a band two (or one) at a time, the whole
 // CTA on each row: thread t holds blocks t + 256 k of the row in registers; the row's sums follow the reference's
 // halving tree (thread_share_of_row_sum, then block_halving_sums); LayerNorm's variance is taken from the centred
-// values in registers. It writes mean and rstd, and on request the norm's output, the amax of its BF16 rounding
-// (per tensor, or per row), and, for the RHT columnwise copy, the amax after the RHT: once a band's statistics are
-// known the CTA reads the band again (from L2: the grid is sized so that the bands in flight fit it) column pair
-// by column pair, forms the 16 normalized values of each column in registers and transforms them.
-// Cast pass (launch_norm_cast): producer_cast.cuh's tile cast with the norm as its producer, from the statistics.
+// values in registers. It writes mean and rstd, and on request the norm's output and the amax of its BF16 rounding
+// (per tensor, or per row). For the RHT columnwise copy, a second kernel then takes the amax after the RHT from the
+// statistics: item = 2 columns of a 16-row block, as csrc/amax.cu takes it from a written output, with the 16
+// normalized values of each column formed in registers.
+// Cast pass (launch_norm_cast): producer_cast.cuh's cast with the norm as its producer, from the statistics.
 // The norm's output is never written by the fused passes.
 #include <algorithm>
 
@@ -25,8 +25,6 @@ constexpr int kNormThreads = 256;
 constexpr int kBandRows = 16;
 constexpr int kMaxBlocksPerThread = 4;  // rows up to 256 * 4 * 16 = 16384 wide
 
-enum ColumnPass : int { kNoColumnPass = 0, kRhtRandomSign = 1, kRhtPlain = 2 };
-
 struct RowPassArgs {
   const void* x;
   int64_t rows, cols;
@@ -40,7 +38,6 @@ struct RowPassArgs {
   InputType y_type;
   float* amax_rowwise;
   bool row_scaled;
-  float* amax_rht;
 };
 
 // The 16 elements of block `block` of a row of T as FP32.
@@ -62,6 +59,19 @@ __device__ __forceinline__ void load_floats16(const float* address, float (&valu
   const float4* source = reinterpret_cast<const float4*>(address);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
+    const float4 part = __ldg(source + q);
+    values[4 * q] = part.x;
+    values[4 * q + 1] = part.y;
+    values[4 * q + 2] = part.z;
+    values[4 * q + 3] = part.w;
+  }
+}
+
+// 8 consecutive floats (32-byte aligned).
+__device__ __forceinline__ void load_floats8(const float* address, float (&values)[8]) {
+  const float4* source = reinterpret_cast<const float4*>(address);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
     const float4 part = __ldg(source + q);
     values[4 * q] = part.x;
     values[4 * q + 1] = part.y;
@@ -116,19 +126,17 @@ __device__ __forceinline__ float norm_of(float value, float mean, float rstd, fl
 }
 
 // kRows rows of a band at a time (their loads in flight together); kBlocks: blocks of a row per thread.
-template <typename T, bool kLayerNorm, int kBlocks, int kRows, int kColumnPass>
+template <typename T, bool kLayerNorm, int kBlocks, int kRows>
 __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassArgs args) {
   __shared__ float scratch[kRows][kNormThreads];
   __shared__ float sums[kRows];
   __shared__ uint32_t max_scratch[32];
-  __shared__ float band_mean[kBandRows], band_rstd[kBandRows];
   const int tid = threadIdx.x;
   const int64_t cols = args.cols, blocks_per_row = cols / kBlockSize;
   const float width = static_cast<float>(cols);
   const T* x = static_cast<const T*>(args.x);
   const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
   uint32_t tensor_amax = 0u;  // bits of the largest |BF16 output| (non-negative floats: unsigned order)
-  uint32_t rht_amax = 0u;
 
   for (int64_t band = blockIdx.x; band < bands; band += gridDim.x) {
     const int64_t first_row = band * kBandRows;
@@ -193,8 +201,6 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
           if (args.sum_of_squares != nullptr) args.sum_of_squares[row] = sum_of_squares[r];
           args.rstd[row] = rstd[r];
           if (kLayerNorm) args.mean[row] = mean[r];
-          band_mean[r0 + r] = kLayerNorm ? mean[r] : 0.0f;
-          band_rstd[r0 + r] = rstd[r];
         }
         uint32_t row_amax = 0u;
 #pragma unroll
@@ -223,78 +229,107 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
         }
       }
     }
-
-    if constexpr (kColumnPass != kNoColumnPass) {
-      // The band again, column pair by column pair: its 16 normalized values per column, rounded to BF16, through
-      // the RHT (rounded to BF16 again), as reference/rht.py forms the columnwise copy's source.
-      __syncthreads();  // the band's statistics
-      for (int64_t pair = tid; pair < cols / 2; pair += kNormThreads) {
-        const int64_t col = 2 * pair;
-        const float w0 = __ldg(args.weight + col), w1 = __ldg(args.weight + col + 1);
-        const float b0 = kLayerNorm ? __ldg(args.bias + col) : 0.0f, b1 = kLayerNorm ? __ldg(args.bias + col + 1) : 0.0f;
-        float column0[kBlockSize], column1[kBlockSize];
-#pragma unroll
-        for (int i = 0; i < kBlockSize; ++i) {
-          const float2 both = load_pair<T>(x + (first_row + i) * cols + col);
-          column0[i] = rounded_to_bf16(norm_of<kLayerNorm>(both.x, band_mean[i], band_rstd[i], w0, b0));
-          column1[i] = rounded_to_bf16(norm_of<kLayerNorm>(both.y, band_mean[i], band_rstd[i], w1, b1));
-        }
-        float transformed0[kBlockSize], transformed1[kBlockSize];
-        rht_chunk_odd_negated<kColumnPass == kRhtRandomSign>(column0, transformed0);  // odd lanes negated: same |.|
-        rht_chunk_odd_negated<kColumnPass == kRhtRandomSign>(column1, transformed1);
-#pragma unroll
-        for (int j = 0; j < kBlockSize; ++j) {
-          rht_amax = max(rht_amax, max(abs_bits(rounded_to_bf16(transformed0[j])), abs_bits(rounded_to_bf16(transformed1[j]))));
-        }
-      }
-      __syncthreads();  // the band's statistics are read before the next band's rows overwrite them
-    }
   }
   if (args.amax_rowwise != nullptr && !args.row_scaled) {
     tensor_amax = block_max_bits(tensor_amax, max_scratch);
     if (tid == 0) atomic_max_bits(args.amax_rowwise, tensor_amax);
   }
-  if constexpr (kColumnPass != kNoColumnPass) {
-    rht_amax = block_max_bits(rht_amax, max_scratch);
-    if (tid == 0) atomic_max_bits(args.amax_rht, rht_amax);
-  }
 }
 
-template <typename T, bool kLayerNorm, int kBlocks, int kColumnPass>
+template <typename T, bool kLayerNorm, int kBlocks>
 cudaError_t launch_rows(const RowPassArgs& args, cudaStream_t stream) {
   // two rows at a time where their blocks fit the registers (two blocks of 16 per thread and row at most)
   constexpr int kRows = kBlocks * (sizeof(T) == 4 ? 2 : 1) <= 2 ? 2 : 1;
   const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
-  const int64_t multiprocessors = device_multiprocessors();
-  int64_t grid = std::min<int64_t>(bands, multiprocessors * 8);
-  if constexpr (kColumnPass != kNoColumnPass) {
-    // the column pass reads its band again: as many bands in flight as half the L2 holds (one per multiprocessor
-    // at least), so that the second read hits it
-    int device = 0, l2_bytes = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
-    const int64_t band_bytes = kBandRows * args.cols * static_cast<int64_t>(sizeof(T));
-    grid = std::min<int64_t>(bands, std::max<int64_t>(multiprocessors, (l2_bytes / 2) / std::max<int64_t>(band_bytes, 1)));
-  }
-  norm_rows_kernel<T, kLayerNorm, kBlocks, kRows, kColumnPass>
+  const int64_t grid = std::min<int64_t>(bands, static_cast<int64_t>(device_multiprocessors()) * 8);
+  norm_rows_kernel<T, kLayerNorm, kBlocks, kRows>
       <<<static_cast<unsigned>(std::max<int64_t>(grid, 1)), kNormThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
-template <typename T, bool kLayerNorm, int kColumnPass>
+template <typename T, bool kLayerNorm>
 cudaError_t launch_rows_for_width(const RowPassArgs& args, cudaStream_t stream) {
   const int64_t blocks_per_thread = (args.cols / kBlockSize + kNormThreads - 1) / kNormThreads;
-  if (blocks_per_thread <= 1) return launch_rows<T, kLayerNorm, 1, kColumnPass>(args, stream);
-  if (blocks_per_thread <= 2) return launch_rows<T, kLayerNorm, 2, kColumnPass>(args, stream);
-  if (blocks_per_thread <= 4) return launch_rows<T, kLayerNorm, 4, kColumnPass>(args, stream);
+  if (blocks_per_thread <= 1) return launch_rows<T, kLayerNorm, 1>(args, stream);
+  if (blocks_per_thread <= 2) return launch_rows<T, kLayerNorm, 2>(args, stream);
+  if (blocks_per_thread <= 4) return launch_rows<T, kLayerNorm, 4>(args, stream);
   return cudaErrorInvalidValue;
 }
 
+// The amax of the RHT'd columnwise source of the norm's BF16 output, from the row statistics: item = 2 adjacent
+// columns of one 16-row block, their 16 normalized values each rounded to BF16, through the RHT (rounded to BF16
+// again), as reference/rht.py forms the columnwise copy's source. A 2D grid-stride loop: y over the row blocks, x
+// over the column pairs (consecutive lanes, consecutive pairs: coalesced rows).
+template <typename T, bool kLayerNorm, bool kRandomSign>
+__global__ void __launch_bounds__(kNormThreads) norm_rht_amax_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                                                     const float* __restrict__ weight,
+                                                                     const float* __restrict__ bias,
+                                                                     const float* __restrict__ mean,
+                                                                     const float* __restrict__ rstd,
+                                                                     float* __restrict__ amax_rht) {
+  __shared__ uint32_t scratch[32];
+  const int64_t row_blocks = rows / kBlockSize, pairs = cols / 2;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  uint32_t running = 0u;
+  for (int64_t row_block = blockIdx.y; row_block < row_blocks; row_block += gridDim.y) {
+    const int64_t first_row = row_block * kBlockSize;
+    float row_mean[kBlockSize], row_rstd[kBlockSize];
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) {
+      row_mean[i] = kLayerNorm ? __ldg(mean + first_row + i) : 0.0f;
+      row_rstd[i] = __ldg(rstd + first_row + i);
+    }
+    for (int64_t pair = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; pair < pairs; pair += stride) {
+      const int64_t col = 2 * pair;
+      const float w0 = __ldg(weight + col), w1 = __ldg(weight + col + 1);
+      const float b0 = kLayerNorm ? __ldg(bias + col) : 0.0f, b1 = kLayerNorm ? __ldg(bias + col + 1) : 0.0f;
+      float2 both[kBlockSize];
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) both[i] = load_pair<T>(x + (first_row + i) * cols + col);
+      float column0[kBlockSize], column1[kBlockSize];
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) {
+        column0[i] = rounded_to_bf16(norm_of<kLayerNorm>(both[i].x, row_mean[i], row_rstd[i], w0, b0));
+        column1[i] = rounded_to_bf16(norm_of<kLayerNorm>(both[i].y, row_mean[i], row_rstd[i], w1, b1));
+      }
+      float transformed0[kBlockSize], transformed1[kBlockSize];
+      rht_chunk_odd_negated<kRandomSign>(column0, transformed0);  // odd lanes negated: the same |.|
+      rht_chunk_odd_negated<kRandomSign>(column1, transformed1);
+#pragma unroll
+      for (int j = 0; j < kBlockSize; ++j) {
+        running = max(running, max(abs_bits(rounded_to_bf16(transformed0[j])), abs_bits(rounded_to_bf16(transformed1[j]))));
+      }
+    }
+  }
+  running = block_max_bits(running, scratch);
+  if (threadIdx.x == 0) atomic_max_bits(amax_rht, running);
+}
+
 template <typename T, bool kLayerNorm>
-cudaError_t launch_rows_for_pass(const RowPassArgs& args, bool rht_random_sign, cudaStream_t stream) {
-  if (args.amax_rht == nullptr) return launch_rows_for_width<T, kLayerNorm, kNoColumnPass>(args, stream);
-  return rht_random_sign ? launch_rows_for_width<T, kLayerNorm, kRhtRandomSign>(args, stream)
-                         : launch_rows_for_width<T, kLayerNorm, kRhtPlain>(args, stream);
+cudaError_t launch_rht_amax(const RowPassArgs& args, float* amax_rht, bool rht_random_sign, cudaStream_t stream) {
+  const int64_t row_blocks = args.rows / kBlockSize, pairs = args.cols / 2;
+  // x: enough CTAs for one pass over a row block's pairs, y: the rest of 8 CTAs per multiprocessor
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>((row_blocks * pairs + kNormThreads - 1) / kNormThreads,
+                                                              static_cast<int64_t>(device_multiprocessors()) * 8));
+  const int64_t grid_x = std::min<int64_t>((pairs + kNormThreads - 1) / kNormThreads, ctas);
+  const dim3 grid(static_cast<unsigned>(grid_x),
+                  static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>({row_blocks, ctas / grid_x, 65535}))));
+  const T* x = static_cast<const T*>(args.x);
+  if (rht_random_sign) {
+    norm_rht_amax_kernel<T, kLayerNorm, true><<<grid, kNormThreads, 0, stream>>>(
+        x, args.rows, args.cols, args.weight, args.bias, args.mean, args.rstd, amax_rht);
+  } else {
+    norm_rht_amax_kernel<T, kLayerNorm, false><<<grid, kNormThreads, 0, stream>>>(
+        x, args.rows, args.cols, args.weight, args.bias, args.mean, args.rstd, amax_rht);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, bool kLayerNorm>
+cudaError_t launch_row_pass(const RowPassArgs& args, float* amax_rht, bool rht_random_sign, cudaStream_t stream) {
+  const cudaError_t status = launch_rows_for_width<T, kLayerNorm>(args, stream);
+  if (status != cudaSuccess || amax_rht == nullptr) return status;
+  return launch_rht_amax<T, kLayerNorm>(args, amax_rht, rht_random_sign, stream);
 }
 
 // The norm as the cast's producer: the tile's rows' statistics and columns' weight and bias staged in shared memory.
@@ -340,6 +375,62 @@ struct NormProducer {
   }
 };
 
+// The norm as the tile cast's producer (16-bit x): the copied tile of x normalized in place, from the statistics.
+template <typename T, bool kLayerNorm>
+struct NormTileProducer {
+  static constexpr bool kTransforms = true;
+  const float* weight;
+  const float* bias;
+  const float* mean;
+  const float* rstd;
+
+  __device__ int64_t row_stride(int64_t cols) const { return cols; }
+
+  __device__ void transform(uint8_t* tile, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
+    using Chunks = producer::TileChunks;
+    const int chunk = tid % Chunks::Layout::kChunksPerRow, first_row = tid / Chunks::Layout::kChunksPerRow;
+    const int c = chunk * 8;
+    if (c >= cols_in_tile) return;
+    float w[8], b[8];
+    load_floats8(weight + k0 + c, w);
+    if (kLayerNorm) {
+      load_floats8(bias + k0 + c, b);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+    }
+    uint4 raw[Chunks::kCount];
+#pragma unroll
+    for (int u = 0; u < Chunks::kCount; ++u) {
+      raw[u] = *reinterpret_cast<const uint4*>(tile + Chunks::Layout::chunk_offset(first_row + u * Chunks::kRowStep, chunk));
+    }
+#pragma unroll
+    for (int u = 0; u < Chunks::kCount; ++u) {
+      const int r = first_row + u * Chunks::kRowStep;
+      if (r >= rows_in_tile) continue;  // the zeros outside x stay
+      const float row_mean = kLayerNorm ? __ldg(mean + m0 + r) : 0.0f, row_rstd = __ldg(rstd + m0 + r);
+      float values[8];
+      unpack_vector<T>(raw[u], values);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) values[e] = norm_of<kLayerNorm>(values[e], row_mean, row_rstd, w[e], b[e]);
+      *reinterpret_cast<uint4*>(tile + Chunks::Layout::chunk_offset(r, chunk)) = producer::packed_bf16(values);
+    }
+  }
+};
+
+template <typename T, bool kLayerNorm>
+cudaError_t launch_norm_cast_of(const NormArgs& norm, const ProducerCastArgs& cast, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    return producer::launch_produced_tile_cast(
+        norm.x, NormTileProducer<T, kLayerNorm>{norm.weight, norm.bias, norm.mean, norm.rstd}, cast, stream);
+  } else {
+    return producer::launch_produce_and_cast(
+        NormProducer<T, kLayerNorm>{static_cast<const T*>(norm.x), norm.cols, norm.weight, norm.bias, norm.mean,
+                                    norm.rstd},
+        cast, stream);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_norm_rows(const NormArgs& norm, void* y, InputType y_type, float* amax_rowwise, bool row_scaled,
@@ -358,28 +449,20 @@ cudaError_t launch_norm_rows(const NormArgs& norm, void* y, InputType y_type, fl
     if (status != cudaSuccess) return status;
   }
   const RowPassArgs args{norm.x,    norm.rows, norm.cols, norm.weight,  norm.bias,  norm.eps, norm.mean,
-                         norm.rstd, norm.sum_of_squares,  y, y_type, amax_rowwise, row_scaled, amax_rht};
+                         norm.rstd, norm.sum_of_squares,  y, y_type, amax_rowwise, row_scaled};
   const bool layer_norm = norm.normalization == Normalization::kLayerNorm;
   NVFP4_DISPATCH_INPUT_TYPE(norm.type, T,
-                            return layer_norm ? launch_rows_for_pass<T, true>(args, rht_random_sign, stream)
-                                              : launch_rows_for_pass<T, false>(args, rht_random_sign, stream));
+                            return layer_norm ? launch_row_pass<T, true>(args, amax_rht, rht_random_sign, stream)
+                                              : launch_row_pass<T, false>(args, amax_rht, rht_random_sign, stream));
   return cudaSuccess;
 }
 
 cudaError_t launch_norm_cast(const NormArgs& norm, const ProducerCastArgs& cast, cudaStream_t stream) {
   if (norm.cols % kBlockSize != 0 || cast.rows != norm.rows || cast.cols != norm.cols) return cudaErrorInvalidValue;
   const bool layer_norm = norm.normalization == Normalization::kLayerNorm;
-  NVFP4_DISPATCH_INPUT_TYPE(
-      norm.type, T,
-      if (layer_norm) {
-        return producer::launch_produce_and_cast(
-            NormProducer<T, true>{static_cast<const T*>(norm.x), norm.cols, norm.weight, norm.bias, norm.mean, norm.rstd},
-            cast, stream);
-      } else {
-        return producer::launch_produce_and_cast(
-            NormProducer<T, false>{static_cast<const T*>(norm.x), norm.cols, norm.weight, norm.bias, norm.mean, norm.rstd},
-            cast, stream);
-      });
+  NVFP4_DISPATCH_INPUT_TYPE(norm.type, T,
+                            return layer_norm ? launch_norm_cast_of<T, true>(norm, cast, stream)
+                                              : launch_norm_cast_of<T, false>(norm, cast, stream));
   return cudaSuccess;
 }
 

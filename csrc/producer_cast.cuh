@@ -1,14 +1,17 @@
 // The NVFP4 cast of a produced tensor (a norm's or an activation's output, docs/numerics.md §2-6) straight from the
-// producer's input: one pass over a 64 x 128 tile forms the produced values in registers, rounds them to BF16
-// into shared memory (never to global memory), and writes the rowwise copy and the columnwise copy (after the
-// RHT when on) with their E4M3 scales. The same bytes as nvfp4_dist.ops.quantize of the BF16 output: the
-// element numerics are csrc/nvfp4_numerics.cuh's, which csrc/quantize.cu uses.
-//
-// A Producer gives, for one tile:
-//   struct Tile;                                                           // its staged data, in shared memory
-//   void stage(Tile&, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
-//   void produce8(const Tile&, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const;
-// produce8: the FP32 values (before the rounding to BF16) of row m0 + r, columns k0 + c .. k0 + c + 7.
+// producer's input, the produced values rounded to BF16 in shared memory (never in global memory); the same bytes
+// as nvfp4_dist.ops.quantize of the BF16 output.
+// - norms and GELU of 16-bit inputs: quantize_tile.cuh's tile cast (the unfused cast's kernel, csrc/quantize.cu)
+//   copies the input's 128 x 128 tile and a TileProducer forms the produced tile from it in place
+//   (launch_produced_tile_cast).
+// - SwiGLU and FP32 inputs: one pass over a 64 x 128 tile forms the produced values in registers and writes the rowwise copy
+//   and the columnwise copy (after the RHT when on) with their E4M3 scales (launch_produce_and_cast). A Producer
+//   gives, for one tile:
+//     struct Tile;                                                           // its staged data, in shared memory
+//     void stage(Tile&, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
+//     void produce8(const Tile&, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const;
+//   produce8: the FP32 values (before the rounding to BF16) of row m0 + r, columns k0 + c .. k0 + c + 7.
+// The element numerics are csrc/nvfp4_numerics.cuh's in both.
 #pragma once
 
 #include <cstdint>
@@ -16,9 +19,17 @@
 #include "nvfp4_device.cuh"
 #include "nvfp4_numerics.cuh"
 #include "producer_numerics.cuh"
+#include "quantize_tile.cuh"
 
 namespace nvfp4 {
 namespace producer {
+
+// Whether a cast of `cast`'s copies is well formed: cols % 16 == 0, rows % 16 == 0 for a columnwise copy, no
+// columnwise copy of row-scaled amaxes (docs/numerics.md §6).
+inline bool valid_cast(const ProducerCastArgs& cast) {
+  const bool columnwise = cast.columnwise_data != nullptr;
+  return cast.cols % kBlockSize == 0 && !(columnwise && cast.rows % kBlockSize != 0) && !(cast.row_scaled && columnwise);
+}
 
 constexpr int kCastThreads = 256;
 constexpr int kCastTileRows = 64, kCastTileCols = 128;
@@ -157,9 +168,8 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
 
 template <typename Producer>
 cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCastArgs& args, cudaStream_t stream) {
+  if (!valid_cast(args)) return cudaErrorInvalidValue;
   const bool columnwise = args.columnwise_data != nullptr;
-  if (args.cols % kBlockSize != 0 || (columnwise && args.rows % kBlockSize != 0)) return cudaErrorInvalidValue;
-  if (args.row_scaled && columnwise) return cudaErrorInvalidValue;
   const int64_t tiles = ((args.rows + kCastTileRows - 1) / kCastTileRows) * ((args.cols + kCastTileCols - 1) / kCastTileCols);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
@@ -174,6 +184,55 @@ cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCast
     produce_and_cast_kernel<Producer, false, false><<<grid, kCastThreads, 0, stream>>>(producer, args);
   }
   return cudaGetLastError();
+}
+
+// The tile cast of the BF16 tile `producer` makes from the 16-bit tensor at `source` (its rows
+// producer.row_stride(cols) elements apart).
+template <typename TileProducer>
+cudaError_t launch_produced_tile_cast(const void* source, const TileProducer& producer, const ProducerCastArgs& cast,
+                                      cudaStream_t stream) {
+  if (!valid_cast(cast)) return cudaErrorInvalidValue;
+  QuantizeArgs args{};
+  args.x = source;
+  args.type = InputType::kBFloat16;
+  args.rows = cast.rows;
+  args.cols = cast.cols;
+  args.amax_rowwise = cast.rowwise_data != nullptr ? cast.amax_rowwise : nullptr;
+  args.amax_columnwise = cast.columnwise_data != nullptr ? cast.amax_columnwise : nullptr;
+  args.rowwise_data = cast.rowwise_data;
+  args.rowwise_scale = cast.rowwise_scale;
+  args.columnwise_data = cast.columnwise_data;
+  args.columnwise_scale = cast.columnwise_scale;
+  args.row_scaled = cast.row_scaled;
+  args.rht = cast.rht;
+  args.rht_random_sign = cast.rht_random_sign;
+  args.e4m3_bound = 448;
+  using tile_cast::launch_tiles;
+  if (cast.rht && cast.columnwise_data != nullptr) {
+    return cast.rht_random_sign ? launch_tiles<__nv_bfloat16, false, true, true, false>(args, stream, producer)
+                                : launch_tiles<__nv_bfloat16, false, true, false, false>(args, stream, producer);
+  }
+  return launch_tiles<__nv_bfloat16, false, false, false, false>(args, stream, producer);
+}
+
+// The chunks of a 128 x 128 tile (16-bit, TileLayout's layout) a thread forms in a TileProducer's transform: chunk
+// (8 columns) tid % 16 of rows tid / 16 + 16 u.
+struct TileChunks {
+  using Layout = tile_cast::TileLayout<__nv_bfloat16>;
+  static constexpr int kRowStep = tile_cast::kThreads / Layout::kChunksPerRow;
+  static constexpr int kCount = tile_cast::kTileRows / kRowStep;
+  static_assert(Layout::kChunkElements == 8, "8 values a chunk");
+};
+
+// 8 FP32 values rounded to BF16, packed.
+__device__ __forceinline__ uint4 packed_bf16(const float (&values)[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(values[2 * i], values[2 * i + 1]);
+    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 // Block-wide halving tree of kCount values per thread (the same tree for each), kThreads threads: levels of
