@@ -3,9 +3,9 @@
 For each producer, width and token count, two chains give the same bytes (tests_multigpu/test_fused_producers_gpu.py):
 - unfused: the producer's kernel writes its BF16 output, the amax kernel reads it (plain and post-RHT amax), the
   cast reads it again and writes the rowwise copy and the RHT columnwise copy (csrc/quantize.cu);
-- fused: pass 1 reads the producer's input (the norm: row statistics and amaxes, its band read a second time from
-  L2 for the post-RHT amax; the activation: amaxes), pass 2 reads it again and writes both copies, the BF16 output
-  never written (csrc/norm_quantize.cu, csrc/activation_quantize.cu).
+- fused: pass 1 reads the producer's input (the norm: row statistics and plain amax, then the input again for the
+  post-RHT amax from the statistics; the activation: both amaxes), pass 2 reads it again and writes both copies,
+  the BF16 output never written (csrc/norm_quantize.cu, csrc/activation_quantize.cu).
 "Needed" bytes are those any chain must move: the input read once and both copies (codes and E4M3 scales) written;
 GB/s counts those, against a device-to-device copy of the input in the same run (read + write). "Moved" bytes are
 each chain's own traffic to memory by design (L2 hits not counted). Row-scaled variants (rowwise copy, per-row
@@ -41,14 +41,15 @@ def copies_bytes(rows: int, cols: int, copies: int) -> int:
     return copies * (rows * cols // 2 + rows * cols // BLOCK)
 
 
-def chain_bytes(tokens: int, input_cols: int, output_cols: int, copies: int) -> dict:
+def chain_bytes(tokens: int, input_cols: int, output_cols: int, copies: int, fused_input_reads: int) -> dict:
     """Bytes (BF16 input [tokens, input_cols], output [tokens, output_cols]): what any chain must move, and what the
-    unfused chain (output written, read for the amax, read for the cast) and the fused one (input read twice) move."""
+    unfused chain (output written, read for the amax, read for the cast) and the fused one (input read
+    `fused_input_reads` times) move."""
     input_bytes, output_bytes = 2 * tokens * input_cols, 2 * tokens * output_cols
     written = copies_bytes(tokens, output_cols, copies)
     return dict(needed=input_bytes + written,
                 unfused=input_bytes + output_bytes + output_bytes + output_bytes + written,
-                fused=2 * input_bytes + written)
+                fused=fused_input_reads * input_bytes + written)
 
 
 def speedups(results: list[dict]) -> list[dict]:
@@ -145,7 +146,9 @@ def run_case(producer: str, width: int, tokens: int, row_scaled: bool) -> list[d
     copy_gbps = 2 * source.numel() * source.element_size() / copy_ms / 1e6
     unfused_ms, fused_ms = time_interleaved([unfused, fused])
     copies = 1 if row_scaled else 2
-    moved = chain_bytes(tokens, source.shape[1], width, copies)
+    # the fused norm reads its input a third time for the post-RHT amax
+    fused_reads = 3 if producer in NORMALIZATION_CODES and not row_scaled else 2
+    moved = chain_bytes(tokens, source.shape[1], width, copies, fused_reads)
     kind = "rowwise (row-scaled)" if row_scaled else "rowwise + RHT columnwise"
     results = []
     for chain, ms in (("unfused", unfused_ms), ("fused", fused_ms)):

@@ -6,10 +6,12 @@ and output gradient, both copies), the three GEMMs (on pre-quantized operands) a
 quantization done once per optimizer step, and the bytes each layer saves for backward. Then each backward
 mode (recipe.backward_mode, docs/numerics.md §10: default, high_precision, dequantized): its time, the bytes its
 forward saves for backward, and the peak memory one forward+backward allocates above what was allocated before
-it (inputs, parameters and the cached quantized weight), against BF16's in the same run.
+it (inputs, parameters and the cached quantized weight), against BF16's in the same run. Then a LayerNorm in front
+of the linear: nvfp4_dist.LayerNormLinear's forward+backward with the recipe's fused producers on and off (the
+norm fused into the input's cast, or written in BF16 and cast), against BF16 torch.nn.LayerNorm + torch.nn.Linear.
 
     python benchmarks/linear.py [--shapes 16384,8192,8192 16384,8192,28672] [--backward-modes default dequantized]
-                                [--out benchmarks/results/linear.json]
+                                [--no-layernorm-linear] [--out benchmarks/results/linear.json]
 """
 from __future__ import annotations
 
@@ -130,15 +132,53 @@ def bench_shape(tokens: int, in_features: int, out_features: int, recipe: nv.NVF
 
 
 
+def bench_layernorm_linear(tokens: int, in_features: int, out_features: int, recipe: nv.NVFP4Recipe) -> dict:
+    """Forward+backward of LayerNorm + linear: BF16 torch against nv.LayerNormLinear with fused producers on, off."""
+    torch.manual_seed(0)
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
+    norm = torch.nn.LayerNorm(in_features, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.Linear(in_features, out_features, device="cuda", dtype=torch.bfloat16)
+    baseline = torch.nn.Sequential(norm, linear)
+
+    def step(module):
+        module(x).backward(dy)
+        x.grad = None
+        for parameter in module.parameters():
+            parameter.grad = None
+
+    bf16_ms = median_ms(lambda: step(baseline))
+    row = dict(tokens=tokens, in_features=in_features, out_features=out_features, bf16_ms=bf16_ms)
+    for fused in (True, False):
+        layer = nv.LayerNormLinear(in_features, out_features, device="cuda", dtype=torch.bfloat16,
+                                   recipe=recipe.replace(fused_producers=fused))
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight)
+            layer.bias.copy_(linear.bias)
+            layer.layer_norm_weight.copy_(norm.weight)
+            layer.layer_norm_bias.copy_(norm.bias)
+        ms = median_ms(lambda: step(layer))
+        key = "fused" if fused else "unfused"
+        row[f"nvfp4_{key}_ms"] = ms
+        row[f"speedup_{key}_vs_bf16"] = bf16_ms / ms
+        del layer
+    row["fused_vs_unfused"] = row["nvfp4_unfused_ms"] / row["nvfp4_fused_ms"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="tokens,in,out triples")
     parser.add_argument("--backward-modes", nargs="*", choices=BACKWARD_MODES, default=list(BACKWARD_MODES),
                         help="backward modes to time and measure (none: skip that table)")
+    parser.add_argument("--layernorm-linear", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time LayerNorm + linear (fused producers on and off) against BF16")
     parser.add_argument("--out", default="benchmarks/results/linear.json")
     args = parser.parse_args()
     recipe = nv.NVFP4Recipe.from_env()
-    rows = [bench_shape(*map(int, shape.split(",")), recipe, args.backward_modes) for shape in args.shapes]
+    shapes = [tuple(map(int, shape.split(","))) for shape in args.shapes]
+    rows = [bench_shape(*shape, recipe, args.backward_modes) for shape in shapes]
+    norm_rows = [bench_layernorm_linear(*shape, recipe) for shape in shapes] if args.layernorm_linear else []
     header = (f"{'tokens':>6} {'in':>6} {'out':>6} | {'BF16 ms':>8} {'NVFP4 ms':>8} {'speedup':>7} | "
               f"{'quant':>6} {'GEMM':>6} {'other':>6} {'Wquant':>6} | {'saved BF16':>10} {'NVFP4':>10} {'ratio':>5}")
     print(header)
@@ -162,12 +202,22 @@ def main() -> None:
                 print(f"{'':>6} {'':>6} {'':>6} {mode:>15} | {m['ms']:>7.2f} {m['speedup_vs_bf16']:>6.2f}x | "
                       f"{m['saved_bytes'] / 2**20:>6.0f}MB {m['saved_ratio_vs_bf16']:>7.3f} | "
                       f"{m['peak_bytes'] / 2**20:>6.0f}MB {m['peak_ratio_vs_bf16']:>7.3f}")
+    if norm_rows:
+        header = (f"{'tokens':>6} {'in':>6} {'out':>6} | {'LN+Linear BF16 ms':>17} {'fused ms':>8} {'vs BF16':>7} | "
+                  f"{'unfused ms':>10} {'vs BF16':>7} | {'fused vs unfused':>16}")
+        print("\n" + header)
+        print("-" * len(header))
+        for r in norm_rows:
+            print(f"{r['tokens']:>6} {r['in_features']:>6} {r['out_features']:>6} | {r['bf16_ms']:>17.2f} "
+                  f"{r['nvfp4_fused_ms']:>8.2f} {r['speedup_fused_vs_bf16']:>6.2f}x | {r['nvfp4_unfused_ms']:>10.2f} "
+                  f"{r['speedup_unfused_vs_bf16']:>6.2f}x | {r['fused_vs_unfused']:>15.2f}x")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="linear", gpu=torch.cuda.get_device_name(),
                                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),
                                    command=command_line(),
-                                   torch=torch.__version__, recipe=repr(recipe), results=rows), indent=1))
+                                   torch=torch.__version__, recipe=repr(recipe), results=rows,
+                                   layernorm_linear=norm_rows), indent=1))
     print(f"wrote {out}")
 
 

@@ -8,8 +8,11 @@ the baseline's linears are Megatron's own ColumnParallelLinear / RowParallelLine
 Reports tokens/s, peak memory (and memory held at the end of forward: parameters, gradients and what
 autograd saved) and the NVFP4/BF16 ratios (targets: tokens/s >= 1.10x over NVLink, >= 1.8x over slow links;
 memory <= 0.8x). --links picks the link class (benchmarks/torchrun_setup.py); both specs run over the same links.
+--fused-producers picks the NVFP4 model's norm and SwiGLU casts (recipe.fused_producers): fused into their
+producers (on), written in BF16 and then cast (off), or both models in turn (both: "nvfp4" fused, "nvfp4_unfused").
 
-    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap] [--out PATH]
+    torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
+                                                           [--fused-producers on|off|both] [--out PATH]
 """
 import argparse
 import datetime
@@ -36,6 +39,9 @@ from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_recor
 
 TOKENS_PER_S_TARGETS = {"nvlink": 1.10, "slow": 1.8}  # NVFP4 / BF16, by link class
 MEMORY_TARGET = 0.80
+# --fused-producers: the NVFP4 models measured, (result name, recipe.fused_producers)
+FUSED_PRODUCER_CHOICES = {"on": (("nvfp4", True),), "off": (("nvfp4", False),),
+                          "both": (("nvfp4", True), ("nvfp4_unfused", False))}
 
 
 def parse_args():
@@ -51,6 +57,9 @@ def parse_args():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="NVFP4 recipe.overlap: ring-pipelined TP communication (default on)")
+    parser.add_argument("--fused-producers", choices=FUSED_PRODUCER_CHOICES, default="both",
+                        help="the NVFP4 model with the norm/activation casts fused into their producers, without, "
+                             "or both in turn (default)")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
@@ -58,7 +67,7 @@ def parse_args():
     return parser.parse_args()
 
 
-def build(spec_name: str, args, tp: int) -> GPTModel:
+def build(spec_name: str, args, tp: int, fused_producers: bool = False) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
         tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
@@ -66,8 +75,8 @@ def build(spec_name: str, args, tp: int) -> GPTModel:
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False)
-    if spec_name == "nvfp4":
-        recipe = NVFP4Recipe.from_env(overlap=True) if args.overlap else None
+    if spec_name.startswith("nvfp4"):
+        recipe = NVFP4Recipe.from_env(**({"overlap": True} if args.overlap else {}), fused_producers=fused_producers)
         spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, bf16_first_layers=0, bf16_last_layers=0,
                                                 sdpa_attention=True)
     else:
@@ -77,12 +86,12 @@ def build(spec_name: str, args, tp: int) -> GPTModel:
                     max_sequence_length=args.seq, position_embedding_type="rope").cuda()
 
 
-def measure(spec_name: str, args, tp: int) -> dict:
+def measure(spec_name: str, args, tp: int, fused_producers: bool = False) -> dict:
     """Tokens/s and peak memory of forward+backward on one fixed batch."""
     gc.collect()  # the previous spec's model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build(spec_name, args, tp)
+    model = build(spec_name, args, tp, fused_producers)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).cuda()
     positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.micro_batch, -1)
@@ -111,6 +120,8 @@ def measure(spec_name: str, args, tp: int) -> dict:
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "memory_after_forward_gib": max(after_forward) / 2**30,
               "loss": float(loss)}
+    if spec_name.startswith("nvfp4"):
+        result["fused_producers"] = fused_producers
     return result  # the model is freed on return, before the next spec is built
 
 
@@ -199,12 +210,16 @@ def main():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    results = {name: measure(name, args, tp) for name in ("local_bf16", "nvfp4")}
+    results = {"local_bf16": measure("local_bf16", args, tp)}
+    for name, fused in FUSED_PRODUCER_CHOICES[args.fused_producers]:
+        results[name] = measure(name, args, tp, fused)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+    unfused = results.get("nvfp4_unfused")
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
         print(f"GPT {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, seq {args.seq}, "
               f"micro-batch {args.micro_batch}, TP={tp} SP, links {args.links}, overlap={args.overlap}, "
+              f"fused producers {args.fused_producers}, "
               f"CUDA_DEVICE_MAX_CONNECTIONS="
               f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset (8)')}")
         print(f"{'spec':<12}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'fwd GiB':>9}{'loss':>9}")
@@ -214,6 +229,9 @@ def main():
         target = TOKENS_PER_S_TARGETS.get(args.links)
         print(f"NVFP4/BF16: tokens/s {speedup:.3f}x" + (f" (target >= {target:.2f})" if target else "")
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
+        if unfused is not None:
+            print(f"fused producers: tokens/s {results['nvfp4']['tokens_per_s'] / unfused['tokens_per_s']:.3f}x "
+                  f"of the NVFP4 model without them")
         record = {"benchmark": "megatron_gpt", "device": torch.cuda.get_device_name(), "gpus": tp,
                   **links_record(args.links), "tokens_per_s_target": target,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
@@ -221,6 +239,9 @@ def main():
                   "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
+        if unfused is not None:
+            record["unfused_tokens_per_s_ratio"] = unfused["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+            record["fused_vs_unfused_tokens_per_s"] = results["nvfp4"]["tokens_per_s"] / unfused["tokens_per_s"]
         out = args.out or result_path(f"megatron_gpt_{gpu_label()}x{tp}", args.links)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as handle:

@@ -203,7 +203,20 @@ def megatron_summary(record: dict) -> list[str]:
             f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs "
             f"{bf16['tokens_per_s']:.0f})",
             f"peak memory: {times(record['peak_memory_ratio'])} ({nvfp4['peak_memory_gib']:.2f} vs "
-            f"{bf16['peak_memory_gib']:.2f} GiB)"]
+            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record)]
+
+
+def fused_producers_lines(record: dict) -> list[str]:
+    """The NVFP4 model's fused producers, and its speed without them where the run measured that too."""
+    nvfp4, unfused = record["results"]["nvfp4"], record["results"].get("nvfp4_unfused")
+    if "fused_producers" not in nvfp4:
+        return []
+    lines = [f"fused norm/activation casts: {'on' if nvfp4['fused_producers'] else 'off'}"]
+    if unfused is not None:
+        lines.append(f"without them: tokens/s {times(record['unfused_tokens_per_s_ratio'])} "
+                     f"({unfused['tokens_per_s']:.0f}, step {unfused['step_ms']:.1f} ms vs {nvfp4['step_ms']:.1f} ms); "
+                     f"fused / unfused {times(record['fused_vs_unfused_tokens_per_s'])}")
+    return lines
 
 
 def megatron_command(record: dict) -> str:
@@ -347,6 +360,65 @@ def render_convergence(results: list) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A projection of the fused producers onto a B200, from the bytes benchmarks/fused_producers.py counts.
+
+B200_HBM_BYTES_PER_S = 8e12        # HBM3e, per GPU, as NVIDIA publishes it for B200
+B200_DENSE_FP4_FLOP_PER_S = 9e15   # dense NVFP4 tensor throughput, per GPU, as NVIDIA publishes it
+B200_DENSE_BF16_FLOP_PER_S = 2.25e15
+PROJECTION_HIDDEN, PROJECTION_FFN = 8192, 28672
+BOTH_COPIES = "rowwise + RHT columnwise"
+
+
+def layer_gemm_flop_per_token(hidden: int, ffn: int) -> float:
+    """Forward + backward (3x the forward) FLOPs per token of one layer's linears: QKV (no grouped-query attention)
+    and output projection, SwiGLU fc1 (hidden -> 2 ffn) and fc2."""
+    forward = 2 * (3 * hidden * hidden + hidden * hidden + hidden * 2 * ffn + ffn * hidden)
+    return 3 * forward
+
+
+def chain_bytes_per_token(record: dict, producer: str, width: int) -> dict | None:
+    """{'fused', 'unfused'}: bytes per token of a producer's chain (both copies), from the record's byte counts."""
+    out = {}
+    for r in record["results"]:
+        if r["producer"] == producer and r["width"] == width and r["copies"] == BOTH_COPIES:
+            out[r["chain"]] = r["bytes_moved"] / r["tokens"]
+    return out if {"fused", "unfused"} <= out.keys() else None
+
+
+def b200_projection(results: list[Result]) -> list[str]:
+    """The B200 projection section (empty without a fused-producer result holding the layer's widths)."""
+    records = [r.record for r in results if r.benchmark == "fused_producers"]
+    for record in records:
+        norms = [chain_bytes_per_token(record, norm, PROJECTION_HIDDEN) for norm in ("RMSNorm", "LayerNorm")]
+        norm = next((n for n in norms if n is not None), None)
+        swiglu = chain_bytes_per_token(record, "swiglu", PROJECTION_FFN)
+        if norm is not None and swiglu is not None:
+            break
+    else:
+        return []
+    # the producer chains of one layer: the norms before QKV and before fc1, SwiGLU before fc2
+    chains = {chain: 2 * norm[chain] + swiglu[chain] for chain in ("unfused", "fused")}
+    cast_ns = {chain: 1e9 * b / B200_HBM_BYTES_PER_S for chain, b in chains.items()}
+    flop = layer_gemm_flop_per_token(PROJECTION_HIDDEN, PROJECTION_FFN)
+    fp4_ns, bf16_ns = 1e9 * flop / B200_DENSE_FP4_FLOP_PER_S, 1e9 * flop / B200_DENSE_BF16_FLOP_PER_S
+    return ["## B200 projection: fused producers", "",
+            "A projection, not a measurement: no B200 ran it. One transformer layer of hidden "
+            f"{PROJECTION_HIDDEN}, SwiGLU ffn {PROJECTION_FFN}, per token: the bytes that the producer chains in front "
+            "of its NVFP4 linears move (the norm before QKV, the norm before fc1, SwiGLU before fc2; each with both "
+            "copies, RHT on the columnwise one), as benchmarks/fused_producers.py counts them (its JSON's "
+            "`bytes_moved`), at B200's published HBM3e bandwidth (8 TB/s), against the layer's linear GEMMs "
+            "(forward + backward, QKV without grouped-query attention, attention's own products not counted) at "
+            "B200's published dense tensor throughput (NVIDIA: 9 PFLOP/s FP4, 2.25 PFLOP/s BF16, per GPU). "
+            "Full bandwidth and full tensor throughput are both upper bounds, so the times are lower bounds.", "",
+            "| per token | bytes | time | vs NVFP4 GEMMs | vs BF16 GEMMs |", "| --- | --- | --- | --- | --- |",
+            *[f"| producer chains, {chain} | {chains[chain] / 1024:.1f} KiB | {cast_ns[chain]:.1f} ns | "
+              f"{percent(cast_ns[chain] / fp4_ns)} | {percent(cast_ns[chain] / bf16_ns)} |"
+              for chain in ("unfused", "fused")],
+            f"| linear GEMMs, NVFP4 | {flop / 1e9:.2f} GFLOP | {fp4_ns:.1f} ns | | |",
+            f"| linear GEMMs, BF16 | {flop / 1e9:.2f} GFLOP | {bf16_ns:.1f} ns | | |", ""]
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Result:
@@ -466,6 +538,7 @@ def render(results: list[Result]) -> str:
             out.append(f"| {title} | {benchmark.baseline} | {cell(benchmark.summary(result.record))} | "
                        f"`{result.command}` | {result.provenance} |")
         out.append("")
+    out += b200_projection(results)
     out += render_convergence(results)
     return "\n".join(out).rstrip("\n") + "\n"
 
