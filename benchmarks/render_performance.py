@@ -100,6 +100,11 @@ def linear_summary(record: dict) -> list[str]:
         lines += [f"backward mode {mode}: {times(m['speedup_vs_bf16'])} ({m['ms']:.2f} ms); saved for backward "
                   f"{times(m['saved_ratio_vs_bf16'])}, step peak {times(m['peak_ratio_vs_bf16'])} BF16's bytes"
                   for mode, m in r.get("backward_modes", {}).items()]
+    for r in record.get("layernorm_linear", []):
+        lines.append(f"LayerNorm + linear vs BF16 `nn.LayerNorm` + `nn.Linear`, {r['tokens']} tokens, "
+                     f"{r['in_features']} -> {r['out_features']}: fused producers on "
+                     f"{times(r['speedup_fused_vs_bf16'])} ({r['nvfp4_fused_ms']:.2f} ms), off "
+                     f"{times(r['speedup_unfused_vs_bf16'])} ({r['nvfp4_unfused_ms']:.2f} ms), BF16 {r['bf16_ms']:.2f} ms")
     return lines
 
 
