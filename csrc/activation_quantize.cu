@@ -186,10 +186,14 @@ struct ActivationProducer {
 template <typename T>
 struct GeluTileProducer {
   static constexpr bool kTransforms = true;
+  struct Staged {};
 
   __device__ int64_t row_stride(int64_t cols) const { return cols; }
 
-  __device__ void transform(uint8_t* tile, int64_t, int64_t, int rows_in_tile, int cols_in_tile, int tid) const {
+  __device__ void stage(Staged&, int64_t, int64_t, int, int, int) const {}
+
+  __device__ void transform(uint8_t* tile, const Staged&, int64_t, int64_t, int rows_in_tile, int cols_in_tile,
+                            int tid) const {
     using Chunks = producer::TileChunks;
     const int chunk = tid % Chunks::Layout::kChunksPerRow, first_row = tid / Chunks::Layout::kChunksPerRow;
     if (chunk * 8 >= cols_in_tile) return;

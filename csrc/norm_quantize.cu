@@ -67,19 +67,6 @@ __device__ __forceinline__ void load_floats16(const float* address, float (&valu
   }
 }
 
-// 8 consecutive floats (32-byte aligned).
-__device__ __forceinline__ void load_floats8(const float* address, float (&values)[8]) {
-  const float4* source = reinterpret_cast<const float4*>(address);
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const float4 part = __ldg(source + q);
-    values[4 * q] = part.x;
-    values[4 * q + 1] = part.y;
-    values[4 * q + 2] = part.z;
-    values[4 * q + 3] = part.w;
-  }
-}
-
 // Two adjacent elements of T as FP32.
 template <typename T>
 __device__ __forceinline__ float2 load_pair(const T* address) {
@@ -375,7 +362,8 @@ struct NormProducer {
   }
 };
 
-// The norm as the tile cast's producer (16-bit x): the copied tile of x normalized in place, from the statistics.
+// The norm as the tile cast's producer (16-bit x): the copied tile of x normalized in place, from the statistics
+// of its rows and the weight and bias of its columns, staged while the tile's copy is in flight.
 template <typename T, bool kLayerNorm>
 struct NormTileProducer {
   static constexpr bool kTransforms = true;
@@ -384,35 +372,56 @@ struct NormTileProducer {
   const float* mean;
   const float* rstd;
 
+  struct Staged {
+    float mean[tile_cast::kTileRows], rstd[tile_cast::kTileRows];
+    __align__(16) float weight[tile_cast::kTileCols];
+    __align__(16) float bias[tile_cast::kTileCols];
+  };
+
   __device__ int64_t row_stride(int64_t cols) const { return cols; }
 
-  __device__ void transform(uint8_t* tile, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
+  __device__ void stage(Staged& staged, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
+    static_assert(tile_cast::kThreads == 2 * tile_cast::kTileRows && tile_cast::kTileRows == tile_cast::kTileCols,
+                  "a thread per row statistic and per column parameter");
+    const int index = tid % tile_cast::kTileRows;
+    if (tid < tile_cast::kTileRows) {
+      if (index < rows_in_tile) {
+        staged.rstd[index] = __ldg(rstd + m0 + index);
+        staged.mean[index] = kLayerNorm ? __ldg(mean + m0 + index) : 0.0f;
+      }
+    } else if (index < cols_in_tile) {
+      staged.weight[index] = __ldg(weight + k0 + index);
+      staged.bias[index] = kLayerNorm ? __ldg(bias + k0 + index) : 0.0f;
+    }
+  }
+
+  __device__ void transform(uint8_t* tile, const Staged& staged, int64_t, int64_t, int rows_in_tile, int cols_in_tile,
+                            int tid) const {
     using Chunks = producer::TileChunks;
     const int chunk = tid % Chunks::Layout::kChunksPerRow, first_row = tid / Chunks::Layout::kChunksPerRow;
     const int c = chunk * 8;
     if (c >= cols_in_tile) return;
-    float w[8], b[8];
-    load_floats8(weight + k0 + c, w);
-    if (kLayerNorm) {
-      load_floats8(bias + k0 + c, b);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-    }
     uint4 raw[Chunks::kCount];
 #pragma unroll
     for (int u = 0; u < Chunks::kCount; ++u) {
       raw[u] = *reinterpret_cast<const uint4*>(tile + Chunks::Layout::chunk_offset(first_row + u * Chunks::kRowStep, chunk));
     }
+    float w[8], b[8];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const float4 w4 = *reinterpret_cast<const float4*>(staged.weight + c + 4 * q);
+      const float4 b4 = *reinterpret_cast<const float4*>(staged.bias + c + 4 * q);
+      w[4 * q] = w4.x, w[4 * q + 1] = w4.y, w[4 * q + 2] = w4.z, w[4 * q + 3] = w4.w;
+      b[4 * q] = b4.x, b[4 * q + 1] = b4.y, b[4 * q + 2] = b4.z, b[4 * q + 3] = b4.w;
+    }
 #pragma unroll
     for (int u = 0; u < Chunks::kCount; ++u) {
       const int r = first_row + u * Chunks::kRowStep;
       if (r >= rows_in_tile) continue;  // the zeros outside x stay
-      const float row_mean = kLayerNorm ? __ldg(mean + m0 + r) : 0.0f, row_rstd = __ldg(rstd + m0 + r);
       float values[8];
       unpack_vector<T>(raw[u], values);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) values[e] = norm_of<kLayerNorm>(values[e], row_mean, row_rstd, w[e], b[e]);
+      for (int e = 0; e < 8; ++e) values[e] = norm_of<kLayerNorm>(values[e], staged.mean[r], staged.rstd[r], w[e], b[e]);
       *reinterpret_cast<uint4*>(tile + Chunks::Layout::chunk_offset(r, chunk)) = producer::packed_bf16(values);
     }
   }

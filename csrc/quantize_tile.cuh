@@ -14,10 +14,15 @@
 // A TileProducer makes the cast's input from the tile it copies (the fused producers: a norm's or an activation's
 // output cast without being written, csrc/norm_quantize.cu, csrc/activation_quantize.cu):
 //   static constexpr bool kTransforms;                  // false: the tile is the input itself (CastOfInput)
+//   struct Staged;                                      // what transform needs besides the tile, in shared memory
 //   int64_t row_stride(int64_t cols) const;             // elements between rows of args.x, the copied source
-//   void transform(uint8_t* tile, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
-// transform: in place, the tile's 16-bit source values (TileLayout<__nv_bfloat16>'s layout) replaced by the
-// produced values rounded to BF16, inside the tensor only (the zeros outside stay); the kernel then casts a BF16 tile.
+//   void stage(Staged&, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
+//   void transform(uint8_t* tile, const Staged&, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile,
+//                  int tid) const;
+// stage runs while the tile's copy is in flight (its loads off the tile's critical path); transform, once the
+// tile and the staged data are in: in place, the tile's 16-bit source values (TileLayout<__nv_bfloat16>'s layout)
+// replaced by the produced values rounded to BF16, inside the tensor only (the zeros outside stay); the kernel
+// then casts a BF16 tile.
 #pragma once
 
 #include <cstdint>
@@ -33,8 +38,10 @@ namespace tile_cast {
 // The cast of x itself.
 struct CastOfInput {
   static constexpr bool kTransforms = false;
+  struct Staged {};
   __device__ int64_t row_stride(int64_t cols) const { return cols; }
-  __device__ void transform(uint8_t*, int64_t, int64_t, int, int, int) const {}
+  __device__ void stage(Staged&, int64_t, int64_t, int, int, int) const {}
+  __device__ void transform(uint8_t*, const Staged&, int64_t, int64_t, int, int, int) const {}
 };
 
 constexpr int kTileRows = 128, kTileCols = 128, kThreads = 256;
@@ -302,6 +309,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   // codes for its columnwise copy (transpose_codes below)
   __shared__ uint32_t tile_amax_2d_bits[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ __align__(16) uint8_t codes_2d[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
+  __shared__ typename Producer::Staged staged;  // the producer's data for the tile (CastOfInput: none)
   using Layout = TileLayout<T>;
   // behind the tiles: e_b per scale byte (encode_block's), rowwise and columnwise, and S_enc * fp32(1/6) of each
   float(*const encode_of_scale)[kPositiveScales] =
@@ -370,6 +378,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       origin = kRHT ? origin.next_row_major(args) : TileOrigin(args, order.row_and_column(next_tile));
       copy_tile_async<T>(tiles_in_shared + (buffer ^ 1) * Layout::kBytes, args, source_stride, origin, tid);
     };
+    if constexpr (Producer::kTransforms) producer.stage(staged, m0, k0, rows_in_tile, cols_in_tile, tid);
     if (copy_next && !kNextCopyAfterRowwise<kRHT>) {
       start_next_copy();
       asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -378,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     }
     __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
     if constexpr (Producer::kTransforms) {
-      producer.transform(tile, m0, k0, rows_in_tile, cols_in_tile, tid);
+      producer.transform(tile, staged, m0, k0, rows_in_tile, cols_in_tile, tid);
       __syncthreads();  // the produced tile is in
     }
 
