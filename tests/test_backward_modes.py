@@ -31,7 +31,7 @@ BF16_TOLERANCE = 1e-2   # BF16 outputs (and BF16 dequantized operands) against f
 def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, bound: int) -> torch.Tensor:
     """float64 values of one NVFP4 copy: FP4 code value x E4M3 block scale x amax / (6 x bound), per row when amax
     is (a row-scaled rowwise copy, or the per-column columnwise copy of a row-scaled activation)."""
-    magnitudes = torch.tensor(formats.FP4_MAGNITUDES, dtype=torch.float64)
+    magnitudes = torch.tensor(formats.FP4_MAGNITUDES, dtype=torch.float64, device=data.device)
     table = torch.cat([magnitudes, -magnitudes])
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2).long()
     values = table[codes]
