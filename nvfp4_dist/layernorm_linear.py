@@ -231,18 +231,23 @@ class LayerNormLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
-        producer = self.producer(x)
-        store = self.wgrad_store if self.delay_wgrad else None
-        options = dict(accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store)
-        recipe = self.resolved_recipe()
-        self.last_recipe = recipe
-        if recipe is None:
-            return bf16_linear(producer.output(x), self.weight, self.bias, **options)
-        weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
-        return produced_linear(producer, x, self.weight, self.bias, recipe, weight_q=weight_q, **options)
+        return linear_after_producer(self, self.producer(x), x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}"
+
+
+def linear_after_producer(linear: Linear, producer, x: torch.Tensor) -> torch.Tensor:
+    """linear(producer(x)) with the linear's recipe, weight cache and wgrad settings: the producer's output fused
+    into the linear's NVFP4 input where the recipe allows (produced_linear), BF16 where the recipe resolves to None."""
+    store = linear.wgrad_store if linear.delay_wgrad else None
+    options = dict(accumulate_into_main_grad=linear.accumulate_into_main_grad, wgrad_store=store)
+    recipe = linear.resolved_recipe()
+    linear.last_recipe = recipe
+    if recipe is None:
+        return bf16_linear(producer.output(x), linear.weight, linear.bias, **options)
+    weight_q = linear.weight_cache.get(linear.weight, recipe, columnwise=needs_columnwise_weight(recipe))
+    return produced_linear(producer, x, linear.weight, linear.bias, recipe, weight_q=weight_q, **options)
 
 
 class LayerNormMLP(torch.nn.Module):
@@ -271,16 +276,7 @@ class LayerNormMLP(torch.nn.Module):
         self.fc2 = Linear(ffn_hidden_size, hidden_size, bias, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        fc2, producer = self.fc2, ActivationProducer(self.activation)
-        store = fc2.wgrad_store if fc2.delay_wgrad else None
-        options = dict(accumulate_into_main_grad=fc2.accumulate_into_main_grad, wgrad_store=store)
-        recipe = fc2.resolved_recipe()
-        fc2.last_recipe = recipe
-        if recipe is None:
-            return bf16_linear(producer.output(h), fc2.weight, fc2.bias, **options)
-        weight_q = fc2.weight_cache.get(fc2.weight, recipe, columnwise=needs_columnwise_weight(recipe))
-        return produced_linear(producer, h, fc2.weight, fc2.bias, recipe, weight_q=weight_q, **options)
+        return linear_after_producer(self.fc2, ActivationProducer(self.activation), self.fc1(x))
 
     def backward_dw(self) -> None:
         """Run both linears' deferred wgrad GEMMs (delay_wgrad=True)."""
