@@ -62,81 +62,60 @@ def resolve_group(tp_group):
 # BF16 region mappings (Megatron-Core tensor_parallel/mappings.py), for the BF16 fallback and the
 # gather_output / input_is_parallel=False options.
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce."""
+def _region_mapping(name: str, forward_op, backward_op) -> type:
+    """An autograd Function of (x, group): forward_op(x, group) forward, backward_op(dy, group) backward."""
 
-    @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x
+        return forward_op(x, group)
 
-    @staticmethod
     def backward(ctx, dy):
-        return collectives.all_reduce_bf16(dy.clone(), ctx.group), None
+        return backward_op(dy, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                                                   "__doc__": f"Forward: {forward_op.__doc__} Backward: "
+                                                              f"{backward_op.__doc__}"})
 
 
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """Forward: all-reduce. Backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return collectives.all_reduce_bf16(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
+def _identity(x, group):
+    """identity."""
+    return x
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward: all-gather along dim 0. Backward: reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.all_gather_bf16(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return collectives.reduce_scatter_bf16(dy, ctx.group), None
+def _all_reduce(x, group):
+    """all-reduce (sum)."""
+    return collectives.all_reduce_bf16(x.clone(), group)
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: reduce-scatter along dim 0. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.reduce_scatter_bf16(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return collectives.all_gather_bf16(dy, ctx.group), None
+def _all_gather(x, group):
+    """all-gather along dim 0."""
+    return collectives.all_gather_bf16(x, group)
 
 
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim. Backward: all-gather along the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return collectives.all_gather_last_dim(dy, ctx.group), None
+def _reduce_scatter(x, group):
+    """reduce-scatter along dim 0."""
+    return collectives.reduce_scatter_bf16(x, group)
 
 
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """Forward: all-gather along the last dim. Backward: keep this rank's slice."""
+def _split_last_dim(x, group):
+    """keep this rank's slice of the last dim."""
+    return collectives.split_last_dim(x, group)
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.all_gather_last_dim(x, group)
 
-    @staticmethod
-    def backward(ctx, dy):
-        return collectives.split_last_dim(dy, ctx.group), None
+def _all_gather_last_dim(x, group):
+    """all-gather along the last dim."""
+    return collectives.all_gather_last_dim(x, group)
+
+
+_CopyToTensorParallelRegion = _region_mapping("_CopyToTensorParallelRegion", _identity, _all_reduce)
+_ReduceFromTensorParallelRegion = _region_mapping("_ReduceFromTensorParallelRegion", _all_reduce, _identity)
+_GatherFromSequenceParallelRegion = _region_mapping("_GatherFromSequenceParallelRegion", _all_gather, _reduce_scatter)
+_ReduceScatterToSequenceParallelRegion = _region_mapping("_ReduceScatterToSequenceParallelRegion", _reduce_scatter,
+                                                         _all_gather)
+_ScatterToTensorParallelRegion = _region_mapping("_ScatterToTensorParallelRegion", _split_last_dim,
+                                                 _all_gather_last_dim)
+_GatherFromTensorParallelRegion = _region_mapping("_GatherFromTensorParallelRegion", _all_gather_last_dim,
+                                                  _split_last_dim)
 
 
 # ----------------------------------------------------------------------------------------------------------
