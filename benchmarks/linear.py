@@ -11,7 +11,7 @@ of the linear: nvfp4_dist.LayerNormLinear's forward+backward with the recipe's f
 norm fused into the input's cast, or written in BF16 and cast), against BF16 torch.nn.LayerNorm + torch.nn.Linear.
 
     python benchmarks/linear.py [--shapes 16384,8192,8192 16384,8192,28672] [--backward-modes default dequantized]
-                                [--no-layernorm-linear] [--out benchmarks/results/linear.json]
+                                [--no-layernorm-linear] [--out benchmarks/results/linear_<gpu>.json]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 import nvfp4_dist as nv
 from nvfp4_dist.gemm import gemm
 from nvfp4_dist.linear import Linear, quantize_operand
-from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, default_results_path, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 
 DEFAULT_SHAPES = ["16384,8192,8192", "16384,8192,28672"]
 BACKWARD_MODES = ("default", "high_precision", "dequantized")
@@ -173,7 +173,7 @@ def main() -> None:
                         help="backward modes to time and measure (none: skip that table)")
     parser.add_argument("--layernorm-linear", action=argparse.BooleanOptionalAction, default=True,
                         help="also time LayerNorm + linear (fused producers on and off) against BF16")
-    parser.add_argument("--out", default="benchmarks/results/linear.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/linear_<gpu>.json")
     args = parser.parse_args()
     recipe = nv.NVFP4Recipe.from_env()
     shapes = [tuple(map(int, shape.split(","))) for shape in args.shapes]
@@ -211,7 +211,7 @@ def main() -> None:
             print(f"{r['tokens']:>6} {r['in_features']:>6} {r['out_features']:>6} | {r['bf16_ms']:>17.2f} "
                   f"{r['nvfp4_fused_ms']:>8.2f} {r['speedup_fused_vs_bf16']:>6.2f}x | {r['nvfp4_unfused_ms']:>10.2f} "
                   f"{r['speedup_unfused_vs_bf16']:>6.2f}x | {r['fused_vs_unfused']:>15.2f}x")
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out) if args.out else default_results_path("linear", torch.cuda.get_device_name())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="linear", gpu=torch.cuda.get_device_name(),
                                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),
