@@ -180,6 +180,25 @@ def test_kernel_numerics_special_blocks(numerics):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_numerics_across_block_magnitudes(numerics, dtype):
+    """16-bit blocks whose maxima span many binades below the tensor's amax: their E4M3 scales run from normal down
+    into the subnormals and to 0, so blocks take the common case (map-to-4 below 4.5, quotients in range) and the
+    general one (a scale coarse enough to push a scaled value past 4.5, a product below the common range), side by
+    side; and a huge tensor amax, past the common case's bound on A."""
+    generator = torch.Generator().manual_seed(11)
+    blocks = torch.randn(64, 8, 16, generator=generator)
+    exponents = torch.randint(-14, 1, (64, 8, 1), generator=generator).to(torch.float32)
+    x = (blocks * torch.exp2(exponents)).reshape(64, 128)
+    x[0, :16] = 2.0 ** 8  # the tensor amax: the other blocks sit up to 22 binades below it
+    x = x.to(dtype)
+    for options in ALL_OPTIONS:
+        for block_2d in (False, True):
+            _assert_equal_to_reference(numerics, x, compute_amax(x), options, block_2d)
+            _assert_equal_to_reference(numerics, x, torch.tensor([3.0e38]), options, block_2d)
+
+
+@needs_nvcc
 def test_tile_error_is_the_tree(numerics):
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
