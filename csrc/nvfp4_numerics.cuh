@@ -655,7 +655,9 @@ struct FourOverSixCandidates {
 // once x + 0 has no -0.0), encode >= 2^-16 (no product underflows to zero), block_amax * encode below the limit (no
 // saturation; false for NaN), and for the exact error, quotients of divide_by_exact_constant in its range: every nonzero
 // product fp4value * s_c * A lies in [s_c A / 2, 6 s_c A], so s_c A in [2^-80, 2^110] (or s_c = 0) with A <= 2^113
-// (A * 2^14 finite) keeps them there.
+// (A * 2^14 finite) keeps them there. Only the lower end binds: encode >= 2^-16 already means s_c A <= 6 B 2^16 and,
+// for s_c > 0, A <= 6 B 2^25; with s_c = 0 both candidates are the same block and an overflowing A * 2^14 changes no
+// byte. The upper bounds stay as the statement of the range.
 // limit: 7, or for the map-to-4 candidate kMapToFourLimit.
 template <bool kFastMath>
 NVFP4_HD bool four_over_six_common_case(float block_amax, float encode, float scale_value, const FourOverSixScale& global,

@@ -191,11 +191,14 @@ def test_kernel_numerics_across_block_magnitudes(numerics, dtype):
     exponents = torch.randint(-14, 1, (64, 8, 1), generator=generator).to(torch.float32)
     x = (blocks * torch.exp2(exponents)).reshape(64, 128)
     x[0, :16] = 2.0 ** 8  # the tensor amax: the other blocks sit up to 22 binades below it
-    x = x.to(dtype)
-    for options in ALL_OPTIONS:
-        for block_2d in (False, True):
-            _assert_equal_to_reference(numerics, x, compute_amax(x), options, block_2d)
-            _assert_equal_to_reference(numerics, x, torch.tensor([3.0e38]), options, block_2d)
+    tensors = [x.to(dtype)]
+    if dtype == torch.bfloat16:  # the same blocks 2^106 larger (A * 2^14 would overflow), and 2^120 smaller (the
+        tensors += [(x * 2.0 ** 106).to(dtype), (x * 2.0 ** -120).to(dtype)]  # products below the common range)
+    for x in tensors:
+        for options in ALL_OPTIONS:
+            for block_2d in (False, True):
+                _assert_equal_to_reference(numerics, x, compute_amax(x), options, block_2d)
+                _assert_equal_to_reference(numerics, x, torch.tensor([3.0e38]), options, block_2d)
 
 
 @needs_nvcc
