@@ -28,7 +28,7 @@ import torch
 
 from nvfp4_dist import kernels
 from nvfp4_dist._extension import load_extension
-from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, default_results_path, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from quantize import CardSampler, time_interleaved  # noqa: E402
 
 BLOCK = 16
@@ -179,7 +179,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fused_producers.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
-    out = pathlib.Path(args.out or f"benchmarks/results/fused_producers_{gpu.split()[1].lower()}.json")
+    out = pathlib.Path(args.out) if args.out else default_results_path("fused_producers")
     cases = [(norm, hidden) for norm in args.norms for hidden in args.hidden]
     cases += [(activation, ffn) for activation in args.activations for ffn in args.ffn]
     results, card = [], []

@@ -163,7 +163,7 @@ def main() -> None:
         report["shapes"].append(measure_shape(m, n, k, config, rows_per_chunk, device))
         torch.cuda.empty_cache()
         print(report["shapes"][-1], flush=True)
-    out = args.out or str(default_results_path("gemm", report["gpu"]))
+    out = args.out or str(default_results_path("gemm"))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=2)

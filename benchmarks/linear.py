@@ -211,7 +211,7 @@ def main() -> None:
             print(f"{r['tokens']:>6} {r['in_features']:>6} {r['out_features']:>6} | {r['bf16_ms']:>17.2f} "
                   f"{r['nvfp4_fused_ms']:>8.2f} {r['speedup_fused_vs_bf16']:>6.2f}x | {r['nvfp4_unfused_ms']:>10.2f} "
                   f"{r['speedup_unfused_vs_bf16']:>6.2f}x | {r['fused_vs_unfused']:>15.2f}x")
-    out = pathlib.Path(args.out) if args.out else default_results_path("linear", torch.cuda.get_device_name())
+    out = pathlib.Path(args.out) if args.out else default_results_path("linear")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="linear", gpu=torch.cuda.get_device_name(),
                                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),

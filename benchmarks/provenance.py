@@ -39,9 +39,8 @@ def command_line() -> str:
     return shlex.join([*settings, *launcher, str(script), *sys.argv[1:]])
 
 
-def default_results_path(benchmark: str, device_name: str) -> pathlib.Path:
-    """benchmarks/results/<benchmark>_<kind>.json, kind from the device name ("NVIDIA H100 80GB HBM3" -> h100): the
-    latest result per GPU kind replaces the previous one."""
-    words = device_name.split()
-    kind = (words[1] if len(words) > 1 else device_name).lower()
-    return REPOSITORY_ROOT / "benchmarks" / "results" / f"{benchmark}_{kind}.json"
+def default_results_path(benchmark: str) -> pathlib.Path:
+    """benchmarks/results/<benchmark>_<gpu>.json for the current CUDA device (torchrun_setup.gpu_label: h100, h200):
+    the latest result per GPU kind replaces the previous one."""
+    from torchrun_setup import gpu_label  # a sibling: benchmarks/ is on sys.path when a benchmark runs
+    return REPOSITORY_ROOT / "benchmarks" / "results" / f"{benchmark}_{gpu_label()}.json"

@@ -274,7 +274,7 @@ def main() -> None:
                   results=results,
                   settle_seconds=args.settle_seconds, card_state_per_shape=card,
                   fixed_and_per_element_cost=fits, stochastic_rounding_time_ratios=ratios)
-    out = pathlib.Path(args.out) if args.out else default_results_path("quantize", torch.cuda.get_device_name())
+    out = pathlib.Path(args.out) if args.out else default_results_path("quantize")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

@@ -15,6 +15,8 @@ unset: a run never carries a link label that its environment contradicts.
 
     python benchmarks/torchrun_setup.py --links two-node    # the class's variables as shell export lines
 """
+from __future__ import annotations
+
 import argparse
 import os
 import re
@@ -91,10 +93,12 @@ def init_nccl(links: str) -> tuple:
     return dist.get_rank(), dist.get_world_size()
 
 
-def gpu_label() -> str:
-    """'h200' from 'NVIDIA H200', 'h100' from 'NVIDIA H100 80GB HBM3' (else the name, lower case, no spaces)."""
-    import torch
-    name = torch.cuda.get_device_name()
+def gpu_label(name: str | None = None) -> str:
+    """'h200' from 'NVIDIA H200', 'h100' from 'NVIDIA H100 80GB HBM3' (else the name, lower case, no spaces); the
+    current CUDA device's name by default."""
+    if name is None:
+        import torch
+        name = torch.cuda.get_device_name()
     model = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name)
     return (model.group(0) if model else name.replace(" ", "_")).lower()
 

@@ -1,23 +1,12 @@
 """The quantize benchmark's arithmetic on made-up timings (the timings themselves need a GPU)."""
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "quantize.py"
+from tests.helpers.benchmarks import load_benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(_PATH.parent))  # the benchmark imports benchmarks/provenance.py, as when run
-    try:
-        spec = importlib.util.spec_from_file_location("quantize_benchmark", _PATH)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(_PATH.parent))
-    return module
+    return load_benchmark_module("quantize")
 
 
 def test_stochastic_rounding_ratios_pair_each_sr_kernel_with_its_twin_per_shape(bench):
@@ -51,3 +40,13 @@ def test_card_sampler_summarises_nvidia_smi_lines(bench):
                                      throttle_reasons_seen="0x4")
     sampler.lines = []
     assert sampler.summary() is None
+
+
+def test_results_are_named_by_gpu_kind(monkeypatch):
+    """The benchmarks' default JSON path (provenance.default_results_path) carries torchrun_setup.gpu_label's kind."""
+    import torch
+    from tests.helpers.benchmarks import BENCHMARKS
+    provenance = load_benchmark_module("provenance")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when a benchmark runs
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    assert provenance.default_results_path("quantize") == BENCHMARKS / "results" / "quantize_h100.json"

@@ -2,7 +2,6 @@
 benchmarks/results/, and every relative link and every repository path that README.md and docs/*.md cite exists."""
 import ast
 import copy
-import importlib.util
 import json
 import os
 import pathlib
@@ -11,6 +10,8 @@ import shlex
 import sys
 
 import pytest
+
+from tests.helpers.benchmarks import load_benchmark_module
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
@@ -21,16 +22,7 @@ CODE_SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 
 
-def load_renderer():
-    path = REPOSITORY / "benchmarks" / "render_performance.py"
-    spec = importlib.util.spec_from_file_location("render_performance", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-render_performance = load_renderer()
+render_performance = load_benchmark_module("render_performance")
 
 
 def prose(page: pathlib.Path) -> str:
@@ -162,9 +154,7 @@ def test_numerics_has_every_section_the_code_cites():
 
 
 def test_benchmarks_record_the_command_that_ran_them(monkeypatch):
-    spec = importlib.util.spec_from_file_location("provenance", REPOSITORY / "benchmarks" / "provenance.py")
-    provenance = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(provenance)
+    provenance = load_benchmark_module("provenance")
     for name in [name for name in os.environ if name.startswith(provenance.SETTING_PREFIXES)]:
         monkeypatch.delenv(name)
     monkeypatch.setattr(sys, "argv", [str(REPOSITORY / "benchmarks" / "overlap.py"), "--shapes", "16,32,64;32,64,128"])

@@ -12,6 +12,7 @@ from nvfp4_dist import fused, ops
 from nvfp4_dist.layernorm_linear import LayerNormLinear, LayerNormMLP, ProducerCast, ProducerInputComm
 from nvfp4_dist.linear import LinearComm
 from nvfp4_dist.reference import fused_producers as R
+from tests.helpers.benchmarks import load_benchmark_module
 
 RECIPES = {
     "rht": nv.NVFP4Recipe(),
@@ -434,18 +435,7 @@ def test_bad_arguments_raise_value_error():
 
 @pytest.fixture(scope="module")
 def bench():
-    import importlib.util
-    import pathlib
-    import sys
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fused_producers.py"
-    sys.path.insert(0, str(path.parent))  # the benchmark imports its siblings, as when run
-    try:
-        spec = importlib.util.spec_from_file_location("fused_producers_benchmark", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+    return load_benchmark_module("fused_producers")
 
 
 def test_benchmark_bytes(bench):

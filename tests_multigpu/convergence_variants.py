@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
-import pathlib
+
+from tests.helpers.benchmarks import load_benchmark_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +103,13 @@ def summary_lines(results: dict) -> list[str]:
 
 
 def gpu_suffix(device_name: str, gpus: int = 1) -> str:
-    """The GPU-kind part of a result's file name, as benchmarks/ names theirs ("NVIDIA H100 80GB HBM3" -> h100)."""
-    kind = device_name.split()[1].lower() if len(device_name.split()) > 1 else device_name.lower()
+    """The GPU-kind part of a result's file name, as benchmarks/ names theirs (torchrun_setup.gpu_label:
+    "NVIDIA H100 80GB HBM3" -> h100), with the GPU count when there are several."""
+    kind = load_benchmark_module("torchrun_setup").gpu_label(device_name)
     return kind if gpus == 1 else f"{kind}x{gpus}"
 
 
 def provenance() -> dict:
     """The commit (benchmarks/provenance.py) and the date, for the result JSON."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "provenance.py"
-    spec = importlib.util.spec_from_file_location("provenance", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(commit=module.git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    commit = load_benchmark_module("provenance").git_commit()
+    return dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat())
