@@ -602,7 +602,7 @@ NVFP4_HD FourOverSixScale four_over_six_scale(float amax, float e4m3_bound) {
   return FourOverSixScale{amax, s_enc, decode_scale(s_enc), denominator, reciprocal};
 }
 
-// a / c correctly rounded, for c = 1536 or 2688 and reciprocal = fp32(1 / c): one multiply and two FMAs give the
+// a / c correctly rounded, for c = 6, 1536 or 2688 and reciprocal = fp32(1 / c): one multiply and two FMAs give the
 // IEEE quotient of every significand of a (tests/test_kernels_cpu_fourover6.py checks all of them for each c), as
 // long as a, the quotient and the residual are normal: the callers keep the quotient in [2^-100, 2^124].
 NVFP4_HD float divide_by_exact_constant(float a, float c, float reciprocal) {

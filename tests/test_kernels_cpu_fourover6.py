@@ -78,6 +78,7 @@ extern "C" long division_mismatches(float c) {  // divide_by_exact_constant agai
   return mismatches;
 }
 extern "C" float scale_reciprocal(float bound) { return four_over_six_scale(1.0f, bound).reciprocal; }
+extern "C" float base_scale(float block_amax, float s_enc) { return four_over_six_base_scale(block_amax, s_enc); }
 extern "C" float tile_error(const float* row_errors) {
   float rows[kBlockSize];
   for (int r = 0; r < kBlockSize; ++r) rows[r] = row_errors[r];
@@ -92,6 +93,7 @@ def numerics(tmp_path_factory):
     lib.tile_error.restype = ctypes.c_float
     lib.division_mismatches.restype = ctypes.c_long
     lib.scale_reciprocal.restype = ctypes.c_float
+    lib.base_scale.restype = ctypes.c_float
     return lib
 
 
@@ -104,10 +106,10 @@ def test_reciprocal_constants(numerics, bound):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("constant", [1536.0, 2688.0])
+@pytest.mark.parametrize("constant", [6.0, 1536.0, 2688.0])
 def test_division_by_constant_is_correctly_rounded(numerics, constant):
     """divide_by_exact_constant (one multiply, two FMAs) equals the IEEE quotient for every significand: the 4over6
-    error's division by 6 B takes it in its normal range."""
+    error's division by 6 B and the block scale's division by 6 take it in their normal range."""
     assert numerics.division_mismatches(ctypes.c_float(constant)) == 0
 
 
@@ -177,6 +179,17 @@ def test_kernel_numerics_special_blocks(numerics):
             for amax in (compute_amax(x), torch.tensor([1.0]), torch.tensor([0.0])):
                 _assert_equal_to_reference(numerics, x, amax, options, block_2d)
             _assert_equal_to_reference(numerics, x.half(), compute_amax(x.half()), options, block_2d)
+
+
+@needs_nvcc
+def test_base_scale_at_the_ends_of_the_fast_division(numerics):
+    """a_b / 6 (four_over_six_base_scale: divide_by_exact_constant inside [2^-97, 2^126] and for 0, the IEEE
+    division outside) at and beyond the ends of that range: subnormal, huge, inf."""
+    amaxes = np.array([0.0, 1e-45, 2.0 ** -126, 6.310887e-30, 6.3108867e-30, 2.0 ** 126, 8.5070596e37, 3.4028235e38,
+                       np.inf], dtype=np.float32)
+    for amax in amaxes:
+        expected = torch.div(torch.tensor(float(amax)), torch.tensor(6.0)).item()
+        assert numerics.base_scale(ctypes.c_float(amax), ctypes.c_float(1.0)) == np.float32(expected), amax
 
 
 @needs_nvcc
