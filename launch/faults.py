@@ -5,7 +5,9 @@ Watchdog protocol (over the job's key-value store, beside the process group's ow
 publishes its last completed step whenever it completes one, and every `interval_s` a liveness counter
 and what its threads are doing (waiting inside a collective or not); its watchdog thread reads
 everyone else's.
-- A rank whose liveness counter stops changing for `timeout_s` has died (or is frozen).
+- A rank whose liveness counter stops changing for `timeout_s` has died (or is frozen). A rank that dies
+  just after completing a step stalls its step and its counter together: while a stalled rank's counter
+  has been quiet for more than SILENT_INTERVALS intervals, no hang is declared (its death soon will be).
 - When a rank's step stops changing for `timeout_s` the job is stalled; the ranks then not waiting
   inside a collective are the hung ones, while others wait in one for them. A rank is starting up, not
   hung, until it reports its first step (the step it resumes from, once its model and checkpoint are
@@ -44,6 +46,7 @@ REPORTED_EXIT_CODES = (SETTING_EXIT_CODE, WATCHDOG_EXIT_CODE, NONFINITE_EXIT_COD
 FINISHED = "finished"
 VERDICT_KEY = "verdict"
 STORE_FAILURES_TO_GIVE_UP = 3  # consecutive failed store calls: the host closed its sockets
+SILENT_INTERVALS = 3  # a rank whose liveness counter missed this many intervals is dying, not hung
 FAULT_KINDS = ("kill", "hang", "nan", "crash-in-save")
 # A thread with a frame of these modules (or their submodules) waits for its peers.
 COLLECTIVE_MODULES = (torch.distributed, collectives, overlap, symmetric)
@@ -344,8 +347,12 @@ class Watchdog:
             details = "; ".join(f"rank {r} (last completed step {ranks[r].step}, silent for "
                                 f"{now - ranks[r].alive_since:.0f} s)" for r in sorted(dead))
             return f"no heartbeat from {details}: the process died or is frozen", dead | finished
-        if not any(now - s.step_since > self.timeout_s for s in ranks.values()):
+        stalled = {r for r, s in ranks.items() if now - s.step_since > self.timeout_s}
+        if not stalled:
             return None, set()
+        quiet_s = SILENT_INTERVALS * self.interval_s
+        if any(r != self.rank and now - ranks[r].alive_since > quiet_s for r in stalled):
+            return None, set()  # a stalled rank stopped beating too: the heartbeat timeout names it
         waiting = sorted(r for r, s in ranks.items() if s.activity.in_collective)
         busy = sorted(r for r, s in ranks.items() if not s.activity.in_collective)
         hung = [r for r in busy if not ranks[r].activity.starting_up]

@@ -217,3 +217,15 @@ def test_fault_flag_parsing():
         with pytest.raises(ValueError, match="KIND:STEP"):
             faults.FaultInjection.parse(bad)
     assert faults.describe_exit(-9) == "killed by SIGKILL" and faults.describe_exit(1) == "exit code 1"
+
+
+def test_a_rank_that_died_just_after_a_step_is_named_dead_not_hung():
+    """Its step and its heartbeat went quiet together: the step's timeout may pass first, the verdict waits."""
+    dog = faults.Watchdog(dist.HashStore(), 0, 2, timeout_s=5.0, interval_s=1.0)
+    ranks = _stalled_ranks((False, False), (False, False), step=7)
+    ranks[0].step_since = 1e9  # rank 0 keeps training
+    ranks[1].alive_since = 1e9 - 4.0  # rank 1's last heartbeat came just before its last step
+    message, _ = dog._judge(ranks, now=1e9)
+    assert message is None
+    message, silent = dog._judge(ranks, now=1e9 + 1.5)
+    assert "no heartbeat from rank 1 (last completed step 7," in message and silent == {1}
