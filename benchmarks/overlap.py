@@ -11,10 +11,11 @@ for the forward and for forward+backward:
               quantization of a TP rank, no communication
   plain       the TP pair, overlap off
   overlapped  the TP pair with overlapped_comm (ring-pipelined all-gathers and reduce-scatters), every layer
-  auto        the TP pair as recipe.overlap=True runs it: ring-pipelined where one ring step's GEMM has at least
-              recipe.overlap_min_chunk_gflops and the rings are expected to win on the measured links
-              (docs/slow_links.md), plain elsewhere ("auto_pipelined": whether it went round the ring; the JSON's
-              "link_speed" is what the group measured)
+  split       the TP pair with overlapped_comm on split collectives (transport="collectives"), every layer
+  auto        the TP pair as recipe.overlap=True runs it (recipe.overlap_transport, NVFP4_OVERLAP_TRANSPORT):
+              pipelined where one ring step's GEMM has at least recipe.overlap_min_chunk_gflops and the path is
+              expected to win on the measured links (docs/slow_links.md), plain elsewhere ("auto_path": plain,
+              ring or collectives; the JSON's "link_speed" is what the group measured)
   exposed     overlapped - no-comm (both definitions are in the JSON)
   *_host      host time per plain / overlapped step over HOST_STEPS steps queued behind a busy GPU: near the GPU
               time, the step is bound by Python and launches (cProfiles: the timeline's pair, and with
@@ -50,7 +51,8 @@ GEMM_KERNEL_MARKERS = ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cubla
 # over the plain pair at least SPEEDUP_TP4, for every shape (nvlink) or the first shape, the MLP pair (slow).
 TARGETS = {"nvlink": dict(overlap_ratio=1.1, speedup_tp4=1.15, shapes="all"),
            "slow": dict(overlap_ratio=1.15, speedup_tp4=1.3, shapes="first")}
-AUTO_SLACK = 1.05  # auto (the automatic choice) within 5 % of the faster of plain and overlapped, any links
+AUTO_SLACK = 1.05  # auto (the automatic choice) within 5 % of the fastest of plain, ring and split, any links
+PATH_MARKS = {"plain": " ", "ring": "r", "collectives": "c"}
 # Steps queued behind the GPU for the host time. CUDA's queue of pending launches is finite (about 1024), and ten
 # big overlapped fwd+bwd steps (chunked GEMMs: many launches each) seem to fill it: with 10 steps the host waited
 # ~1 s inside Triton's kernel launches (107 ms per step on 2 x H200 at fad9eeb), on the queue, not on its work.
@@ -129,19 +131,21 @@ class Pair:
         self.x = torch.randn(tokens // world_size, 1, hidden, device="cuda").bfloat16().requires_grad_(True)
         self.dy = torch.randn(tokens // world_size, 1, hidden, device="cuda").bfloat16()
 
-    def use_overlap(self, overlapped: bool, min_chunk_gflops: float = 0, measure_links: bool = False) -> None:
-        """Plain comms, or their overlapped twins pipelining ring steps of at least min_chunk_gflops (and with
-        measure_links, only where the rings are expected to win on the group's measured links)."""
+    def use_overlap(self, overlapped: bool, min_chunk_gflops: float = 0, measure_links: bool = False,
+                    transport: str = "ring") -> None:
+        """Plain comms, or their overlapped twins on `transport` pipelining steps of at least min_chunk_gflops (and
+        with measure_links, only where a pipelined path is expected to win on the group's measured links)."""
         from nvfp4_dist.parallel.overlap import overlapped_comm
         column_comm, row_comm = self.plain_comms
         if overlapped:
-            column_comm = overlapped_comm(column_comm, min_chunk_gflops, measure_links)
-            row_comm = overlapped_comm(row_comm, min_chunk_gflops, measure_links)
+            column_comm = overlapped_comm(column_comm, min_chunk_gflops, measure_links, transport)
+            row_comm = overlapped_comm(row_comm, min_chunk_gflops, measure_links, transport)
         self.column.comm, self.row.comm = column_comm, row_comm
 
-    def pipelined(self) -> bool:
-        """Whether the last forward went round the ring (both layers have the same ring-step size)."""
-        return bool(getattr(self.column.comm, "pipelined", False))
+    def path(self) -> str:
+        """The last forward's path (plain, ring or collectives): the column layer's (both layers have the same
+        step size; the row layer's may differ only where the measured links make the choice)."""
+        return getattr(self.column.comm, "path", "plain")
 
     def forward(self):
         return self.row(self.column(self.x)[0])[0]
@@ -235,22 +239,27 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup,
                  "ring_comm": time_ms(comm["ring"][index], iters, warmup),
                  "gemms": time_ms(gemms[index], iters, warmup),
                  "no_comm": time_ms(no_comm.forward if index == 0 else no_comm.forward_backward, iters, warmup)}
-        for name, overlapped, minimum, measure in (("plain", False, 0, False), ("overlapped", True, 0, False),
-                                                   ("auto", True, recipe.overlap_min_chunk_gflops,
-                                                    recipe.overlap_measure_links)):
-            pair.use_overlap(overlapped, minimum, measure)
+        for name, overlapped, minimum, measure, transport in (
+                ("plain", False, 0, False, "ring"), ("overlapped", True, 0, False, "ring"),
+                ("split", True, 0, False, "collectives"),
+                ("auto", True, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links,
+                 recipe.overlap_transport)):
+            pair.use_overlap(overlapped, minimum, measure, transport)
             step = pair.forward if index == 0 else pair.forward_backward
             times[name] = time_ms(step, iters, warmup)
             times[f"{name}_host"] = host_ms(step)
             if profile_dir and name == "overlapped" and index == 1:
                 host_profile(step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"))
-        result["auto_pipelined"] = pair.pipelined()
+        result["auto_path"] = pair.path()
+        result["auto_pipelined"] = result["auto_path"] != "plain"
         times.update(exposed_comm=times["overlapped"] - times["no_comm"],
                      exposed_comm_vs_gemms=times["overlapped"] - times["gemms"],
                      speedup=times["plain"] / times["overlapped"],
+                     split_speedup=times["plain"] / times["split"],
                      auto_speedup=times["plain"] / times["auto"],
-                     auto_over_best=times["auto"] / min(times["plain"], times["overlapped"]),
+                     auto_over_best=times["auto"] / min(times["plain"], times["overlapped"], times["split"]),
                      overlapped_over_max_no_comm_comm=times["overlapped"] / max(times["no_comm"], times["comm"]),
+                     split_over_max_no_comm_comm=times["split"] / max(times["no_comm"], times["comm"]),
                      overlapped_over_max_gemms_comm=times["overlapped"] / max(times["gemms"], times["comm"]))
         result[phase] = times
     del no_comm, pair
@@ -332,19 +341,22 @@ def profile_step(step, trace_path: str, warmup: int) -> None:
 
 
 def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict:
-    """The kernel timeline picture and chrome traces of one plain and one overlapped step, and their cProfiles."""
+    """The kernel timeline picture and chrome traces of one plain, one ring-overlapped and one split-collectives
+    step, and their cProfiles."""
     pair = Pair(tokens, hidden, ffn, group, recipe)
     paths = {}
-    for name, overlapped in (("plain", False), ("overlapped", True)):
-        pair.use_overlap(overlapped)
+    for name, overlapped, transport in (("plain", False, "ring"), ("overlapped", True, "ring"),
+                                        ("split", True, "collectives")):
+        pair.use_overlap(overlapped, transport=transport)
         paths[name] = os.path.join(out_dir, f"overlap_trace_{label}_{name}.json")
         profile_step(pair.forward_backward, paths[name], warmup)
         host_profile(pair.forward_backward, os.path.join(out_dir, f"overlap_host_profile_{label}_{name}.txt"))
     png = os.path.join(out_dir, f"overlap_timeline_{label}.png")
     if dist.get_rank() == 0:
         shape = f"tokens={tokens} hidden={hidden} ffn={ffn} TP={dist.get_world_size(group)}"
-        render_timeline([paths["plain"], paths["overlapped"]],
-                        [f"plain fwd+bwd, {shape}", f"overlapped fwd+bwd, {shape}"], png)
+        render_timeline([paths["plain"], paths["overlapped"], paths["split"]],
+                        [f"plain fwd+bwd, {shape}", f"overlapped on the ring fwd+bwd, {shape}",
+                         f"overlapped on split collectives fwd+bwd, {shape}"], png)
     del pair
     torch.cuda.empty_cache()
     return {"png": png, "traces": paths}
@@ -355,13 +367,14 @@ def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict
 def print_table(report: dict) -> None:
     header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'GEMMs':>7} "
               f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7} | "
-              f"{'host p':>7} {'host o':>7} | {'auto':>7} {'speedup':>7}")
+              f"{'host p':>7} {'host o':>7} | {'split':>7} {'speedup':>7} {'spl/max':>7} | {'auto':>7} {'speedup':>7}")
     print(f"\n{report['gpu']}, TP={report['tp']}, links {report['links']} ({report['torchrun_nodes']} torchrun "
           f"node(s)), Hopper GEMM path {report['hopper_gemm']}; times in ms (median, "
           f"slowest rank); exposed = overlapped - no-comm; ovl/max = overlapped / max(no-comm, comm); "
-          f"host p/o: host ms per plain/overlapped step; auto: as recipe.overlap runs it (ring where a ring step "
-          f"has >= {report['overlap_min_chunk_gflops']} GFLOP and the rings win on the measured links, else plain; "
-          f"* = went round the ring)")
+          f"host p/o: host ms per plain/overlapped step; split: on split collectives; auto: as recipe.overlap runs it "
+          f"(transport {report.get('overlap_transport', 'ring')}: pipelined where a ring step has >= "
+          f"{report['overlap_min_chunk_gflops']} GFLOP and the path wins on the measured links, else plain; "
+          f"r = went round the ring, c = on split collectives)")
     if report.get("link_speed"):
         print("measured link speed (ms per MB of a ring step, ms per GFLOP): " + ", ".join(
             f"{name} {value:.4g}" for name, value in report["link_speed"].items()))
@@ -374,7 +387,8 @@ def print_table(report: dict) -> None:
                   f"{t['ring_comm']:7.2f} {t['gemms']:7.2f} {t['no_comm']:7.2f} | {t['plain']:7.2f} "
                   f"{t['overlapped']:7.2f} {t['exposed_comm']:7.2f} {t['speedup']:7.3f} "
                   f"{t['overlapped_over_max_no_comm_comm']:7.3f} | {t['plain_host']:7.2f} {t['overlapped_host']:7.2f} | "
-                  f"{t['auto']:6.2f}{'*' if r['auto_pipelined'] else ' '} {t['auto_speedup']:7.3f}")
+                  f"{t['split']:7.2f} {t['split_speedup']:7.3f} {t['split_over_max_no_comm_comm']:7.3f} | "
+                  f"{t['auto']:6.2f}{PATH_MARKS[r['auto_path']]} {t['auto_speedup']:7.3f}")
     for name, met in report["targets"].items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
 
@@ -387,12 +401,14 @@ def targets(report: dict, links: str, world_size: int) -> dict:
         shapes = report["shapes"] if goal["shapes"] == "all" else report["shapes"][:1]
         which = "every shape" if goal["shapes"] == "all" else "the first shape"
         phases = ("fwd", "fwd+bwd") if goal["shapes"] == "all" else ("fwd+bwd",)
-        met[f"overlapped <= {goal['overlap_ratio']} x max(no-comm, comm), {which}"] = all(
-            r[phase]["overlapped_over_max_no_comm_comm"] <= goal["overlap_ratio"] for r in shapes for phase in phases)
-        if world_size == 4:
-            met[f"fwd+bwd speedup >= {goal['speedup_tp4']} at TP=4, {which}"] = all(
-                r["fwd+bwd"]["speedup"] >= goal["speedup_tp4"] for r in shapes)
-    met[f"auto <= {AUTO_SLACK} x min(plain, overlapped), every shape and phase"] = all(
+        for path, prefix in (("ring", ""), ("split collectives", "split_")):
+            met[f"overlapped on the {path} <= {goal['overlap_ratio']} x max(no-comm, comm), {which}"] = all(
+                r[phase][f"{prefix or 'overlapped_'}over_max_no_comm_comm"] <= goal["overlap_ratio"]
+                for r in shapes for phase in phases)
+            if world_size == 4:
+                met[f"fwd+bwd speedup on the {path} >= {goal['speedup_tp4']} at TP=4, {which}"] = all(
+                    r["fwd+bwd"][f"{prefix}speedup"] >= goal["speedup_tp4"] for r in shapes)
+    met[f"auto <= {AUTO_SLACK} x min(plain, ring, split), every shape and phase"] = all(
         r[phase]["auto_over_best"] <= AUTO_SLACK for r in report["shapes"] for phase in ("fwd", "fwd+bwd"))
     return met
 
@@ -410,6 +426,8 @@ def main() -> None:
     parser.add_argument("--host-profiles", action="store_true",
                         help="cProfile the overlapped fwd+bwd host-time steps of each shape into --out-dir")
     parser.add_argument("--render-trace", nargs="+", metavar="TRACE", help="only draw TRACE.json file(s) to --png")
+    parser.add_argument("--overlap-transport", choices=("auto", "ring", "collectives"), default="auto",
+                        help="recipe.overlap_transport of the auto rows (default: %(default)s)")
     add_links_argument(parser)
     parser.add_argument("--png", help="picture path for --render-trace")
     args = parser.parse_args()
@@ -432,12 +450,13 @@ def main() -> None:
                              f"({16 * world_size}) and hidden of 16")
     group = dist.group.WORLD
     self_group = [dist.new_group([r]) for r in range(world_size)][rank]
-    recipe = nv.NVFP4Recipe()
+    recipe = nv.NVFP4Recipe(overlap_transport=args.overlap_transport)
     label = f"{gpu_label()}_tp{world_size}_{args.links}"
     report = dict(benchmark="overlap", gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                   commit=git_commit(), command=command_line(),
                   torch=torch.__version__, tp=world_size, **links_record(args.links), recipe=str(recipe),
                   hopper_gemm=hopper_path(), overlap_min_chunk_gflops=recipe.overlap_min_chunk_gflops,
+                  overlap_transport=recipe.overlap_transport,
                   cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"), shapes=[])
     if recipe.overlap_measure_links:  # what the auto rows weigh (measured here, outside every timed step)
         device = torch.device("cuda", torch.cuda.current_device())

@@ -156,11 +156,18 @@ def overlap_summary(record: dict) -> list[str]:
     lines = [f"column+row-parallel MLP pair, TP={record['tp']} SP; speed vs the plain layers, fwd / fwd+bwd:"]
     for s in record["shapes"]:
         fwd, both = s["fwd"], s["fwd+bwd"]
-        auto = "on the ring" if s["auto_pipelined"] else "plain"
+        path = s.get("auto_path", "ring" if s["auto_pipelined"] else "plain")
+        auto = {"plain": "plain", "ring": "on the ring", "collectives": "on split collectives"}[path]
+        split = ""
+        if "split" in both:  # results that measured split collectives too
+            split = (f"; every layer on split collectives {times(fwd['split_speedup'])} / "
+                     f"{times(both['split_speedup'])}, split / max(no-comm, comm) "
+                     f"{fwd['split_over_max_no_comm_comm']:.2f} / {both['split_over_max_no_comm_comm']:.2f}")
         lines.append(f"{s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}: every layer on the ring "
                      f"{times(fwd['speedup'])} / {times(both['speedup'])}; as overlap=True runs it ({auto}) "
                      f"{times(fwd['auto_speedup'])} / {times(both['auto_speedup'])}; overlapped / max(no-comm, comm) "
-                     f"{fwd['overlapped_over_max_no_comm_comm']:.2f} / {both['overlapped_over_max_no_comm_comm']:.2f}")
+                     f"{fwd['overlapped_over_max_no_comm_comm']:.2f} / {both['overlapped_over_max_no_comm_comm']:.2f}"
+                     f"{split}")
     picture = timeline_picture(record)
     if picture is not None:
         lines.append(f"[timeline of one plain and one overlapped step](../benchmarks/results/{picture})")

@@ -15,6 +15,7 @@ FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
 FOUR_OVER_SIX_ERR_MODES = ("MAE", "MSE")
 BACKWARD_MODES = ("default", "high_precision", "dequantized")
 HOPPER_GEMM_PATHS = ("fused", "dequantize")
+OVERLAP_TRANSPORTS = ("auto", "ring", "collectives")
 SYMMETRIC_MEMORY_SWITCHES = ("auto", "1", "on", "0", "off")
 
 
@@ -108,6 +109,9 @@ OVERLAP = Variable("NVFP4_OVERLAP", "1: recipe overlap=True (pipeline tensor-par
                    FLAG, _flag, False)
 OVERLAP_MIN_CHUNK_GFLOPS = Variable("NVFP4_OVERLAP_MIN_CHUNK_GFLOPS", "recipe overlap_min_chunk_gflops: the "
                                     "smallest ring-step GEMM (GFLOP) that overlap pipelines", COUNT, _count)
+OVERLAP_TRANSPORT = Variable("NVFP4_OVERLAP_TRANSPORT", "recipe overlap_transport: the pipelined path overlap takes "
+                             "(ring, split collectives, or auto: whichever of the two the measured links favour)",
+                             ", ".join(OVERLAP_TRANSPORTS), _choice(OVERLAP_TRANSPORTS))
 OVERLAP_IGNORE_LINKS = Variable("NVFP4_OVERLAP_IGNORE_LINKS", "1: recipe overlap_measure_links=False (the overlap "
                                 "choice ignores the measured link speed)", FLAG, _flag, False)
 GEMM_BACKEND = Variable("NVFP4_GEMM_BACKEND", "the GEMM backend when neither the call nor the recipe names one "
@@ -147,7 +151,7 @@ BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build ca
                      "a directory path", _path)
 
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, DISABLE_FUSED_PRODUCERS,
-             BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, OVERLAP_IGNORE_LINKS, GEMM_BACKEND,
-             FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE, FOUR_OVER_SIX_ERR_USE_FAST_MATH,
-             BACKWARD_MODE, FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY,
-             BUILD_DIR)
+             BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, OVERLAP_TRANSPORT,
+             OVERLAP_IGNORE_LINKS, GEMM_BACKEND, FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE,
+             FOUR_OVER_SIX_ERR_USE_FAST_MATH, BACKWARD_MODE, FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY,
+             VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)

@@ -6,7 +6,8 @@ import types
 import typing
 
 from nvfp4_dist import environment
-from nvfp4_dist.environment import BACKWARD_MODES, FOUR_OVER_SIX_ERR_MODES, FOUR_OVER_SIX_SCOPES, GEMM_BACKENDS
+from nvfp4_dist.environment import (BACKWARD_MODES, FOUR_OVER_SIX_ERR_MODES, FOUR_OVER_SIX_SCOPES, GEMM_BACKENDS,
+                                    OVERLAP_TRANSPORTS)
 
 # Flag variable -> (field, value it sets when the variable is 1).
 _FLAG_OVERRIDES = (
@@ -25,6 +26,7 @@ _VALUE_OVERRIDES = (
     (environment.BF16_FIRST_LAYERS, "bf16_first_layers"),
     (environment.BF16_LAST_LAYERS, "bf16_last_layers"),
     (environment.OVERLAP_MIN_CHUNK_GFLOPS, "overlap_min_chunk_gflops"),
+    (environment.OVERLAP_TRANSPORT, "overlap_transport"),
     (environment.GEMM_BACKEND, "gemm_backend"),
     (environment.FOUR_OVER_SIX, "nvfp4_4over6"),
     (environment.FOUR_OVER_SIX_E4M3_USE_256, "nvfp4_4over6_e4m3_use_256"),
@@ -117,6 +119,11 @@ class NVFP4Recipe:
     overlap_measure_links: with overlap, also measure the group's links once (ring vs collective transfer time,
       GEMM rate) and pipeline only layers whose rings are expected to beat the plain path (docs/slow_links.md);
       False: the GEMM-size floor alone decides.
+    overlap_transport: ring | collectives | auto, the pipelined path overlap takes: the ring (point-to-point
+      transfers, or copy engines on NVLink), split collectives (the plain path's collectives cut into row pieces,
+      which keep NCCL's collective speed where its point-to-point transfers are slow: PCIe, across nodes), or
+      whichever of the two the measured links favour (auto; the ring where it runs on copy engines, or without
+      overlap_measure_links). docs/slow_links.md says how each is chosen.
     nvfp4_4over6: 4over6 adaptive block scaling (docs/numerics.md §12) for none | weights | activations | all;
       activations are the forward inputs, never the gradients (which keep the RHT and SR), as in Transformer
       Engine's NVFP4BlockScaling. Not with the RHT on activations (rht=False for activations or all).
@@ -149,6 +156,7 @@ class NVFP4Recipe:
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
     overlap_measure_links: bool = True
+    overlap_transport: typing.Literal[OVERLAP_TRANSPORTS] = "ring"
     fused_producers: bool = False
     check_finite: bool = True
     nvfp4_4over6: str = "none"

@@ -178,17 +178,34 @@ def all_gather_stacked(x: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-def reduce_scatter_bf16(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum x over the ranks and keep this rank's 1/W slice of dim 0 (partial GEMM outputs, docs/numerics.md §9)."""
+def reduce_scatter_bf16(x: torch.Tensor, group=None, async_op: bool = False, out: torch.Tensor | None = None):
+    """Sum x over the ranks and keep this rank's 1/W slice of dim 0 (partial GEMM outputs, docs/numerics.md §9).
+
+    out: a contiguous tensor of the slice's shape and x's dtype to write it into (default: a new one).
+    async_op=True returns (work or None, finish) where finish() waits and returns the slice.
+    """
     world_size = group_size(group)
-    if world_size == 1:
-        return x
     if x.shape[0] % world_size:
         raise ValueError(f"x.shape={tuple(x.shape)}: dim 0 must be divisible by the group size {world_size}")
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, group=group)
-    return out
+    shape = (x.shape[0] // world_size, *x.shape[1:])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}), expected a "
+                         f"contiguous {shape} {x.dtype}")
+    work = None
+    if world_size == 1:
+        out = x if out is None else out.copy_(x)
+    else:
+        x = x.contiguous()
+        out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    if not async_op:
+        return out
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return out
+    return work, finish
 
 
 def all_reduce_bf16(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -196,7 +196,7 @@ class _ParallelLinear(torch.nn.Module):
             return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         if recipe.overlap and self.world_size > 1:
-            comm = self._overlapped(comm, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links)
+            comm = self._overlapped(comm, recipe)
         if self.keep_quantized_weight:
             weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
         else:  # requantized at every forward anyway: hold no copy between forward and backward
@@ -209,11 +209,12 @@ class _ParallelLinear(torch.nn.Module):
             return produced_linear(producer, x, self.weight, bias, recipe, reduce_amaxes=reduce_amaxes, **options)
         return nvfp4_linear(x, self.weight, bias, recipe, **options)
 
-    def _overlapped(self, comm: LinearComm, min_chunk_gflops: int, measure_links: bool) -> LinearComm:
-        """The ring-pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum ring-step
-        size and whether it weighs the measured link speed follow the recipe of each call."""
-        self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm, min_chunk_gflops,
-                                                measure_links)
+    def _overlapped(self, comm: LinearComm, recipe: NVFP4Recipe) -> LinearComm:
+        """The pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum
+        step size, transports and whether it weighs the measured link speed follow the recipe of each call."""
+        self._overlapped_comm = overlapped_comm(getattr(self, "_overlapped_comm", None) or comm,
+                                                recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links,
+                                                recipe.overlap_transport)
         return self._overlapped_comm
 
     def resolved_recipe(self) -> NVFP4Recipe | None:

@@ -1,4 +1,4 @@
-"""How fast a tensor-parallel group moves bytes and runs GEMMs, and whether a layer's rings beat its plain path.
+"""How fast a tensor-parallel group moves bytes and runs GEMMs, and which overlap path beats a layer's plain path.
 
 The overlap (parallel/overlap.py) replaces a collective followed by a GEMM (or a GEMM followed by a
 collective) with W ring steps, each moving one rank's chunk while one chunk's GEMM runs. Per step, with c the
@@ -10,9 +10,16 @@ GEMM time:
 The ring wins wherever its transfers hide behind the GEMMs (r <= g: it saves the whole collective) and, where
 they do not, only while g > (r - c): on links where point-to-point transfers run much slower than the
 collective (NCCL's socket transport: r = 1.6 c) and the GEMMs are small against the transfers, the plain path
-is faster. LinkSpeed holds c, r (per MB of a ring step, for all-gathers and reduce-scatters) and g (per
-GFLOP), measured once per group (parallel/overlap.py: measure_link_speed) and agreed over the ranks, so that
-every rank takes the same path.
+is faster than the ring.
+Split collectives (the plain path's collective cut into k row pieces, parallel/overlap.py) move the same bytes
+at the collective's speed, and each piece's GEMMs run while later pieces travel. With C = (W-1) c and G = W g,
+one piece's transfer or GEMMs stay in the open:
+
+    split  max(C, G) + min(C, G) / k                                  saving = (k-1)/k min(C, G)
+
+LinkSpeed holds c, r (per MB of a ring step, for all-gathers and reduce-scatters) and g (per GFLOP), measured
+once per group (parallel/overlap.py: measure_link_speed) and agreed over the ranks, so that every rank takes
+the same path.
 """
 from __future__ import annotations
 
@@ -79,6 +86,19 @@ class LinkSpeed:
         for load in loads:
             collective, ring, gemm = self.step_ms(load)
             saving += (world_size - 1) * (collective + gemm - max(ring, gemm))
+        return saving
+
+    def plain_ms(self, loads: Sequence[RingLoad], world_size: int) -> float:
+        """Expected ms of the plain path (whole collective, whole GEMM) for `loads` on `world_size` ranks."""
+        return sum((world_size - 1) * collective + world_size * gemm
+                   for collective, _, gemm in map(self.step_ms, loads))
+
+    def split_saving_ms(self, loads: Sequence[RingLoad], world_size: int, pieces: int) -> float:
+        """Expected ms that split collectives of `pieces` row pieces save over the plain path for `loads`."""
+        saving = 0.0
+        for load in loads:
+            collective, _, gemm = self.step_ms(load)
+            saving += (pieces - 1) / pieces * min((world_size - 1) * collective, world_size * gemm)
         return saving
 
     def agreed(self, group=None) -> LinkSpeed:

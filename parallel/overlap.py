@@ -24,12 +24,18 @@ overlapped_comm(plain_comm):
   wgrad GEMM during the ring's last transfer; the input's columnwise copy is re-gathered by an asynchronous
   all-gather that the following row-parallel layer starts right before its own wgrad GEMM (InputRegathers),
   so that GEMM too runs with a transfer in flight (without such a row layer: issued before the dgrad ring).
-Whether a layer goes round the ring is _RingChoice's decision: a GEMM-size floor and, with measured link
-speeds, parallel/link_speed.py's model.
+The same four GEMMs also pipeline on split collectives (split_gathered_gemm, split_gemm_reduce_scatter): the
+plain path's all-gather or reduce-scatter cut into row pieces, each piece one collective over every rank, all
+issued at once so that the communication stream stays busy while the GEMMs of the pieces already there run.
+Where NCCL moves bytes without peer-to-peer (PCIe-class links, across nodes) its point-to-point ring transfers run
+slower than its collectives, and split collectives hide the communication the ring cannot.
+Which path a layer takes (plain, ring or split collectives) is _RingChoice's decision: a GEMM-size floor and,
+with measured link speeds, parallel/link_speed.py's model.
 The all-gather side is bit-identical to the plain path when the GEMM's rows do not depend on how many rows
 it is given (reference backend, the fused Hopper kernel). The reduce-scatter side sums in ring order (FP32
-adds, rounded to the output dtype each hop) on NCCL, or in rank order in FP32 rounded once on copy engines:
-each, like the plain reduce-scatter, is within W-1 roundings of the exact sum.
+adds, rounded to the output dtype each hop) on NCCL, or in rank order in FP32 rounded once on copy engines, or
+as the plain path's collective does on split collectives: each, like the plain reduce-scatter, is within W-1
+roundings of the exact sum.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nvfp4_dist import ops
+from nvfp4_dist.environment import OVERLAP_TRANSPORTS
 from nvfp4_dist.gemm import gemm, operand
 from nvfp4_dist.linear import LinearComm
 from nvfp4_dist.tensor import NVFP4Tensor
@@ -162,6 +169,7 @@ class ColumnwiseCarry:
             raise ValueError("local: ColumnwiseCarry needs an NVFP4Tensor with a columnwise copy")
         self.local, self.group = local, group
         self.gathered: NVFP4Tensor | None = None
+        self._pending: Callable[[], NVFP4Tensor] | None = None
 
     def pieces(self) -> list:
         return [self.local.columnwise_data, self.local.columnwise_scale.view(torch.uint8)]
@@ -181,10 +189,15 @@ class ColumnwiseCarry:
             gathered_scale[:, source * scale_cols:(source + 1) * scale_cols].copy_(pieces[1])
         return place
 
+    def start_collective(self) -> None:
+        """Start gathering the copy in one asynchronous NCCL (or gloo) all-gather (split collectives carry it so)."""
+        self._pending = collectives.all_gather_nvfp4(self.local, self.group, async_op=True, peer_memory=False)[1]
+
     def finish(self) -> NVFP4Tensor:
-        """The gathered copy (gathered now by all_gather_nvfp4 when no ring carried it)."""
+        """The gathered copy (gathered now by all_gather_nvfp4 when no ring or collective carried it)."""
         if self.gathered is None:
-            self.gathered = collectives.all_gather_nvfp4(self.local, self.group)
+            pending, self._pending = self._pending, None
+            self.gathered = pending() if pending is not None else collectives.all_gather_nvfp4(self.local, self.group)
         return self.gathered
 
 
@@ -239,6 +252,89 @@ def ring_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out
                     out_dtype=out_dtype, bias=bias, recipe=recipe)
 
     return ring_reduce_scatter_produce(produce, group, during_last_transfer)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pipelined NVFP4 GEMMs on split collectives.
+
+COLLECTIVE_PIECES = 4  # row pieces per split collective: the last piece's GEMM (or first piece's transfer) shows
+
+
+def collective_pieces(rows: int, most: int = COLLECTIVE_PIECES) -> int:
+    """Pieces that split collectives cut `rows` rows into: the most, up to `most`, of a whole number of 16-row
+    blocks each (so 2D block scales never straddle two pieces); 1 when `rows` is not a multiple of 32."""
+    return next(pieces for pieces in range(most, 0, -1) if pieces == 1 or rows % (16 * pieces) == 0)
+
+
+def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
+                        bias: torch.Tensor | None = None, recipe=None, group=None,
+                        carry: ColumnwiseCarry | None = None, pieces: int | None = None) -> torch.Tensor:
+    """ring_gathered_gemm's result on split collectives: all-gathers of row pieces (rows [j*P, (j+1)*P) of every
+    rank, P = M / pieces), all issued before the first GEMM; each piece's GEMMs (one per source rank, into its rows
+    of the output) run as soon as it has arrived, while later pieces travel.
+
+    pieces: default collective_pieces(M). carry: a columnwise copy gathered in one more collective after them.
+    """
+    world_size = dist.get_world_size(group)
+    n = operand(b, b_copy, "b")[0].shape[0]
+    rows = a.rows
+    pieces = collective_pieces(rows) if pieces is None else pieces
+    if pieces < 1 or rows % pieces:
+        raise ValueError(f"pieces={pieces}: a's {rows} rows must split into a whole number of rows per piece")
+    piece_rows = rows // pieces
+    out = torch.empty((world_size * rows, n), dtype=out_dtype, device=a.device)
+    arriving = [collectives.all_gather_nvfp4(a.rowwise_rows(j * piece_rows, (j + 1) * piece_rows), group,
+                                             async_op=True, peer_memory=False)[1] for j in range(pieces)]
+    if carry is not None:
+        carry.start_collective()
+    for j, finish in enumerate(arriving):
+        gathered = finish()
+        for source in range(world_size):
+            first = source * rows + j * piece_rows
+            gemm(gathered.rowwise_rows(source * piece_rows, (source + 1) * piece_rows), b, a_copy="rowwise",
+                 b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe, out=out[first:first + piece_rows])
+    return out
+
+
+def split_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
+                              bias: torch.Tensor | None = None, recipe=None, group=None,
+                              during_last_transfer: Callable[[], None] | None = None,
+                              pieces: int | None = None) -> torch.Tensor:
+    """ring_gemm_reduce_scatter's result on split collectives: piece j of every destination's rows (rows
+    [c*R + j*P, c*R + (j+1)*P) for rank c, R = M/W, P = R / pieces) is computed, then reduce-scattered in one
+    collective while the next piece's GEMMs run; it lands in rows [j*P, (j+1)*P) of this rank's output.
+
+    pieces: default collective_pieces(R). during_last_transfer: called once after the last piece's GEMMs, before
+    waiting for the reduce-scatters.
+    """
+    world_size = dist.get_world_size(group)
+    if a.rows % world_size:
+        raise ValueError(f"a.shape={tuple(a.shape)}: its {a.rows} rows must be divisible by the group size "
+                         f"{world_size}")
+    rows = a.rows // world_size
+    pieces = collective_pieces(rows) if pieces is None else pieces
+    if pieces < 1 or rows % pieces:
+        raise ValueError(f"pieces={pieces}: the {rows} rows per rank must split into a whole number of rows "
+                         f"per piece")
+    piece_rows = rows // pieces
+    n = operand(b, b_copy, "b")[0].shape[0]
+    out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
+    in_flight = []  # (collective's handle, its input): the input lives until the collective is done
+    for j in range(pieces):
+        partial = torch.empty((world_size * piece_rows, n), dtype=out_dtype, device=a.device)
+        for destination in range(world_size):
+            first = destination * rows + j * piece_rows
+            gemm(a.rowwise_rows(first, first + piece_rows), b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype,
+                 bias=bias, recipe=recipe, out=partial[destination * piece_rows:(destination + 1) * piece_rows])
+        work, _ = collectives.reduce_scatter_bf16(partial, group, async_op=True,
+                                                  out=out[j * piece_rows:(j + 1) * piece_rows])
+        in_flight.append((work, partial))
+    if during_last_transfer is not None:
+        during_last_transfer()
+    for work, _ in in_flight:
+        if work is not None:
+            work.wait()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -343,29 +439,71 @@ def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) ->
     return 2.0 * rows_per_step * out_features * in_features / 1e9
 
 
+_CANDIDATES = {"auto": ("ring", "collectives"), "ring": ("ring",), "collectives": ("collectives",)}
+# Split collectives are weighed only where they are expected to save this share of the plain path's time: the
+# model leaves out the per-piece collective latencies and GEMM launches, which a smaller saving may not cover.
+SPLIT_MIN_SAVING_SHARE = 0.1
+
+
 class _RingChoice:
-    """Whether an overlapped comm goes round the ring: sequence parallel over more than one rank, and (decided
-    in forward by choose(), followed in backward by pipelines()) ring steps of at least min_chunk_gflops that,
-    with measure_links, are expected to win on the group's links."""
+    """Which path an overlapped comm takes, decided in forward by choose() and followed by its backward: the plain
+    path unless sequence parallel over more than one rank with pipelined steps of at least min_chunk_gflops; then,
+    among the paths `transport` allows ("auto": the ring and split collectives, the latter not where the ring runs
+    on copy engines; "ring"; "collectives"), with measure_links the one expected to save most on the group's
+    links (split collectives: only where they save SPLIT_MIN_SAVING_SHARE of the plain path's time), or the
+    plain path where none saves; without, the first allowed."""
 
     min_chunk_gflops: float = 0
     measure_links: bool = False
-    pipelined: bool = True  # whether the last forward went round the ring (its backward does too)
+    transport: str = "ring"
+    path: str = "ring"  # "plain", "ring" or "collectives": the last forward's path
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the last forward went round the ring or on split collectives (its backward does too)."""
+        return self.path != "plain"
 
     def overlaps(self) -> bool:
         return self.sequence_parallel and self.world_size > 1
 
-    def choose(self, step_gflops: float, loads: Sequence[RingLoad], device: torch.device) -> bool:
-        """Decide this forward's path from one ring step's GEMM size and the rings (forward and backward) it runs."""
-        pipelined = self.overlaps() and step_gflops >= self.min_chunk_gflops
-        if pipelined and self.measure_links:
+    def choose(self, step_gflops: float, loads: Sequence[RingLoad], pieces: int, device: torch.device) -> str:
+        """Decide this forward's path from one ring step's GEMM size, the rings (forward and backward) it runs and
+        the row pieces its split collectives would have."""
+        candidates = _CANDIDATES[self.transport]
+        path = candidates[0] if self.overlaps() and step_gflops >= self.min_chunk_gflops else "plain"
+        if path != "plain" and self.measure_links:
             speed = group_link_speed(self.group, device)
-            pipelined = speed is None or speed.ring_saving_ms(loads, self.world_size) > 0
-        self.pipelined = pipelined
-        return pipelined
+            if speed is not None:
+                savings = {}
+                if "ring" in candidates:
+                    savings["ring"] = speed.ring_saving_ms(loads, self.world_size)
+                if "collectives" in candidates and not (self.transport == "auto" and
+                                                        _ring_on_copy_engines(self.group, device)):
+                    split = speed.split_saving_ms(loads, self.world_size, pieces)
+                    enough = split >= SPLIT_MIN_SAVING_SHARE * speed.plain_ms(loads, self.world_size)
+                    savings["collectives"] = split if enough else 0.0
+                best = max(savings, key=savings.get)  # a tie keeps the ring
+                path = best if savings[best] > 0 else "plain"
+        self.path = path
+        return path
 
     def pipelines(self) -> bool:
         return self.overlaps() and self.pipelined
+
+    def gathered_gemm(self, a: NVFP4Tensor, b: NVFP4Tensor, **kwargs) -> torch.Tensor:
+        """gemm(all-gather of a, b) on this forward's pipelined path."""
+        pipelined = split_gathered_gemm if self.path == "collectives" else ring_gathered_gemm
+        return pipelined(a, b, group=self.group, **kwargs)
+
+    def gemm_reduce_scatter(self, a: NVFP4Tensor, b: NVFP4Tensor, **kwargs) -> torch.Tensor:
+        """Reduce-scatter of gemm(a, b) on this forward's pipelined path."""
+        pipelined = split_gemm_reduce_scatter if self.path == "collectives" else ring_gemm_reduce_scatter
+        return pipelined(a, b, group=self.group, **kwargs)
+
+
+def _ring_on_copy_engines(group, device: torch.device) -> bool:
+    """Whether the group's rings on `device` run on copy engines (parallel/symmetric.py), the NVLink path."""
+    return device.type == "cuda" and symmetric.enabled(group)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -472,9 +610,9 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
     """
 
     def __init__(self, group, sequence_parallel: bool, keep_input_columnwise: bool, min_chunk_gflops: float = 0,
-                 measure_links: bool = False):
+                 measure_links: bool = False, transport: str = "ring"):
         super().__init__(group, sequence_parallel, keep_input_columnwise)
-        self.min_chunk_gflops, self.measure_links = min_chunk_gflops, measure_links
+        _configure(self, min_chunk_gflops, measure_links, transport)
         self.input_carry: ColumnwiseCarry | None = None
 
     def quantize_input(self, x2d, recipe, *, columnwise):
@@ -493,10 +631,10 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
         loads = [RingLoad("all_gather", copies * nvfp4_bytes(rows, in_features), step_gflops),
                  # backward: the dgrad partials, reduce-scattered on the ring
                  RingLoad("reduce_scatter", rows * in_features * out_dtype.itemsize, step_gflops)]
-        if not self.choose(step_gflops, loads, xq.device):  # a kept columnwise copy: gathered by carry.finish()
-            return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
-        return ring_gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
-                                  group=self.group, carry=self.input_carry)
+        if self.choose(step_gflops, loads, collective_pieces(rows), xq.device) == "plain":
+            return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)  # carry.finish() gathers
+        return self.gathered_gemm(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
+                                  carry=self.input_carry)
 
     def _regathers_input(self) -> bool:
         return self.overlaps() and not self.keep_input_columnwise
@@ -517,14 +655,13 @@ class OverlappedColumnParallelComm(_RingChoice, ColumnParallelComm):
     def dgrad(self, dyq, wq, *, out_dtype, recipe):
         if not self.pipelines():
             return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
-        return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
-                                        group=self.group)
+        return self.gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
 
     def dgrad_and_wgrad(self, dyq, wq, *, out_dtype, recipe, wgrad_step):
         if not self.pipelines():
             return super().dgrad_and_wgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe, wgrad_step=wgrad_step)
-        return ring_gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
-                                        group=self.group, during_last_transfer=wgrad_step)
+        return self.gemm_reduce_scatter(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
+                                        during_last_transfer=wgrad_step)
 
 
 class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
@@ -535,9 +672,10 @@ class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
     column-parallel input that preceded this layer in forward (InputRegathers).
     """
 
-    def __init__(self, group, sequence_parallel: bool, min_chunk_gflops: float = 0, measure_links: bool = False):
+    def __init__(self, group, sequence_parallel: bool, min_chunk_gflops: float = 0, measure_links: bool = False,
+                 transport: str = "ring"):
         super().__init__(group, sequence_parallel)
-        self.min_chunk_gflops, self.measure_links = min_chunk_gflops, measure_links
+        _configure(self, min_chunk_gflops, measure_links, transport)
         self.grad_output_carry: ColumnwiseCarry | None = None
         self.next_regather: _SavedInput | None = None
 
@@ -547,10 +685,9 @@ class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
         loads = [RingLoad("reduce_scatter", rows * out_features * out_dtype.itemsize, step_gflops),
                  # backward: the output gradient's two copies, gathered on the ring
                  RingLoad("all_gather", 2 * nvfp4_bytes(rows, out_features), step_gflops)]
-        if not self.choose(step_gflops, loads, xq.device):
+        if self.choose(step_gflops, loads, collective_pieces(rows), xq.device) == "plain":
             return super().fprop(xq, wq, bias=bias, out_dtype=out_dtype, recipe=recipe)
-        return ring_gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe,
-                                        group=self.group)
+        return self.gemm_reduce_scatter(xq, wq, b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
 
     def input_to_save(self, xq):
         if self.overlaps() and xq.has_columnwise:
@@ -575,8 +712,7 @@ class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
         if not self.pipelines():
             return super().dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
         carry, self.grad_output_carry = self.grad_output_carry, None
-        return ring_gathered_gemm(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe,
-                                  group=self.group, carry=carry)
+        return self.gathered_gemm(dyq, wq, b_copy="columnwise", out_dtype=out_dtype, recipe=recipe, carry=carry)
 
     def dgrad_and_wgrad(self, dyq, wq, *, out_dtype, recipe, wgrad_step):
         dx = self.dgrad(dyq, wq, out_dtype=out_dtype, recipe=recipe)
@@ -587,20 +723,30 @@ class OverlappedRowParallelComm(_RingChoice, RowParallelComm):
         return dx
 
 
-def overlapped_comm(comm: LinearComm, min_chunk_gflops: float = 0, measure_links: bool = False) -> LinearComm:
-    """The overlapped twin of a layer's ColumnParallelComm / RowParallelComm (same group and options),
-    pipelining ring steps of at least min_chunk_gflops and, with measure_links, only where the rings are expected
-    to win on the group's measured links (an overlapped comm given here gets these settings)."""
+def _configure(comm, min_chunk_gflops: float, measure_links: bool, transport: str) -> None:
     if min_chunk_gflops < 0:
         raise ValueError(f"min_chunk_gflops={min_chunk_gflops}: must be >= 0")
     if not isinstance(measure_links, bool):
         raise ValueError(f"measure_links={measure_links!r}: must be True or False")
+    if transport not in OVERLAP_TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: allowed are {OVERLAP_TRANSPORTS}")
+    comm.min_chunk_gflops, comm.measure_links, comm.transport = min_chunk_gflops, measure_links, transport
+    comm.path = _CANDIDATES[transport][0]
+
+
+def overlapped_comm(comm: LinearComm, min_chunk_gflops: float = 0, measure_links: bool = False,
+                    transport: str = "ring") -> LinearComm:
+    """The overlapped twin of a layer's ColumnParallelComm / RowParallelComm (same group and options), pipelining
+    steps of at least min_chunk_gflops, on the paths `transport` allows ("auto", "ring", "collectives": see
+    _RingChoice) and, with measure_links, only where one is expected to win on the group's measured links (an
+    overlapped comm given here gets these settings)."""
     if isinstance(comm, (OverlappedColumnParallelComm, OverlappedRowParallelComm)):
-        comm.min_chunk_gflops, comm.measure_links = min_chunk_gflops, measure_links
+        _configure(comm, min_chunk_gflops, measure_links, transport)
         return comm
     if isinstance(comm, ColumnParallelComm):
         return OverlappedColumnParallelComm(comm.group, comm.sequence_parallel, comm.keep_input_columnwise,
-                                            min_chunk_gflops, measure_links)
+                                            min_chunk_gflops, measure_links, transport)
     if isinstance(comm, RowParallelComm):
-        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links)
+        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links,
+                                         transport)
     raise ValueError(f"comm={type(comm).__name__}: overlap applies to ColumnParallelComm and RowParallelComm")

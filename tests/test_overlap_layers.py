@@ -1,12 +1,13 @@
-"""Overlapped (ring-pipelined) TP+SP layers vs the plain layers on gloo groups of 2 and 4 ranks.
+"""Overlapped TP+SP layers (on the ring and on split collectives) vs the plain layers on gloo groups of 2 and 4 ranks.
 
 The same layer is run with its plain comm and with overlapped_comm(plain comm), from the same weights, inputs,
 output gradients and stochastic-rounding seed. Expected, with the reference GEMM:
 - all-gather side (column fprop, row dgrad, both wgrads, biases): bit-identical;
 - reduce-scatter side (row fprop output, column dgrad): the ring sums in its own order, in FP32 rounded to BF16
-  at each hop. Exact at W=2 (one rounding of a two-term sum either way). At W=4 each side is within
-  (W-1) * 2^-8 * S of the exact sum, S = sum over ranks of |partial|, so they differ by at most twice that.
-Spies check that the overlapped run really went round the ring (and the plain collectives were not used).
+  at each hop, split collectives in their collective's order. Exact at W=2 (one rounding of a two-term sum
+  either way). At W=4 each side is within (W-1) * 2^-8 * S of the exact sum, S = sum over ranks of |partial|,
+  so they differ by at most twice that.
+Spies check that the overlapped run really took its path (and the plain path was not used).
 """
 import contextlib
 
@@ -54,7 +55,8 @@ def count_calls(*targets):
 
 
 SPIED = ((O, "ring_all_gather_consume"), (O, "ring_reduce_scatter_produce"),
-         (collectives, "all_gather_nvfp4"), (collectives, "reduce_scatter_bf16"))
+         (collectives, "all_gather_nvfp4"), (collectives, "reduce_scatter_bf16"),
+         (O, "split_gathered_gemm"), (O, "split_gemm_reduce_scatter"))
 
 
 def inputs(world_size, in_features, out_features, sequence_split):
@@ -75,11 +77,11 @@ def run_layer(layer, x, dy):
     return {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": bias_grad}
 
 
-def plain_and_overlapped(make_layer, x, dy):
+def plain_and_overlapped(make_layer, x, dy, transport):
     """(plain results, overlapped results, call counts of the overlapped run)."""
     plain = run_layer(make_layer(), x, dy)
     layer = make_layer()
-    layer.comm = O.overlapped_comm(layer.comm)
+    layer.comm = O.overlapped_comm(layer.comm, transport=transport)
     with count_calls(*SPIED) as counts:
         overlapped = run_layer(layer, x, dy)
     return plain, overlapped, counts
@@ -106,7 +108,21 @@ def assert_reduce_scatter_close(got, expected, partial, world_size, what):
     assert bool((excess <= 0).all()), f"{what}: exceeds the ring/NCCL summation-order bound by {excess.max().item()}"
 
 
-def check_column(rank, world_size, recipe, sequence_parallel=True, keep_input_columnwise=False):
+def expected_path_counts(transport: str, ring_gathers: int) -> dict:
+    """Call counts of an overlapped layer's forward + backward on `transport` (one all-gather side, one
+    reduce-scatter side). On the ring, `ring_gathers` all_gather_nvfp4 calls happen outside it. On split
+    collectives, each side's collectives are one per row piece (COLLECTIVE_PIECES of this test's rows), plus one
+    all-gather of the columnwise copy (carried, or re-gathered for wgrad)."""
+    pieces = O.collective_pieces(TOKENS_PER_RANK)
+    assert pieces == 2  # 32 rows: pipelined, and a test of how pieces are placed
+    if transport == "ring":
+        return {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 1, "all_gather_nvfp4": ring_gathers,
+                "reduce_scatter_bf16": 0, "split_gathered_gemm": 0, "split_gemm_reduce_scatter": 0}
+    return {"ring_all_gather_consume": 0, "ring_reduce_scatter_produce": 0, "all_gather_nvfp4": pieces + 1,
+            "reduce_scatter_bf16": pieces, "split_gathered_gemm": 1, "split_gemm_reduce_scatter": 1}
+
+
+def check_column(rank, world_size, recipe, sequence_parallel=True, keep_input_columnwise=False, transport="ring"):
     out_features = LOCAL_FFN * world_size
     x, dy = inputs(world_size, HIDDEN, out_features, sequence_parallel)
     x_local = x.chunk(world_size)[rank] if sequence_parallel else x
@@ -120,17 +136,15 @@ def check_column(rank, world_size, recipe, sequence_parallel=True, keep_input_co
             layer.bias.uniform_(-1, 1)
         return layer
 
-    plain, overlapped, counts = plain_and_overlapped(make_layer, x_local, dy_local)
-    what = f"column {recipe} sp={sequence_parallel} keep={keep_input_columnwise} rank={rank}"
+    plain, overlapped, counts = plain_and_overlapped(make_layer, x_local, dy_local, transport)
+    what = f"column {recipe} sp={sequence_parallel} keep={keep_input_columnwise} {transport} rank={rank}"
     for name in ("y", "dw", "db"):
         assert_equal(overlapped[name], plain[name], f"{what} {name}")
     if not sequence_parallel:
         assert_equal(overlapped["dx"], plain["dx"], what + " dx")
         assert counts == dict.fromkeys(counts, 0), (what, counts)
         return
-    expected_counts = {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 1,
-                       "all_gather_nvfp4": 0 if keep_input_columnwise else 1, "reduce_scatter_bf16": 0}
-    assert counts == expected_counts, (what, counts)
+    assert counts == expected_path_counts(transport, 0 if keep_input_columnwise else 1), (what, counts)
     # This rank's dgrad partial [tokens, in], as both paths compute it, for the summation bound.
     layer = make_layer()
     weight_q = layer.weight_cache.get(layer.weight, recipe)
@@ -142,7 +156,7 @@ def check_column(rank, world_size, recipe, sequence_parallel=True, keep_input_co
     assert_reduce_scatter_close(overlapped["dx"], plain["dx"], partial, world_size, what + " dx")
 
 
-def check_row(rank, world_size, recipe, sequence_parallel=True):
+def check_row(rank, world_size, recipe, sequence_parallel=True, transport="ring"):
     in_features = LOCAL_FFN * world_size
     x, dy = inputs(world_size, in_features, HIDDEN, sequence_parallel)
     x_local = x.chunk(world_size, dim=-1)[rank]
@@ -154,17 +168,15 @@ def check_row(rank, world_size, recipe, sequence_parallel=True):
         return RowParallelLinear(in_features, HIDDEN, sequence_parallel=sequence_parallel, recipe=recipe,
                                  skip_bias_add=True)
 
-    plain, overlapped, counts = plain_and_overlapped(make_layer, x_local, dy_local)
-    what = f"row {recipe} sp={sequence_parallel} rank={rank}"
+    plain, overlapped, counts = plain_and_overlapped(make_layer, x_local, dy_local, transport)
+    what = f"row {recipe} sp={sequence_parallel} {transport} rank={rank}"
     for name in ("dx", "dw", "db"):
         assert_equal(overlapped[name], plain[name], f"{what} {name}")
     if not sequence_parallel:
         assert_equal(overlapped["y"], plain["y"], what + " y")
         assert counts == dict.fromkeys(counts, 0), (what, counts)
         return
-    expected_counts = {"ring_all_gather_consume": 1, "ring_reduce_scatter_produce": 1,
-                       "all_gather_nvfp4": 0, "reduce_scatter_bf16": 0}
-    assert counts == expected_counts, (what, counts)
+    assert counts == expected_path_counts(transport, 0), (what, counts)
     layer = make_layer()
     weight_q = layer.weight_cache.get(layer.weight, recipe)
     xq = quantize_operand(x_local.reshape(-1, LOCAL_FFN), "activation", recipe, columnwise=False)
@@ -277,25 +289,98 @@ def check_ring_gemms(rank, world_size):
                                    b_copy="rowwise", out_dtype=torch.float32)
 
 
+def check_split_gemms(rank, world_size):
+    """The GEMMs on split collectives on their own: every piece's rows land where the plain gather puts them, the
+    carried columnwise copy, the reduce-scatter's sums, the work that hides the last transfer."""
+    recipe = RECIPES["default"]
+    torch.manual_seed(3)
+    full = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN).bfloat16()
+    local = full.chunk(world_size)[rank]
+    amaxes = list(operand_amaxes(local, "gradient", recipe))
+    all_reduce_amax(amaxes)
+    q = quantize_operand(local, "gradient", recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=99,
+                         sr_row_offset=rank * TOKENS_PER_RANK)
+    weight_q = ops.quantize(torch.randn(LOCAL_FFN, HIDDEN), "weight", recipe=recipe)
+    gathered = all_gather_nvfp4(q)
+    expected = gemm(gathered, weight_q, out_dtype=torch.float32)
+    for pieces in (None, 1, 2, 4):
+        carry = O.ColumnwiseCarry(q.columnwise_only(), None)
+        with count_calls((O, "gemm")) as counts:
+            y = O.split_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32,
+                                      carry=carry, pieces=pieces)
+        assert counts["gemm"] == world_size * (pieces or 2), (pieces, counts)
+        assert torch.equal(y, expected), pieces
+        carried = carry.finish()
+        for name in ("columnwise_data", "columnwise_scale"):
+            assert torch.equal(getattr(carried, name).view(torch.uint8), getattr(gathered, name).view(torch.uint8))
+        assert carried.shape == gathered.shape
+    with pytest.raises(ValueError, match="pieces=3"):
+        O.split_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32, pieces=3)
+
+    # Reduce-scatter: every rank's partial is the same gathered GEMM here, so the exact sum is W times its rows.
+    own_rows = expected[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK]
+    gathered_rows = gathered.rowwise_only()
+    for pieces in (None, 1, 4):
+        events = []
+        original_gemm = O.gemm
+
+        def recording_gemm(a, *args, **kwargs):
+            events.append("gemm")
+            return original_gemm(a, *args, **kwargs)
+        O.gemm = recording_gemm
+        try:
+            summed = O.split_gemm_reduce_scatter(gathered_rows, weight_q, b_copy="rowwise", out_dtype=torch.float32,
+                                                 pieces=pieces, during_last_transfer=lambda: events.append("last"))
+        finally:
+            O.gemm = original_gemm
+        assert events == ["gemm"] * (world_size * (pieces or 2)) + ["last"], events
+        torch.testing.assert_close(summed, own_rows * world_size, rtol=world_size * 2.0 ** -23, atol=0)
+    with pytest.raises(ValueError, match="divisible"):
+        O.split_gemm_reduce_scatter(q.rowwise_rows(0, TOKENS_PER_RANK - 1), weight_q, b_copy="rowwise",
+                                    out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="pieces=0"):
+        O.split_gemm_reduce_scatter(gathered_rows, weight_q, b_copy="rowwise", out_dtype=torch.float32, pieces=0)
+    # The reduce-scatter into a given slice, asynchronously, and a slice that does not fit.
+    partial = torch.arange(world_size * 4 * 3, dtype=torch.float32).reshape(world_size * 4, 3) * (rank + 1)
+    out = torch.zeros(2 * 4, 3)
+    work, finish = collectives.reduce_scatter_bf16(partial, async_op=True, out=out[4:])
+    total = sum(range(1, world_size + 1))
+    assert torch.equal(finish(), partial.chunk(world_size)[rank] / (rank + 1) * total)
+    assert torch.equal(out[4:], partial.chunk(world_size)[rank] / (rank + 1) * total) and not out[:4].any()
+    with pytest.raises(ValueError, match="expected a contiguous"):
+        collectives.reduce_scatter_bf16(partial, out=torch.zeros(4, 2))
+
+
+def test_collective_pieces():
+    """Up to COLLECTIVE_PIECES pieces of whole 16-row blocks, else one."""
+    assert [O.collective_pieces(rows) for rows in (4096, 64, 48, 32, 40, 16, 8)] == [4, 4, 3, 2, 1, 1, 1]
+    assert O.collective_pieces(4096, most=2) == 2
+
+
 def _check(rank, world_size, which):
     if which == "ring":
         check_ring_gemms(rank, world_size)
         check_minimum_ring_step(rank, world_size)
-    elif which == "column":
-        check_column(rank, world_size, RECIPES["default"])
-        check_column(rank, world_size, RECIPES["default"], keep_input_columnwise=True)
-        check_column(rank, world_size, RECIPES["no_rht_no_sr_1d"])
-        check_column(rank, world_size, RECIPES["row_scaled"])
-        check_column(rank, world_size, RECIPES["default"], sequence_parallel=False)
+    elif which == "split":
+        check_split_gemms(rank, world_size)
+    elif which.startswith("column"):
+        transport = which.partition(" ")[2]
+        check_column(rank, world_size, RECIPES["default"], transport=transport)
+        check_column(rank, world_size, RECIPES["default"], keep_input_columnwise=True, transport=transport)
+        check_column(rank, world_size, RECIPES["no_rht_no_sr_1d"], transport=transport)
+        check_column(rank, world_size, RECIPES["row_scaled"], transport=transport)
+        check_column(rank, world_size, RECIPES["default"], sequence_parallel=False, transport=transport)
     else:
-        check_row(rank, world_size, RECIPES["default"])
-        check_row(rank, world_size, RECIPES["no_rht_no_sr_1d"])
-        check_row(rank, world_size, RECIPES["row_scaled"])
-        check_row(rank, world_size, RECIPES["default"], sequence_parallel=False)
+        transport = which.partition(" ")[2]
+        check_row(rank, world_size, RECIPES["default"], transport=transport)
+        check_row(rank, world_size, RECIPES["no_rht_no_sr_1d"], transport=transport)
+        check_row(rank, world_size, RECIPES["row_scaled"], transport=transport)
+        check_row(rank, world_size, RECIPES["default"], sequence_parallel=False, transport=transport)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("which", ["ring", "column", "row"])
+@pytest.mark.parametrize("which", ["ring", "split", "column ring", "row ring", "column collectives",
+                                   "row collectives"])
 def test_overlapped_layers_match_plain(which, world_size):
     run_distributed(_check, world_size, which)
 

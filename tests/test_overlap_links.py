@@ -1,7 +1,8 @@
 """The overlap's link-aware choice (parallel/link_speed.py, overlap._RingChoice) on its own and on gloo groups.
 
 The model: a ring step saves (c + g - max(r, g)) over the plain path, c / r the collective's / ring's transfer of
-the step's bytes, g its GEMM. Checked by hand on small numbers, on the speeds that 4 x H100 links show (NVLink,
+the step's bytes, g its GEMM; split collectives of k pieces save (k-1)/k min(C, G) of the plain path's collective
+C = (W-1) c and GEMMs G = W g. Checked by hand on small numbers, on the speeds that 4 x H100 links show (NVLink,
 no peer-to-peer through host memory, NCCL's socket transport) for the MLP pair (16384 tokens, 8192 -> 28672 ->
 8192, TP4), and through real processes: the measurement runs on the group's own rings and collectives, is
 agreed (MAX of ring times, MIN of collective and GEMM times) so every rank takes the same path even where
@@ -45,6 +46,17 @@ def test_saving_follows_the_step_model():
     assert L.nvfp4_bytes(32, 64) == 32 * 64 // 2 + 32 * 64 // 16
 
 
+def test_split_saving_follows_its_model():
+    link = speed(1.0, 2.0, 1.0)
+    # 2 MB, 3 GFLOP per step on 4 ranks: C = 3 * 2 = 6, G = 4 * 3 = 12; 4 pieces hide 3/4 of min(C, G)
+    load = L.RingLoad("all_gather", 2 * MB, 3.0)
+    assert link.split_saving_ms([load], 4, 4) == pytest.approx(4.5)
+    assert link.plain_ms([load], 4) == pytest.approx(18.0)
+    # one piece hides nothing; the loads of a layer add up
+    assert link.split_saving_ms([load], 4, 1) == 0
+    assert link.split_saving_ms([load, L.RingLoad("reduce_scatter", 4 * MB, 0.5)], 4, 2) == pytest.approx(3 + 1)
+
+
 def mlp_pair_loads():
     """The rings of the MLP pair's column and row layer (forward and backward), as the comms describe them."""
     rows, ffn_local = TOKENS // TP, FFN // TP
@@ -68,6 +80,32 @@ LINKS = {"nvlink": speed(0.004, 1.14, H100_GEMM_MS_PER_GFLOP),
 def test_mlp_pair_choice_by_link_class(links, ring_wins):
     for loads in mlp_pair_loads():
         assert (LINKS[links].ring_saving_ms(loads, TP) > 0) == ring_wins
+
+
+# Point-to-point transfers three times slower than the collective's (slow links' collective speed): the ring
+# loses, split collectives hide most of the GEMMs' worth of communication.
+SLOW_RINGS = speed(0.04, 3.0, H100_GEMM_MS_PER_GFLOP)
+
+
+@pytest.mark.parametrize("transport, links, path", [
+    ("auto", LINKS["nvlink"], "ring"),
+    # the reduce-scatters' transfers outlast the GEMMs: the ring hides one GEMM per step, split collectives 3/4
+    # of all of them
+    ("auto", LINKS["slow"], "collectives"), ("ring", LINKS["slow"], "ring"), ("collectives", LINKS["nvlink"], "collectives"),
+    ("auto", SLOW_RINGS, "collectives"), ("ring", SLOW_RINGS, "plain"),
+    # the GEMMs are too small against the transfers for either to pay
+    ("auto", LINKS["socket"], "plain"), ("collectives", LINKS["socket"], "plain")])
+def test_mlp_pair_path_by_link_class(transport, links, path):
+    """The choice between the plain path, the ring and split collectives for the MLP pair's layers."""
+    pieces = O.collective_pieces(TOKENS // TP)
+    for loads in mlp_pair_loads():
+        comm = O.OverlappedColumnParallelComm(None, True, False, measure_links=True, transport=transport)
+        comm.world_size = TP  # the model only: no process group here
+        L.set_link_speed(None, links)
+        try:
+            assert comm.choose(481.0, loads, pieces, torch.device("cpu")) == path
+        finally:
+            L.set_link_speed(None, None)
 
 
 def test_bad_speeds_and_loads_are_refused():
@@ -188,27 +226,36 @@ def check_layers_follow_the_agreed_choice(rank, world_size):
     dy = torch.randn(world_size * TOKENS_PER_RANK, LAYER_HIDDEN, generator=generator).bfloat16().chunk(world_size)[rank]
     base = nv.NVFP4Recipe(overlap_min_chunk_gflops=0)
     plain = run_pair(*make_pair(world_size, base), x, dy)
-    cases = {"losing rings": ({"all_gather": 1.0, "ring_all_gather": 1.6 + 0.1 * rank, "reduce_scatter": 1.0,
-                               "ring_reduce_scatter": 1.6, "gemm": 1e-9}, False),
+    # Probe timings (ms): the collectives, the rings and the GEMM probe (see fake_timings).
+    cases = {"losing rings, tiny GEMMs": ({"all_gather": 1.0, "ring_all_gather": 1.6 + 0.1 * rank,
+                                           "reduce_scatter": 1.0, "ring_reduce_scatter": 1.6, "gemm": 1e-9}, "plain"),
              "winning rings": ({"all_gather": 1.0, "ring_all_gather": 0.8 + 0.05 * rank, "reduce_scatter": 1.0,
-                                "ring_reduce_scatter": 0.9, "gemm": 1e-9}, True)}
-    for name, (timings, expect_ring) in cases.items():
+                                "ring_reduce_scatter": 0.9, "gemm": 1e-9}, "ring"),
+             # transfers as long as the GEMMs, three times slower on the ring: split collectives hide them
+             "slow rings": ({"all_gather": 1.0, "ring_all_gather": 3.0 + 0.1 * rank, "reduce_scatter": 1.0,
+                             "ring_reduce_scatter": 3.0, "gemm": 4.0 + rank}, "collectives")}
+    for name, (timings, expected_path) in cases.items():
         L.set_link_speed(None, None)
         original = O._median_ms
         O._median_ms, _ = fake_timings(timings)
         try:
-            column, row = make_pair(world_size, base.replace(overlap=True))
+            column, row = make_pair(world_size, base.replace(overlap=True, overlap_transport="auto"))
             with count_rings() as rings:
                 got = run_pair(column, row, x, dy)
         finally:
             O._median_ms = original
-        choices = (column._overlapped_comm.pipelined, row._overlapped_comm.pipelined)
-        assert gathered(choices) == [(expect_ring, expect_ring)] * world_size, name
+        choices = (column._overlapped_comm.path, row._overlapped_comm.path)
+        assert gathered(choices) == [(expected_path, expected_path)] * world_size, name
         # Forward and backward: column all-gather + row reduce-scatter, row all-gather + column reduce-scatter.
-        assert rings == ({"gather": 2, "scatter": 2} if expect_ring else {"gather": 0, "scatter": 0}), (name, rings)
-        for index in (2, 3, 4, 5):  # weight and bias gradients: all-gather side, bit-identical on either path
+        expected_counts = dict.fromkeys(rings, 0)
+        if expected_path == "ring":
+            expected_counts.update(gather=2, scatter=2)
+        elif expected_path == "collectives":
+            expected_counts.update(split_gather=2, split_scatter=2)
+        assert rings == expected_counts, (name, rings)
+        for index in (2, 3, 4, 5):  # weight and bias gradients: all-gather side, bit-identical on every path
             assert torch.equal(got[index], plain[index]), (name, index)
-        if world_size == 2 or not expect_ring:
+        if world_size == 2 or expected_path == "plain":
             for a, b in zip(got, plain):
                 assert torch.equal(a, b), name
     # The override: the floor alone decides, and nothing is measured.
@@ -226,22 +273,27 @@ def check_layers_follow_the_agreed_choice(rank, world_size):
 
 
 class count_rings:
+    """Counts the rings ("gather", "scatter") and split collectives ("split_gather", "split_scatter") run inside."""
+
+    NAMES = {"gather": "ring_all_gather_consume", "scatter": "ring_reduce_scatter_produce",
+             "split_gather": "split_gathered_gemm", "split_scatter": "split_gemm_reduce_scatter"}
+
     def __enter__(self):
-        self.counts = {"gather": 0, "scatter": 0}
-        self.originals = (O.ring_all_gather_consume, O.ring_reduce_scatter_produce)
+        self.counts = dict.fromkeys(self.NAMES, 0)
+        self.originals = {key: getattr(O, name) for key, name in self.NAMES.items()}
 
-        def gather(*args, **kwargs):
-            self.counts["gather"] += 1
-            return self.originals[0](*args, **kwargs)
-
-        def scatter(*args, **kwargs):
-            self.counts["scatter"] += 1
-            return self.originals[1](*args, **kwargs)
-        O.ring_all_gather_consume, O.ring_reduce_scatter_produce = gather, scatter
+        def counted(key):
+            def call(*args, **kwargs):
+                self.counts[key] += 1
+                return self.originals[key](*args, **kwargs)
+            return call
+        for key, name in self.NAMES.items():
+            setattr(O, name, counted(key))
         return self.counts
 
     def __exit__(self, *exc):
-        O.ring_all_gather_consume, O.ring_reduce_scatter_produce = self.originals
+        for key, name in self.NAMES.items():
+            setattr(O, name, self.originals[key])
 
 
 def _check(rank, world_size, which):
@@ -260,3 +312,12 @@ def test_recipe_switch(monkeypatch):
     assert nv.NVFP4Recipe().overlap_measure_links and nv.NVFP4Recipe.from_env().overlap_measure_links
     monkeypatch.setenv("NVFP4_OVERLAP_IGNORE_LINKS", "1")
     assert not nv.NVFP4Recipe.from_env(overlap=True).overlap_measure_links
+    monkeypatch.delenv("NVFP4_OVERLAP_TRANSPORT", raising=False)
+    assert nv.NVFP4Recipe().overlap_transport == nv.NVFP4Recipe.from_env().overlap_transport == "ring"
+    monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "collectives")
+    assert nv.NVFP4Recipe.from_env().overlap_transport == "collectives"
+    monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "split")
+    with pytest.raises(ValueError, match="NVFP4_OVERLAP_TRANSPORT"):
+        nv.NVFP4Recipe.from_env()
+    with pytest.raises(ValueError, match="transport='split'"):
+        O.overlapped_comm(O.OverlappedRowParallelComm(None, True), 0, False, "split")

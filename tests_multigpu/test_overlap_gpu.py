@@ -128,19 +128,30 @@ def run_layer(layer, x, dy):
             "db": None if layer.bias is None else layer.bias.grad}
 
 
-def plain_and_overlapped(make_layer, x, dy):
+# The functions of each overlap path, by the name its calls are recorded under.
+PATH_FUNCTIONS = {"ring": {"gather": "ring_all_gather_consume", "scatter": "ring_reduce_scatter_produce"},
+                  "collectives": {"gather": "split_gathered_gemm", "scatter": "split_gemm_reduce_scatter"}}
+
+
+def plain_and_overlapped(make_layer, x, dy, transport):
+    """(plain results, overlapped results on `transport`, sorted "<path> gather|scatter" calls of the latter)."""
     from nvfp4_dist.parallel import overlap
     plain = run_layer(make_layer(), x, dy)
     layer = make_layer()
-    layer.comm = overlap.overlapped_comm(layer.comm)
+    layer.comm = overlap.overlapped_comm(layer.comm, transport=transport)
     calls = []
-    originals = (overlap.ring_all_gather_consume, overlap.ring_reduce_scatter_produce)
-    overlap.ring_all_gather_consume = lambda *a, **k: (calls.append("gather"), originals[0](*a, **k))[1]
-    overlap.ring_reduce_scatter_produce = lambda *a, **k: (calls.append("scatter"), originals[1](*a, **k))[1]
+    originals = {name: getattr(overlap, name) for functions in PATH_FUNCTIONS.values() for name in functions.values()}
+
+    def recorded(tag, function):
+        return lambda *a, **k: (calls.append(tag), function(*a, **k))[1]
+    for path, functions in PATH_FUNCTIONS.items():
+        for kind, name in functions.items():
+            setattr(overlap, name, recorded(f"{path} {kind}", originals[name]))
     try:
         result = run_layer(layer, x, dy)
     finally:
-        overlap.ring_all_gather_consume, overlap.ring_reduce_scatter_produce = originals
+        for name, function in originals.items():
+            setattr(overlap, name, function)
     return plain, result, sorted(calls)
 
 
@@ -152,7 +163,7 @@ def inputs(world_size, in_features, out_features, seed):
     return x.bfloat16().cuda(), dy.bfloat16().cuda()
 
 
-def check_column(recipe, exact_gemms, keep_input_columnwise=False):
+def check_column(recipe, exact_gemms, transport, keep_input_columnwise=False):
     from nvfp4_dist import ops
     from nvfp4_dist.gemm import gemm
     from nvfp4_dist.linear import quantize_operand
@@ -169,9 +180,9 @@ def check_column(recipe, exact_gemms, keep_input_columnwise=False):
             layer.bias.uniform_(-1, 1)
         return layer
 
-    plain, overlapped, calls = plain_and_overlapped(make_layer, x_local, dy_local)
-    what = f"column {recipe} keep={keep_input_columnwise} rank={rank}"
-    assert calls == ["gather", "scatter"], (what, calls)
+    plain, overlapped, calls = plain_and_overlapped(make_layer, x_local, dy_local, transport)
+    what = f"column {recipe} keep={keep_input_columnwise} {transport} rank={rank}"
+    assert calls == [f"{transport} gather", f"{transport} scatter"], (what, calls)
     compare = assert_equal if exact_gemms else assert_gemm_close
     for name in ("y", "dw", "db"):
         compare(overlapped[name], plain[name], f"{what} {name}")
@@ -185,7 +196,7 @@ def check_column(recipe, exact_gemms, keep_input_columnwise=False):
     assert_reduce_scatter_close(overlapped["dx"], plain["dx"], partial, exact_gemms, what + " dx")
 
 
-def check_row(recipe, exact_gemms):
+def check_row(recipe, exact_gemms, transport):
     from nvfp4_dist.gemm import gemm
     from nvfp4_dist.linear import quantize_operand
     from nvfp4_dist.parallel import RowParallelLinear
@@ -198,9 +209,9 @@ def check_row(recipe, exact_gemms):
         return RowParallelLinear(LOCAL_FFN * world_size, HIDDEN, sequence_parallel=True, recipe=recipe,
                                  skip_bias_add=True, device="cuda")
 
-    plain, overlapped, calls = plain_and_overlapped(make_layer, x_local, dy_local)
-    what = f"row {recipe} rank={rank}"
-    assert calls == ["gather", "scatter"], (what, calls)
+    plain, overlapped, calls = plain_and_overlapped(make_layer, x_local, dy_local, transport)
+    what = f"row {recipe} {transport} rank={rank}"
+    assert calls == [f"{transport} gather", f"{transport} scatter"], (what, calls)
     compare = assert_equal if exact_gemms else assert_gemm_close
     for name in ("dx", "dw", "db"):
         compare(overlapped[name], plain[name], f"{what} {name}")
@@ -213,7 +224,7 @@ def check_row(recipe, exact_gemms):
 
 def check_pair(recipe):
     """Column -> gelu -> row with SP, forward and backward, with exact (fused) GEMMs: plain, overlapped (every layer on
-    the ring, the row layer starting the column input's re-gather) and automatic. Every GEMM's output is the same
+    the ring, or on split collectives, the row layer starting the column input's re-gather) and automatic. Every GEMM's output is the same
     in each mode, so the weight gradients are exact, and y and dx, reduce-scatters of identical partials in ring
     vs NCCL order, are within the summation-order bound of those partials (recorded in the plain run)."""
     from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, overlap
@@ -222,16 +233,19 @@ def check_pair(recipe):
     tokens = x.shape[0] * x.shape[1]
     results, early_starts, choices, partials = {}, [], None, {}
     original_start = overlap.InputRegathers.start
-    for mode in ("plain", "overlapped", "auto"):
+    for mode in ("plain", "overlapped", "split", "auto"):
         torch.manual_seed(4)
-        layer_recipe = recipe.replace(overlap=True, overlap_min_chunk_gflops=0) if mode == "auto" else recipe
+        layer_recipe = (recipe.replace(overlap=True, overlap_min_chunk_gflops=0, overlap_transport="auto")
+                        if mode == "auto" else recipe)
         column = ColumnParallelLinear(HIDDEN, LOCAL_FFN * world_size, sequence_parallel=True, recipe=layer_recipe,
                                       device="cuda")
         # skip_bias_add: y is the reduced sum itself
         row = RowParallelLinear(LOCAL_FFN * world_size, HIDDEN, sequence_parallel=True, recipe=layer_recipe,
                                 device="cuda", skip_bias_add=True)
-        if mode == "overlapped":
-            column.comm, row.comm = overlap.overlapped_comm(column.comm), overlap.overlapped_comm(row.comm)
+        if mode in ("overlapped", "split"):
+            transport = "ring" if mode == "overlapped" else "collectives"
+            column.comm = overlap.overlapped_comm(column.comm, transport=transport)
+            row.comm = overlap.overlapped_comm(row.comm, transport=transport)
         x_local = x.chunk(world_size)[rank].clone().requires_grad_(True)
         with gemm_outputs() as forward:
             y = row(torch.nn.functional.gelu(column(x_local)[0]))[0]
@@ -247,11 +261,11 @@ def check_pair(recipe):
             (partials["y"],) = [out for out in forward if tuple(out.shape) == (tokens, HIDDEN)]
             (partials["dx"],) = [out for out in backward if tuple(out.shape) == (tokens, HIDDEN)]
         if mode == "auto":
-            choices = (column._overlapped_comm.pipelined, row._overlapped_comm.pipelined)
+            choices = (column._overlapped_comm.path, row._overlapped_comm.path)
     what = f"pair {recipe} rank={rank}"
-    assert early_starts.count("overlapped") == 1, (what, early_starts)
+    assert early_starts.count("overlapped") == early_starts.count("split") == 1, (what, early_starts)
     y0, dx0, dwc0, dwr0 = results["plain"]
-    for mode in ("overlapped", "auto"):
+    for mode in ("overlapped", "split", "auto"):
         y1, dx1, dwc1, dwr1 = results[mode]
         assert_reduce_scatter_close(y1, y0, partials["y"], True, f"{what} {mode} y")
         assert_reduce_scatter_close(dx1, dx0, partials["dx"], True, f"{what} {mode} dx")
@@ -292,10 +306,11 @@ def main():
         for path in GEMM_PATHS:
             os.environ["NVFP4_HOPPER_GEMM"] = path
             exact = path == "fused"
-            for recipe in recipes:
-                check_column(recipe, exact)
-                check_row(recipe, exact)
-            check_column(recipes[0], exact, keep_input_columnwise=True)
+            for transport in ("ring", "collectives"):
+                for recipe in recipes:
+                    check_column(recipe, exact, transport)
+                    check_row(recipe, exact, transport)
+                check_column(recipes[0], exact, transport, keep_input_columnwise=True)
         os.environ["NVFP4_HOPPER_GEMM"] = "fused"
         speed, pair_saving_ms = check_link_speed()
         choices = check_pair(recipes[0])
@@ -306,7 +321,7 @@ def main():
             nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
             print(f"link speed: {speed.describe()}; MLP pair (16384, 8192, 28672) column layer's rings expected to "
                   f"save {pair_saving_ms:.2f} ms; this test's small pair, automatic choice: "
-                  f"{'ring' if choices[0] else 'plain'}", flush=True)
+                  f"{choices[0]}", flush=True)
             print(f"overlap GPU checks passed on {dist.get_world_size()} ranks ({nodes} torchrun node(s), "
                   f"symmetric memory {symmetric_memory})", flush=True)
     finally:

@@ -136,7 +136,8 @@ MUTATIONS = (
     # --------------------------------------------------------------------------------------------------- overlap
     Mutation("overlap_factory_without_row_parallel", "overlap", "overlapped_comm loses its row-parallel branch",
              (("    if isinstance(comm, RowParallelComm):\n"
-               "        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links)\n",
+               "        return OverlappedRowParallelComm(comm.group, comm.sequence_parallel, min_chunk_gflops, measure_links,\n"
+               "                                         transport)\n",
                ""),),
              ("tests/test_matrix_cpu.py::test_quick_matrix_report", *LAYERS)),
     Mutation("ring_all_gather_order", "overlap", "the ring consumes chunks as if they came from rank + step",
@@ -148,6 +149,16 @@ MUTATIONS = (
                "gathered_data[:, (world_size - 1 - source) * data_cols:(world_size - source) * data_cols]"
                ".copy_(pieces[0])"),),
              ("tests/test_overlap_layers.py",)),
+    Mutation("split_gather_piece_rows", "overlap", "split collectives put each piece's rows at the start of its "
+             "source's block", (("            first = source * rows + j * piece_rows\n",
+                                 "            first = source * rows\n"),),
+             ("tests/test_overlap_layers.py",)),
+    Mutation("split_saving_of_the_larger", "overlap", "split collectives credited with hiding the larger of "
+             "communication and GEMMs", (("saving += (pieces - 1) / pieces * min((world_size - 1) * collective, "
+                                          "world_size * gemm)",
+                                          "saving += (pieces - 1) / pieces * max((world_size - 1) * collective, "
+                                          "world_size * gemm)"),),
+             ("tests/test_overlap_links.py",)),
     # -------------------------------------------------------------------------------------------------- megatron
     Mutation("megatron_strided_shards", "megatron", "GLU (stride 2) shards taken as contiguous chunks",
              (("return torch.cat([chunks[rank + tp_size * j] for rank in range(tp_size) for j in range(stride)],",
