@@ -270,12 +270,13 @@ def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtyp
                         bias: torch.Tensor | None = None, recipe=None, group=None,
                         carry: ColumnwiseCarry | None = None, pieces: int | None = None) -> torch.Tensor:
     """ring_gathered_gemm's result on split collectives: all-gathers of row pieces (rows [j*P, (j+1)*P) of every
-    rank, P = M / pieces), all issued before the first GEMM; each piece's GEMMs (one per source rank, into its rows
-    of the output) run as soon as it has arrived, while later pieces travel.
+    rank, P = M / pieces), all issued before the first GEMM. This rank's own rows go through one GEMM while the
+    first piece travels; then each piece's GEMMs (one per other source rank, into its rows of the output) run as
+    soon as it has arrived, while later pieces travel.
 
     pieces: default collective_pieces(M). carry: a columnwise copy gathered in one more collective after them.
     """
-    world_size = dist.get_world_size(group)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     n = operand(b, b_copy, "b")[0].shape[0]
     rows = a.rows
     pieces = collective_pieces(rows) if pieces is None else pieces
@@ -287,9 +288,11 @@ def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtyp
                                              async_op=True, peer_memory=False)[1] for j in range(pieces)]
     if carry is not None:
         carry.start_collective()
+    gemm(a, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe,
+         out=out[rank * rows:(rank + 1) * rows])
     for j, finish in enumerate(arriving):
         gathered = finish()
-        for source in range(world_size):
+        for source in (source for source in range(world_size) if source != rank):
             first = source * rows + j * piece_rows
             gemm(gathered.rowwise_rows(source * piece_rows, (source + 1) * piece_rows), b, a_copy="rowwise",
                  b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe, out=out[first:first + piece_rows])
