@@ -5,14 +5,15 @@ import argparse
 import pathlib
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "fables.txt"
-# nvfp4_dist.environment's BACKWARD_MODES, FOUR_OVER_SIX_SCOPES and FOUR_OVER_SIX_ERR_MODES, written out so that
-# --help imports no torch (a test keeps them equal).
+# nvfp4_dist.environment's BACKWARD_MODES, FOUR_OVER_SIX_SCOPES, FOUR_OVER_SIX_ERR_MODES and OVERLAP_TRANSPORTS,
+# written out so that --help imports no torch (a test keeps them equal).
 BACKWARD_MODES = ("default", "high_precision", "dequantized")
+OVERLAP_TRANSPORTS = ("auto", "ring", "collectives")
 FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
 FOUR_OVER_SIX_ERR_MODES = ("MAE", "MSE")
 # Recipe fields whose flag (--<field with dashes>) leaves the field to its environment variable when not given.
 FIELDS_FROM_FLAG_OR_ENVIRONMENT = ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256", "nvfp4_4over6_err_mode",
-                                   "nvfp4_4over6_err_use_fast_math", "backward_mode")
+                                   "nvfp4_4over6_err_use_fast_math", "backward_mode", "overlap_transport")
 DESCRIPTION = "Train a GPT whose linear layers run in NVFP4 under tensor (and sequence) parallelism."
 EPILOG = ("Without a launcher it starts its own processes on this machine; under torchrun, mpirun "
           "(python -m nvfp4_dist.launch.mpi) or srun each process is one rank. See docs/launching.md.")
@@ -76,6 +77,10 @@ def build_parser() -> ArgumentParser:
                             "NVFP4_OVERLAP_MIN_CHUNK_GFLOPS GFLOP (default 256; smaller ones stay plain) and whose "
                             "rings beat the plain path on the measured links (NVFP4_OVERLAP_IGNORE_LINKS=1: size "
                             "alone; docs/slow_links.md)")
+    where.add_argument("--overlap-transport", choices=OVERLAP_TRANSPORTS, default=None,
+                       help="with --overlap, the pipelined path: the ring, split collectives (faster than the ring "
+                            "where NCCL's point-to-point transfers are slow: PCIe, across nodes), or auto (the "
+                            "measured links pick); unset: NVFP4_OVERLAP_TRANSPORT, else ring (docs/slow_links.md)")
     where.add_argument("--layers", type=int, default=2, help="transformer layers")
     where.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 16 x --tp)")
     where.add_argument("--heads", type=int, default=4, help="attention heads (a multiple of --tp)")

@@ -176,6 +176,8 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
         raise ValueError("--sp needs --tp > 1 (sequence parallelism splits the sequence across the TP group)")
     if args.overlap and tp == 1:
         raise ValueError("--overlap needs --tp > 1 (there is no TP communication to overlap)")
+    if args.overlap_transport is not None and not args.overlap:
+        raise ValueError("--overlap-transport needs --overlap (it picks how overlap pipelines)")
     if args.gemm_backend in ("cublaslt", "emulated") and device != "cuda":
         raise ValueError(f"--gemm-backend={args.gemm_backend} needs CUDA (--device cuda)")
     if model == "megatron" and args.sp and device != "cuda":

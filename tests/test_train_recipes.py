@@ -25,6 +25,18 @@ def write(path, content) -> str:
 
 def test_backward_modes_of_the_command_line_are_the_recipes():
     assert cli.BACKWARD_MODES == environment.BACKWARD_MODES
+    assert cli.OVERLAP_TRANSPORTS == environment.OVERLAP_TRANSPORTS
+
+
+def test_overlap_transport_flag_or_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "auto")
+    common = ["--device", "cpu", "--out-dir", str(tmp_path / "out"), "--tp", "2", "--sp", "--overlap"]
+    flagged = plan.make_plan(cli.build_parser().parse_args([*common, "--overlap-transport", "collectives"]))
+    assert flagged.recipe.overlap_transport == "collectives"
+    assert plan.make_plan(cli.build_parser().parse_args(common)).recipe.overlap_transport == "auto"
+    monkeypatch.delenv("NVFP4_OVERLAP_TRANSPORT")
+    assert plan.make_plan(cli.build_parser().parse_args(common)).recipe.overlap_transport == "ring"
 
 
 @pytest.mark.parametrize("name, content, extra, message", [
@@ -36,6 +48,7 @@ def test_backward_modes_of_the_command_line_are_the_recipes():
     ("r.json", '{"a": "bf16", "a": {}}', [], "--recipe-config: {path}: key 'a' appears twice"),
     ("r.txt", "", [], "--recipe-config: {path}: unknown recipe config format '.txt'"),
     ("r.json", {}, ["--backward-mode", "bf16"], "argument --backward-mode: invalid choice: 'bf16'"),
+    ("r.json", {}, ["--overlap-transport", "collectives"], "--overlap-transport needs --overlap"),
 ])
 def test_bad_recipe_settings_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch, name, content,
                                                                   extra, message):
