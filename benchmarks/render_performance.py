@@ -158,6 +158,8 @@ def overlap_summary(record: dict) -> list[str]:
         fwd, both = s["fwd"], s["fwd+bwd"]
         path = s.get("auto_path", "ring" if s["auto_pipelined"] else "plain")
         auto = {"plain": "plain", "ring": "on the ring", "collectives": "on split collectives"}[path]
+        if "overlap_transport" in record:  # results that record the transport the automatic rows ran with
+            auto = f"overlap_transport={record['overlap_transport']}: {auto}"
         split = ""
         if "split" in both:  # results that measured split collectives too
             split = (f"; every layer on split collectives {times(fwd['split_speedup'])} / "

@@ -100,6 +100,20 @@ def test_each_link_class_is_its_own_row(tmp_path):
                                                       "| communication/GEMM overlap (links two-node)"]
 
 
+def test_an_overlap_result_with_split_collectives_shows_them(tmp_path):
+    record = json.loads((render_performance.RESULTS / "overlap_h100_tp4_slow.json").read_text())
+    for shape in record["shapes"]:
+        shape["auto_path"] = "collectives"
+        for times in (shape["fwd"], shape["fwd+bwd"]):
+            times.update(split_speedup=1.25, split_over_max_no_comm_comm=1.125, split=1.0)
+    record["overlap_transport"] = "auto"
+    (tmp_path / "overlap_h100_tp4_slow.json").write_text(json.dumps(record))
+    page = render_performance.render(render_performance.load_results(tmp_path))
+    (row,) = [line for line in page.splitlines() if line.startswith("| communication/GEMM overlap")]
+    assert ("as overlap=True runs it (overlap_transport=auto: on split collectives)" in row
+            and "every layer on split collectives 1.25x / 1.25x, split / max(no-comm, comm) 1.12 / 1.12" in row), row
+
+
 def test_a_recorded_command_is_shown_without_output_flags(tmp_path):
     _copy_result("allgather_h200_x4.json", tmp_path, "allgather_h200_x4.json",
                  command="NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/allgather.py --hidden 4096 "
