@@ -734,7 +734,8 @@ def _configure(comm, min_chunk_gflops: float, measure_links: bool, transport: st
     if transport not in OVERLAP_TRANSPORTS:
         raise ValueError(f"transport={transport!r}: allowed are {OVERLAP_TRANSPORTS}")
     comm.min_chunk_gflops, comm.measure_links, comm.transport = min_chunk_gflops, measure_links, transport
-    comm.path = _CANDIDATES[transport][0]
+    if comm.path not in ("plain", *_CANDIDATES[transport]):  # else the last forward's path stands for its backward
+        comm.path = _CANDIDATES[transport][0]
 
 
 def overlapped_comm(comm: LinearComm, min_chunk_gflops: float = 0, measure_links: bool = False,
