@@ -6,6 +6,7 @@ for the forward and for forward+backward:
   comm        the pair's communication alone, as the plain layers issue it (amax all-reduces, NVFP4 all-gathers,
               BF16 reduce-scatters) on tensors of the layer's sizes
   ring comm   the same transfers as the overlapped layers issue them (P2P rings with no GEMM in them)
+  split comm  the same transfers as split collectives issue them (row pieces, no GEMM in them)
   GEMMs       the pair's NVFP4 GEMM kernels alone, on pre-quantized operands
   no-comm     the pair on a one-rank group with this rank's shard shapes and all tokens: every GEMM and
               quantization of a TP rank, no communication
@@ -157,7 +158,7 @@ class Pair:
 
 
 def comm_steps(tokens, hidden, ffn, group, recipe):
-    """(forward, forward+backward) callables issuing the pair's communication alone, plain and ring."""
+    """(forward, forward+backward) callables issuing the pair's communication alone: plain, ring and split."""
     from nvfp4_dist import ops
     from nvfp4_dist.parallel import collectives
     from nvfp4_dist.parallel import overlap as O
@@ -196,8 +197,43 @@ def comm_steps(tokens, hidden, ffn, group, recipe):
         O.ring_reduce_scatter_produce(lambda destination: chunk, group)
         finish_x()
 
+    rows = tokens // world_size
+    pieces = O.collective_pieces(rows)
+    piece_rows = rows // pieces
+
+    def split_gather(q):
+        finishes = [collectives.all_gather_nvfp4(q.rowwise_rows(j * piece_rows, (j + 1) * piece_rows), group,
+                                                 async_op=True, peer_memory=False)[1] for j in range(pieces)]
+        return lambda: [finish() for finish in finishes]
+
+    # piece j: rows [c*rows + j*piece_rows, ...) of every destination c, contiguous as the GEMMs write them
+    scatter_pieces = [piece.reshape(world_size * piece_rows, hidden)
+                      for piece in partial.view(world_size, pieces, piece_rows, hidden).unbind(1)]
+
+    def split_scatter():
+        out = torch.empty_like(chunk)
+        finishes = [collectives.reduce_scatter_bf16(piece, group, async_op=True,
+                                                    out=out[j * piece_rows:(j + 1) * piece_rows])[1]
+                    for j, piece in enumerate(scatter_pieces)]
+        return lambda: [finish() for finish in finishes]
+
+    def split_forward():
+        collectives.all_reduce_amax(amaxes, group)
+        split_gather(xq)()
+        split_scatter()()
+
+    def split_backward():  # as ring_backward, on split collectives (the carried copy in one more collective)
+        collectives.all_reduce_amax(amaxes, group)
+        finish_dy = split_gather(dyq)
+        carried = collectives.all_gather_nvfp4(dyq.columnwise_only(), group, async_op=True, peer_memory=False)[1]
+        finish_dy(), carried()
+        finish_x = collectives.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
+        split_scatter()()
+        finish_x()
+
     return {"plain": (plain_forward, lambda: (plain_forward(), plain_backward())),
-            "ring": (ring_forward, lambda: (ring_forward(), ring_backward()))}
+            "ring": (ring_forward, lambda: (ring_forward(), ring_backward())),
+            "split": (split_forward, lambda: (split_forward(), split_backward()))}
 
 
 def gemm_steps(tokens, hidden, ffn_local, recipe):
@@ -237,6 +273,7 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup,
     for phase, index in (("fwd", 0), ("fwd+bwd", 1)):
         times = {"comm": time_ms(comm["plain"][index], iters, warmup),
                  "ring_comm": time_ms(comm["ring"][index], iters, warmup),
+                 "split_comm": time_ms(comm["split"][index], iters, warmup),
                  "gemms": time_ms(gemms[index], iters, warmup),
                  "no_comm": time_ms(no_comm.forward if index == 0 else no_comm.forward_backward, iters, warmup)}
         for name, overlapped, minimum, measure, transport in (
@@ -365,7 +402,7 @@ def timeline(tokens, hidden, ffn, group, recipe, out_dir, label, warmup) -> dict
 # ----------------------------------------------------------------------------------------------------------
 
 def print_table(report: dict) -> None:
-    header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'GEMMs':>7} "
+    header = (f"{'tokens,hidden,ffn':>18} {'TP':>2} {'phase':>7} | {'comm':>7} {'ring':>7} {'split':>7} {'GEMMs':>7} "
               f"{'no-comm':>7} | {'plain':>7} {'overlap':>7} {'exposed':>7} {'speedup':>7} {'ovl/max':>7} | "
               f"{'host p':>7} {'host o':>7} | {'split':>7} {'speedup':>7} {'spl/max':>7} | {'auto':>7} {'speedup':>7}")
     print(f"\n{report['gpu']}, TP={report['tp']}, links {report['links']} ({report['torchrun_nodes']} torchrun "
@@ -384,7 +421,7 @@ def print_table(report: dict) -> None:
         for phase in ("fwd", "fwd+bwd"):
             t = r[phase]
             print(f"{r['tokens']:>6},{r['hidden']:>5},{r['ffn']:>5} {r['tp']:>2} {phase:>7} | {t['comm']:7.2f} "
-                  f"{t['ring_comm']:7.2f} {t['gemms']:7.2f} {t['no_comm']:7.2f} | {t['plain']:7.2f} "
+                  f"{t['ring_comm']:7.2f} {t['split_comm']:7.2f} {t['gemms']:7.2f} {t['no_comm']:7.2f} | {t['plain']:7.2f} "
                   f"{t['overlapped']:7.2f} {t['exposed_comm']:7.2f} {t['speedup']:7.3f} "
                   f"{t['overlapped_over_max_no_comm_comm']:7.3f} | {t['plain_host']:7.2f} {t['overlapped_host']:7.2f} | "
                   f"{t['split']:7.2f} {t['split_speedup']:7.3f} {t['split_over_max_no_comm_comm']:7.3f} | "
