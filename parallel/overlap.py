@@ -487,6 +487,11 @@ class _RingChoice:
                     savings["collectives"] = split if enough else 0.0
                 best = max(savings, key=savings.get)  # a tie keeps the ring
                 path = best if savings[best] > 0 else "plain"
+                if path != getattr(self, "_logged_path", None):  # once per change, not at every step
+                    self._logged_path = path
+                    log.info("overlap: a %s of the %d-rank group takes the %s path (expected ms saved over the "
+                             "plain path: %s)", type(self).__name__, self.world_size, path,
+                             ", ".join(f"{name} {ms:.3g}" for name, ms in savings.items()))
         self.path = path
         return path
 

@@ -95,17 +95,22 @@ SLOW_RINGS = speed(0.04, 3.0, H100_GEMM_MS_PER_GFLOP)
     ("auto", SLOW_RINGS, "collectives"), ("ring", SLOW_RINGS, "plain"),
     # the GEMMs are too small against the transfers for either to pay
     ("auto", LINKS["socket"], "plain"), ("collectives", LINKS["socket"], "plain")])
-def test_mlp_pair_path_by_link_class(transport, links, path):
-    """The choice between the plain path, the ring and split collectives for the MLP pair's layers."""
+def test_mlp_pair_path_by_link_class(transport, links, path, caplog):
+    """The choice between the plain path, the ring and split collectives for the MLP pair's layers, logged once."""
     pieces = O.collective_pieces(TOKENS // TP)
     for loads in mlp_pair_loads():
         comm = O.OverlappedColumnParallelComm(None, True, False, measure_links=True, transport=transport)
         comm.world_size = TP  # the model only: no process group here
         L.set_link_speed(None, links)
+        caplog.clear()
         try:
-            assert comm.choose(481.0, loads, pieces, torch.device("cpu")) == path
+            with caplog.at_level("INFO", logger="nvfp4_dist"):
+                assert comm.choose(481.0, loads, pieces, torch.device("cpu")) == path
+                assert comm.choose(481.0, loads, pieces, torch.device("cpu")) == path
         finally:
             L.set_link_speed(None, None)
+        (message,) = [record.getMessage() for record in caplog.records]
+        assert f"OverlappedColumnParallelComm of the 4-rank group takes the {path} path" in message, message
 
 
 def test_bad_speeds_and_loads_are_refused():
