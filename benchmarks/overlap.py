@@ -202,8 +202,7 @@ def comm_steps(tokens, hidden, ffn, group, recipe):
     piece_rows = rows // pieces
 
     def split_gather(q):
-        finishes = [collectives.all_gather_nvfp4(q.rowwise_rows(j * piece_rows, (j + 1) * piece_rows), group,
-                                                 async_op=True, peer_memory=False)[1] for j in range(pieces)]
+        finishes = O.start_piece_gathers(q, pieces, group)
         return lambda: [finish() for finish in finishes]
 
     # piece j: rows [c*rows + j*piece_rows, ...) of every destination c, contiguous as the GEMMs write them

@@ -266,6 +266,14 @@ def collective_pieces(rows: int, most: int = COLLECTIVE_PIECES) -> int:
     return next(pieces for pieces in range(most, 0, -1) if pieces == 1 or rows % (16 * pieces) == 0)
 
 
+def start_piece_gathers(a: NVFP4Tensor, pieces: int, group=None) -> list:
+    """Start the asynchronous all-gathers (NCCL or gloo) of a's rowwise copy in `pieces` row pieces, in order; returns
+    each piece's finish() (the gathered rows [j*P, (j+1)*P) of every rank, P = a.rows / pieces)."""
+    piece_rows = a.rows // pieces
+    return [collectives.all_gather_nvfp4(a.rowwise_rows(j * piece_rows, (j + 1) * piece_rows), group, async_op=True,
+                                         peer_memory=False)[1] for j in range(pieces)]
+
+
 def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
                         bias: torch.Tensor | None = None, recipe=None, group=None,
                         carry: ColumnwiseCarry | None = None, pieces: int | None = None) -> torch.Tensor:
@@ -284,8 +292,7 @@ def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtyp
         raise ValueError(f"pieces={pieces}: a's {rows} rows must split into a whole number of rows per piece")
     piece_rows = rows // pieces
     out = torch.empty((world_size * rows, n), dtype=out_dtype, device=a.device)
-    arriving = [collectives.all_gather_nvfp4(a.rowwise_rows(j * piece_rows, (j + 1) * piece_rows), group,
-                                             async_op=True, peer_memory=False)[1] for j in range(pieces)]
+    arriving = start_piece_gathers(a, pieces, group)
     if carry is not None:
         carry.start_collective()
     gemm(a, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe,

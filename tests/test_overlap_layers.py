@@ -222,8 +222,9 @@ def test_ring_step_gflops():
         O.overlapped_comm(O.OverlappedRowParallelComm(None, True), -1)
 
 
-def check_ring_gemms(rank, world_size):
-    """The pipelined GEMMs on their own: chunk order, the rows each step produces, the carried columnwise copy."""
+def gradient_shard_and_weight(rank, world_size):
+    """This rank's quantized gradient rows (both copies, amaxes shared over the group), a quantized weight, and the
+    plain all-gather of the gradient: the operands of the pipelined GEMMs' own checks."""
     recipe = RECIPES["default"]
     torch.manual_seed(3)
     full = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN).bfloat16()
@@ -233,7 +234,12 @@ def check_ring_gemms(rank, world_size):
     q = quantize_operand(local, "gradient", recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=99,
                          sr_row_offset=rank * TOKENS_PER_RANK)
     weight_q = ops.quantize(torch.randn(LOCAL_FFN, HIDDEN), "weight", recipe=recipe)
-    gathered = all_gather_nvfp4(q)
+    return q, weight_q, all_gather_nvfp4(q)
+
+
+def check_ring_gemms(rank, world_size):
+    """The pipelined GEMMs on their own: chunk order, the rows each step produces, the carried columnwise copy."""
+    q, weight_q, gathered = gradient_shard_and_weight(rank, world_size)
 
     # All-gather side: chunks consumed from ranks rank, rank-1, ...; each fills its own rows.
     sources = []
@@ -292,16 +298,7 @@ def check_ring_gemms(rank, world_size):
 def check_split_gemms(rank, world_size):
     """The GEMMs on split collectives on their own: every piece's rows land where the plain gather puts them, the
     carried columnwise copy, the reduce-scatter's sums, the work that hides the last transfer."""
-    recipe = RECIPES["default"]
-    torch.manual_seed(3)
-    full = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN).bfloat16()
-    local = full.chunk(world_size)[rank]
-    amaxes = list(operand_amaxes(local, "gradient", recipe))
-    all_reduce_amax(amaxes)
-    q = quantize_operand(local, "gradient", recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=99,
-                         sr_row_offset=rank * TOKENS_PER_RANK)
-    weight_q = ops.quantize(torch.randn(LOCAL_FFN, HIDDEN), "weight", recipe=recipe)
-    gathered = all_gather_nvfp4(q)
+    q, weight_q, gathered = gradient_shard_and_weight(rank, world_size)
     expected = gemm(gathered, weight_q, out_dtype=torch.float32)
     for pieces in (None, 1, 2, 4):
         carry = O.ColumnwiseCarry(q.columnwise_only(), None)
