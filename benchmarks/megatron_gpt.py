@@ -10,9 +10,13 @@ autograd saved) and the NVFP4/BF16 ratios (targets: tokens/s >= 1.10x over NVLin
 memory <= 0.8x). --links picks the link class (benchmarks/torchrun_setup.py); both specs run over the same links.
 --fused-producers picks the NVFP4 model's norm and SwiGLU casts (recipe.fused_producers): fused into their
 producers (on), written in BF16 and then cast (off), or both models in turn (both: "nvfp4" fused, "nvfp4_unfused").
+--overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
+(recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
+itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default ring).
 
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
+                                                           [--overlap-transports collectives,auto]
 """
 import argparse
 import datetime
@@ -32,6 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nvfp4_dist import NVFP4Recipe
+from nvfp4_dist.environment import OVERLAP_TRANSPORTS
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
                                           with_sdpa_attention, with_sequence_parallel_norm)
 from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
@@ -60,6 +65,9 @@ def parse_args():
     parser.add_argument("--fused-producers", choices=FUSED_PRODUCER_CHOICES, default="both",
                         help="the NVFP4 model with the norm/activation casts fused into their producers, without, "
                              "or both in turn (default)")
+    parser.add_argument("--overlap-transports", type=transport_list, default=(),
+                        help="comma-separated overlap transports (ring, collectives, auto) measured as extra NVFP4 "
+                             "models (fused producers on), after the recipe's own")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
@@ -67,7 +75,15 @@ def parse_args():
     return parser.parse_args()
 
 
-def build(spec_name: str, args, tp: int, fused_producers: bool = False) -> GPTModel:
+def transport_list(text: str) -> tuple:
+    transports = tuple(t for t in text.split(",") if t)
+    unknown = [t for t in transports if t not in OVERLAP_TRANSPORTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown overlap transport(s) {unknown}; choose from {OVERLAP_TRANSPORTS}")
+    return transports
+
+
+def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
         tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
@@ -76,7 +92,8 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False) -> GPTMo
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False)
     if spec_name.startswith("nvfp4"):
-        recipe = NVFP4Recipe.from_env(**({"overlap": True} if args.overlap else {}), fused_producers=fused_producers)
+        recipe = NVFP4Recipe.from_env(**({"overlap": True} if args.overlap else {}), fused_producers=fused_producers,
+                                      **({"overlap_transport": transport} if transport else {}))
         spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, bf16_first_layers=0, bf16_last_layers=0,
                                                 sdpa_attention=True)
     else:
@@ -86,12 +103,12 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False) -> GPTMo
                     max_sequence_length=args.seq, position_embedding_type="rope").cuda()
 
 
-def measure(spec_name: str, args, tp: int, fused_producers: bool = False) -> dict:
+def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> dict:
     """Tokens/s and peak memory of forward+backward on one fixed batch."""
     gc.collect()  # the previous spec's model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build(spec_name, args, tp, fused_producers)
+    model = build(spec_name, args, tp, fused_producers, transport)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).cuda()
     positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.micro_batch, -1)
@@ -122,6 +139,7 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False) -> dic
               "loss": float(loss)}
     if spec_name.startswith("nvfp4"):
         result["fused_producers"] = fused_producers
+        result["overlap_transport"] = transport or NVFP4Recipe.from_env().overlap_transport
     return result  # the model is freed on return, before the next spec is built
 
 
@@ -213,6 +231,8 @@ def main():
     results = {"local_bf16": measure("local_bf16", args, tp)}
     for name, fused in FUSED_PRODUCER_CHOICES[args.fused_producers]:
         results[name] = measure(name, args, tp, fused)
+    for transport in args.overlap_transports:
+        results[f"nvfp4_{transport}"] = measure(f"nvfp4_{transport}", args, tp, True, transport)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
     unfused = results.get("nvfp4_unfused")
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
@@ -222,13 +242,16 @@ def main():
               f"fused producers {args.fused_producers}, "
               f"CUDA_DEVICE_MAX_CONNECTIONS="
               f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset (8)')}")
-        print(f"{'spec':<12}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'fwd GiB':>9}{'loss':>9}")
+        print(f"{'spec':<18}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'fwd GiB':>9}{'loss':>9}")
         for name, r in results.items():
-            print(f"{name:<12}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['peak_memory_gib']:>10.2f}"
+            print(f"{name:<18}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['peak_memory_gib']:>10.2f}"
                   f"{r['memory_after_forward_gib']:>9.2f}{r['loss']:>9.4f}")
         target = TOKENS_PER_S_TARGETS.get(args.links)
         print(f"NVFP4/BF16: tokens/s {speedup:.3f}x" + (f" (target >= {target:.2f})" if target else "")
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
+        for transport in args.overlap_transports:
+            ratio = results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+            print(f"NVFP4 with overlap transport {transport} / BF16: tokens/s {ratio:.3f}x")
         if unfused is not None:
             print(f"fused producers: tokens/s {results['nvfp4']['tokens_per_s'] / unfused['tokens_per_s']:.3f}x "
                   f"of the NVFP4 model without them")
@@ -239,6 +262,9 @@ def main():
                   "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
+        for transport in args.overlap_transports:
+            record[f"{transport}_tokens_per_s_ratio"] = (results[f"nvfp4_{transport}"]["tokens_per_s"]
+                                                         / results["local_bf16"]["tokens_per_s"])
         if unfused is not None:
             record["unfused_tokens_per_s_ratio"] = unfused["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
             record["fused_vs_unfused_tokens_per_s"] = results["nvfp4"]["tokens_per_s"] / unfused["tokens_per_s"]

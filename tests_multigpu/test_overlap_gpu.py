@@ -1,7 +1,7 @@
 """Overlapped (ring-pipelined) TP+SP layers vs the plain layers on 2 and 4 GPUs with NCCL, over each link class.
 
-Run: `pytest -q tests_multigpu/test_overlap_gpu.py` (each test launches torchrun on 2 or 4 local GPUs: NVLink at
-TP2 and TP4, slow links and two nodes on one host at TP4; docs/slow_links.md), or one world directly:
+Run: `pytest -q tests_multigpu/test_overlap_gpu.py` (each test launches torchrun on 2 or 4 local GPUs: NVLink, slow
+links and two nodes on one host, each at TP2 and TP4; docs/slow_links.md), or one world directly:
 `torchrun --nproc-per-node 4 tests_multigpu/test_overlap_gpu.py`, with a link class's environment
 (`eval "$(python benchmarks/torchrun_setup.py --links slow)"` first), or
 `tests_multigpu/two_node_local.sh tests_multigpu/test_overlap_gpu.py`.
@@ -46,7 +46,8 @@ def link_environment(links):
     return module.link_environment(links)
 
 
-@pytest.mark.parametrize("world_size, links", [(2, "nvlink"), (4, "nvlink"), (4, "slow"), (4, "two-node")])
+@pytest.mark.parametrize("world_size, links", [(2, "nvlink"), (2, "slow"), (2, "two-node"),
+                                               (4, "nvlink"), (4, "slow"), (4, "two-node")])
 def test_overlapped_layers_match_plain_on_gpus(world_size, links):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
