@@ -217,7 +217,19 @@ def megatron_summary(record: dict) -> list[str]:
             f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs "
             f"{bf16['tokens_per_s']:.0f})",
             f"peak memory: {times(record['peak_memory_ratio'])} ({nvfp4['peak_memory_gib']:.2f} vs "
-            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record)]
+            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record), *transport_lines(record)]
+
+
+def transport_lines(record: dict) -> list[str]:
+    """The overlap transport of the NVFP4 model, and the models measured on other transports in the same run."""
+    nvfp4 = record["results"]["nvfp4"]
+    if "overlap_transport" not in nvfp4:
+        return []
+    others = [f"{transport} {times(record[f'{transport}_tokens_per_s_ratio'])} "
+              f"(step {record['results'][f'nvfp4_{transport}']['step_ms']:.1f} ms)"
+              for transport in record["args"].get("overlap_transports", ())]
+    return [f"overlap transport: {nvfp4['overlap_transport']}"
+            + (f"; on other transports, tokens/s vs BF16: {', '.join(others)}" if others else "")]
 
 
 def fused_producers_lines(record: dict) -> list[str]:
@@ -241,6 +253,9 @@ def megatron_command(record: dict) -> str:
             continue
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            if value:
+                flags += [flag, ",".join(value)]
         else:
             flags += [flag, str(value)]
     return shlex.join([*max_connections_setting(record), "torchrun", "--nproc-per-node", str(record["gpus"]),

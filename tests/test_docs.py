@@ -281,3 +281,19 @@ def test_convergence_tables_one_per_model_and_a_line_for_a_missing_one(tmp_path)
     assert "No result" not in page and "## NVIDIA H100" not in page  # convergence results make no benchmark table
     assert ("Command: `python -m tests_multigpu.gpt_convergence --steps 250 --batch-size 16 --lr 0.001 --bound 0.02 "
             "--variants nvfp4 4over6_all`") in page
+
+
+def test_a_megatron_result_with_other_transports_shows_them(tmp_path):
+    record = json.loads((render_performance.RESULTS / "megatron_gpt_h100x2_slow.json").read_text())
+    record["args"]["overlap_transports"] = ["collectives"]
+    record["results"].pop("nvfp4_auto")
+    record["collectives_tokens_per_s_ratio"] = 1.5
+    record["results"]["nvfp4_collectives"]["step_ms"] = 700.04
+    record.pop("command")  # rebuilt from the arguments
+    (tmp_path / "megatron_gpt_h100x2_slow.json").write_text(json.dumps(record))
+    (result,) = render_performance.load_results(tmp_path)
+    page = render_performance.render([result])
+    (row,) = [line for line in page.splitlines() if line.startswith("| Megatron-Core GPT")]
+    assert ("overlap transport: ring; on other transports, tokens/s vs BF16: collectives 1.50x (step 700.0 ms)"
+            in row), row
+    assert "--overlap-transports collectives" in result.command and "[" not in result.command, result.command
