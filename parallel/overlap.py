@@ -450,9 +450,10 @@ def ring_step_gflops(rows_per_step: int, out_features: int, in_features: int) ->
 
 
 _CANDIDATES = {"auto": ("ring", "collectives"), "ring": ("ring",), "collectives": ("collectives",)}
-# Split collectives are weighed only where they are expected to save this share of the plain path's time: the
-# model leaves out the per-piece collective latencies and GEMM launches, which a smaller saving may not cover.
-SPLIT_MIN_SAVING_SHARE = 0.1
+# A pipelined path is taken only where it is expected to save this share of the plain path's time: the model
+# leaves out what pipelining costs (the ring's or the pieces' extra launches and collective latencies, GEMMs cut
+# into smaller ones, transfers slowed beside the GEMMs), which a smaller saving may not cover (docs/slow_links.md).
+MIN_SAVING_SHARE = 0.1
 
 
 class _RingChoice:
@@ -460,8 +461,8 @@ class _RingChoice:
     path unless sequence parallel over more than one rank with pipelined steps of at least min_chunk_gflops; then,
     among the paths `transport` allows ("auto": the ring and split collectives, the latter not where the ring runs
     on copy engines; "ring"; "collectives"), with measure_links the one expected to save most on the group's
-    links (split collectives: only where they save SPLIT_MIN_SAVING_SHARE of the plain path's time), or the
-    plain path where none saves; without, the first allowed."""
+    links (only where it saves MIN_SAVING_SHARE of the plain path's time), or the plain path where none does;
+    without, the first allowed."""
 
     min_chunk_gflops: float = 0
     measure_links: bool = False
@@ -489,11 +490,10 @@ class _RingChoice:
                     savings["ring"] = speed.ring_saving_ms(loads, self.world_size)
                 if "collectives" in candidates and not (self.transport == "auto" and
                                                         _ring_on_copy_engines(self.group, device)):
-                    split = speed.split_saving_ms(loads, self.world_size, pieces)
-                    enough = split >= SPLIT_MIN_SAVING_SHARE * speed.plain_ms(loads, self.world_size)
-                    savings["collectives"] = split if enough else 0.0
+                    savings["collectives"] = speed.split_saving_ms(loads, self.world_size, pieces)
                 best = max(savings, key=savings.get)  # a tie keeps the ring
-                path = best if savings[best] > 0 else "plain"
+                enough = MIN_SAVING_SHARE * speed.plain_ms(loads, self.world_size)
+                path = best if savings[best] > 0 and savings[best] >= enough else "plain"
                 if path != getattr(self, "_logged_path", None):  # once per change, not at every step
                     self._logged_path = path
                     log.info("overlap: a %s of the %d-rank group takes the %s path (expected ms saved over the "

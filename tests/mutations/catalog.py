@@ -159,6 +159,10 @@ MUTATIONS = (
                                           "saving += (pieces - 1) / pieces * max((world_size - 1) * collective, "
                                           "world_size * gemm)"),),
              ("tests/test_overlap_links.py",)),
+    Mutation("pipelining_for_any_saving", "overlap", "a pipelined path taken for any expected saving, however small "
+             "against the plain path", (("path = best if savings[best] > 0 and savings[best] >= enough else \"plain\"",
+                                         "path = best if savings[best] > 0 else \"plain\""),),
+             ("tests/test_overlap_links.py",)),
     # -------------------------------------------------------------------------------------------------- megatron
     Mutation("megatron_strided_shards", "megatron", "GLU (stride 2) shards taken as contiguous chunks",
              (("return torch.cat([chunks[rank + tp_size * j] for rank in range(tp_size) for j in range(stride)],",
