@@ -453,7 +453,7 @@ _CANDIDATES = {"auto": ("ring", "collectives"), "ring": ("ring",), "collectives"
 # A pipelined path is taken only where it is expected to save this share of the plain path's time: the model
 # leaves out what pipelining costs (the ring's or the pieces' extra launches and collective latencies, GEMMs cut
 # into smaller ones, transfers slowed beside the GEMMs), which a smaller saving may not cover (docs/slow_links.md).
-MIN_SAVING_SHARE = 0.1
+MIN_SAVING_SHARE = 0.15
 
 
 class _RingChoice:

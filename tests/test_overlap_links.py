@@ -91,7 +91,9 @@ SLOW_RINGS = speed(0.04, 3.0, H100_GEMM_MS_PER_GFLOP)
     ("auto", LINKS["nvlink"], "ring"),
     # the reduce-scatters' transfers outlast the GEMMs: the ring hides one GEMM per step, split collectives 3/4
     # of all of them
-    ("auto", LINKS["slow"], "collectives"), ("ring", LINKS["slow"], "ring"), ("collectives", LINKS["nvlink"], "collectives"),
+    ("auto", LINKS["slow"], "collectives"), ("ring", LINKS["slow"], "ring"),
+    # split collectives over NVLink expected to save 11 % to 14 %: under MIN_SAVING_SHARE
+    ("collectives", LINKS["nvlink"], "plain"),
     ("auto", SLOW_RINGS, "collectives"), ("ring", SLOW_RINGS, "plain"),
     # the GEMMs are too small against the transfers for either to pay
     ("auto", LINKS["socket"], "plain"), ("collectives", LINKS["socket"], "plain")])
@@ -113,22 +115,23 @@ def test_mlp_pair_path_by_link_class(transport, links, path, caplog):
         assert f"OverlappedColumnParallelComm of the 4-rank group takes the {path} path" in message, message
 
 
-# The speeds a 2 x H100 group measured (overlap_h100_tp2_*.json): over NVLink the ring is expected to save 8 % and
-# 9.5 % of the layers' plain time, under MIN_SAVING_SHARE (the pair ran 2 % slower on the ring there); over slow
+# Speeds that 2 x H100 groups measured (benchmarks/overlap.py): over NVLink the ring is expected to save 8 % to 12 %
+# of the layers' plain time, under MIN_SAVING_SHARE (the pair ran 2 % to 5 % slower on the ring there); over slow
 # links both paths save over a fifth, split collectives the most.
 TP2_LINKS = {"nvlink": L.LinkSpeed(0.00774, 0.00840, 0.00812, 0.02924, 0.001931),
+             "nvlink, another run": L.LinkSpeed(0.009068, 0.0115, 0.01018, 0.02152, 0.001874),
              "slow": L.LinkSpeed(0.04863, 0.05176, 0.04472, 0.05078, 0.001955)}
 
 
 @pytest.mark.parametrize("transport, links, path", [
     ("ring", "nvlink", "plain"), ("auto", "nvlink", "plain"), ("collectives", "nvlink", "plain"),
-    ("ring", "slow", "ring"), ("auto", "slow", "collectives"), ("collectives", "slow", "collectives")])
+    ("ring", "nvlink, another run", "plain"), ("auto", "nvlink, another run", "plain"), ("ring", "slow", "ring"), ("auto", "slow", "collectives"), ("collectives", "slow", "collectives")])
 def test_a_saving_under_the_minimum_share_keeps_the_plain_path(transport, links, path):
     pieces = O.collective_pieces(TOKENS // 2)
     for loads in mlp_pair_loads(tp=2):
         speed = TP2_LINKS[links]
         best = max(speed.ring_saving_ms(loads, 2), speed.split_saving_ms(loads, 2, pieces))
-        assert best > 0 and (best < O.MIN_SAVING_SHARE * speed.plain_ms(loads, 2)) == (links == "nvlink")
+        assert best > 0 and (best < O.MIN_SAVING_SHARE * speed.plain_ms(loads, 2)) == links.startswith("nvlink")
         comm = O.OverlappedColumnParallelComm(None, True, False, measure_links=True, transport=transport)
         comm.world_size = 2  # the model only: no process group here
         L.set_link_speed(None, speed)
