@@ -12,7 +12,7 @@ memory <= 0.8x). --links picks the link class (benchmarks/torchrun_setup.py); bo
 producers (on), written in BF16 and then cast (off), or both models in turn (both: "nvfp4" fused, "nvfp4_unfused").
 --overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
-itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default ring).
+itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
 
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]

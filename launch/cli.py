@@ -80,7 +80,7 @@ def build_parser() -> ArgumentParser:
     where.add_argument("--overlap-transport", choices=OVERLAP_TRANSPORTS, default=None,
                        help="with --overlap, the pipelined path: the ring, split collectives (faster than the ring "
                             "where NCCL's point-to-point transfers are slow: PCIe, across nodes), or auto (the "
-                            "measured links pick); unset: NVFP4_OVERLAP_TRANSPORT, else ring (docs/slow_links.md)")
+                            "measured links pick); unset: NVFP4_OVERLAP_TRANSPORT, else auto (docs/slow_links.md)")
     where.add_argument("--layers", type=int, default=2, help="transformer layers")
     where.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 16 x --tp)")
     where.add_argument("--heads", type=int, default=4, help="attention heads (a multiple of --tp)")

@@ -122,8 +122,8 @@ class NVFP4Recipe:
     overlap_transport: ring | collectives | auto, the pipelined path overlap takes: the ring (point-to-point
       transfers, or copy engines on NVLink), split collectives (the plain path's collectives cut into row pieces,
       which keep NCCL's collective speed where its point-to-point transfers are slow: PCIe, across nodes), or
-      whichever of the two the measured links favour (auto; the ring where it runs on copy engines, or without
-      overlap_measure_links). docs/slow_links.md says how each is chosen.
+      whichever of the two the measured links favour (auto, the default; the ring where it runs on copy engines,
+      or without overlap_measure_links). docs/slow_links.md says how each is chosen.
     nvfp4_4over6: 4over6 adaptive block scaling (docs/numerics.md §12) for none | weights | activations | all;
       activations are the forward inputs, never the gradients (which keep the RHT and SR), as in Transformer
       Engine's NVFP4BlockScaling. Not with the RHT on activations (rht=False for activations or all).
@@ -156,7 +156,7 @@ class NVFP4Recipe:
     overlap: bool = False
     overlap_min_chunk_gflops: int = 256
     overlap_measure_links: bool = True
-    overlap_transport: typing.Literal[OVERLAP_TRANSPORTS] = "ring"
+    overlap_transport: typing.Literal[OVERLAP_TRANSPORTS] = "auto"
     fused_producers: bool = False
     check_finite: bool = True
     nvfp4_4over6: str = "none"

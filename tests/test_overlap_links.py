@@ -347,7 +347,7 @@ def test_recipe_switch(monkeypatch):
     monkeypatch.setenv("NVFP4_OVERLAP_IGNORE_LINKS", "1")
     assert not nv.NVFP4Recipe.from_env(overlap=True).overlap_measure_links
     monkeypatch.delenv("NVFP4_OVERLAP_TRANSPORT", raising=False)
-    assert nv.NVFP4Recipe().overlap_transport == nv.NVFP4Recipe.from_env().overlap_transport == "ring"
+    assert nv.NVFP4Recipe().overlap_transport == nv.NVFP4Recipe.from_env().overlap_transport == "auto"
     monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "collectives")
     assert nv.NVFP4Recipe.from_env().overlap_transport == "collectives"
     monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "split")

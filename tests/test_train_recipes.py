@@ -30,13 +30,13 @@ def test_backward_modes_of_the_command_line_are_the_recipes():
 
 def test_overlap_transport_flag_or_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "auto")
+    monkeypatch.setenv("NVFP4_OVERLAP_TRANSPORT", "ring")
     common = ["--device", "cpu", "--out-dir", str(tmp_path / "out"), "--tp", "2", "--sp", "--overlap"]
     flagged = plan.make_plan(cli.build_parser().parse_args([*common, "--overlap-transport", "collectives"]))
     assert flagged.recipe.overlap_transport == "collectives"
-    assert plan.make_plan(cli.build_parser().parse_args(common)).recipe.overlap_transport == "auto"
-    monkeypatch.delenv("NVFP4_OVERLAP_TRANSPORT")
     assert plan.make_plan(cli.build_parser().parse_args(common)).recipe.overlap_transport == "ring"
+    monkeypatch.delenv("NVFP4_OVERLAP_TRANSPORT")
+    assert plan.make_plan(cli.build_parser().parse_args(common)).recipe.overlap_transport == "auto"
 
 
 @pytest.mark.parametrize("name, content, extra, message", [
