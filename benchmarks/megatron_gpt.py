@@ -93,7 +93,7 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
         apply_rope_fusion=False)
     if spec_name.startswith("nvfp4"):
         recipe = NVFP4Recipe.from_env(**({"overlap": True} if args.overlap else {}), fused_producers=fused_producers,
-                                      **({"overlap_transport": transport} if transport else {}))
+                                      overlap_transport=transport)
         spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, bf16_first_layers=0, bf16_last_layers=0,
                                                 sdpa_attention=True)
     else:
@@ -104,7 +104,10 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
 
 
 def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> dict:
-    """Tokens/s and peak memory of forward+backward on one fixed batch."""
+    """Tokens/s and peak memory of forward+backward on one fixed batch (an NVFP4 model's overlap transport: the
+    recipe's unless given)."""
+    if spec_name.startswith("nvfp4"):
+        transport = transport or NVFP4Recipe.from_env().overlap_transport
     gc.collect()  # the previous spec's model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -139,7 +142,7 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
               "loss": float(loss)}
     if spec_name.startswith("nvfp4"):
         result["fused_producers"] = fused_producers
-        result["overlap_transport"] = transport or NVFP4Recipe.from_env().overlap_transport
+        result["overlap_transport"] = transport
     return result  # the model is freed on return, before the next spec is built
 
 
@@ -234,6 +237,8 @@ def main():
     for transport in args.overlap_transports:
         results[f"nvfp4_{transport}"] = measure(f"nvfp4_{transport}", args, tp, True, transport)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+    transport_ratios = {transport: results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+                        for transport in args.overlap_transports}
     unfused = results.get("nvfp4_unfused")
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
@@ -249,8 +254,7 @@ def main():
         target = TOKENS_PER_S_TARGETS.get(args.links)
         print(f"NVFP4/BF16: tokens/s {speedup:.3f}x" + (f" (target >= {target:.2f})" if target else "")
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
-        for transport in args.overlap_transports:
-            ratio = results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+        for transport, ratio in transport_ratios.items():
             print(f"NVFP4 with overlap transport {transport} / BF16: tokens/s {ratio:.3f}x")
         if unfused is not None:
             print(f"fused producers: tokens/s {results['nvfp4']['tokens_per_s'] / unfused['tokens_per_s']:.3f}x "
@@ -262,9 +266,7 @@ def main():
                   "megatron_core": MEGATRON_CORE_VERSION, "args": vars(args), "results": results,
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
-        for transport in args.overlap_transports:
-            record[f"{transport}_tokens_per_s_ratio"] = (results[f"nvfp4_{transport}"]["tokens_per_s"]
-                                                         / results["local_bf16"]["tokens_per_s"])
+        record.update({f"{transport}_tokens_per_s_ratio": ratio for transport, ratio in transport_ratios.items()})
         if unfused is not None:
             record["unfused_tokens_per_s_ratio"] = unfused["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
             record["fused_vs_unfused_tokens_per_s"] = results["nvfp4"]["tokens_per_s"] / unfused["tokens_per_s"]

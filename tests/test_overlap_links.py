@@ -125,7 +125,8 @@ TP2_LINKS = {"nvlink": L.LinkSpeed(0.00774, 0.00840, 0.00812, 0.02924, 0.001931)
 
 @pytest.mark.parametrize("transport, links, path", [
     ("ring", "nvlink", "plain"), ("auto", "nvlink", "plain"), ("collectives", "nvlink", "plain"),
-    ("ring", "nvlink, another run", "plain"), ("auto", "nvlink, another run", "plain"), ("ring", "slow", "ring"), ("auto", "slow", "collectives"), ("collectives", "slow", "collectives")])
+    ("ring", "nvlink, another run", "plain"), ("auto", "nvlink, another run", "plain"),
+    ("ring", "slow", "ring"), ("auto", "slow", "collectives"), ("collectives", "slow", "collectives")])
 def test_a_saving_under_the_minimum_share_keeps_the_plain_path(transport, links, path):
     pieces = O.collective_pieces(TOKENS // 2)
     for loads in mlp_pair_loads(tp=2):
