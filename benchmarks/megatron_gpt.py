@@ -71,7 +71,8 @@ def parse_args():
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
-                        help="also profile one step per spec: GPU time by kernel kind and the top kernels, into DIR")
+                        help="also profile one step per spec: GPU time by kernel kind, the top kernels, the compute "
+                             "stream's gaps and the communication lane's idle stretches, into DIR")
     return parser.parse_args()
 
 
@@ -162,8 +163,9 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_step(step, spec_name: str, out_dir: str) -> None:
-    """One profiled step (rank 0 writes): GPU time by kernel kind, the 25 longest kernels, and the idle gaps
-    of the busiest stream with the kernels around them, as text; plus the chrome trace (gzip) in out_dir."""
+    """One profiled step (rank 0 writes): GPU time by kernel kind, the 25 longest kernels, the idle gaps of the
+    busiest stream with the kernels around them, and the communication lane's busy time and idle stretches, as
+    text; plus the chrome trace (gzip) in out_dir."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -182,6 +184,7 @@ def profile_step(step, spec_name: str, out_dir: str) -> None:
     events = [e for e in json.loads(trace)["traceEvents"]
               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     lines = [f"{spec_name}: one step, rank 0"] + kind_and_kernel_lines(events) + stream_gap_lines(events)
+    lines += communication_lane_lines(events)
     with open(os.path.join(out_dir, f"megatron_profile_{spec_name}.txt"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -222,6 +225,39 @@ def stream_gap_lines(events: list, top: int = 20) -> list:
              f"its {top} longest gaps: ms, kernel before -> kernel after"]
     for gap, before, after in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {gap / 1e3:7.3f}  {before[:70]}  ->  {after[:70]}")
+    return lines
+
+
+def communication_lane_lines(events: list, top: int = 12) -> list:
+    """The communication lane: when any NCCL kernel runs, on any stream (time when several run at once counted
+    once). Its busy time bounds the step from below, however well the transfers hide; its idle stretches are where
+    they could hide more. Lines: busy and idle time within the step, then the longest idle stretches with the
+    kernels that ran during them (the work between two transfers)."""
+    span_start = min(e["ts"] for e in events)
+    span_end = max(e["ts"] + e["dur"] for e in events)
+    busy = []  # merged [start, end) of NCCL kernels, in time order
+    for event in sorted((e for e in events if kernel_kind(e["name"]) == "NCCL"), key=lambda e: e["ts"]):
+        start, end = event["ts"], event["ts"] + event["dur"]
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    edges = [span_start] + [t for interval in busy for t in interval] + [span_end]
+    idle = [(start, end) for start, end in zip(edges[::2], edges[1::2]) if end > start]
+    busy_us = sum(end - start for start, end in busy)
+    lines = [f"communication lane (NCCL kernels, any stream): busy {busy_us / 1e3:.2f} ms of the step's "
+             f"{(span_end - span_start) / 1e3:.2f} ms, idle {sum(e - s for s, e in idle) / 1e3:.2f} ms",
+             f"its {top} longest idle stretches: ms, ms into the step, the kernels that ran then (ms)"]
+    others = [e for e in events if kernel_kind(e["name"]) != "NCCL"]
+    for start, end in sorted(idle, key=lambda stretch: stretch[0] - stretch[1])[:top]:
+        by_name = {}
+        for event in others:
+            overlap = min(end, event["ts"] + event["dur"]) - max(start, event["ts"])
+            if overlap > 0:
+                by_name[event["name"]] = by_name.get(event["name"], 0.0) + overlap
+        kernels = "; ".join(f"{name[:60]} {us / 1e3:.2f}" for name, us in
+                            sorted(by_name.items(), key=lambda kv: -kv[1])[:3])
+        lines.append(f"  {(end - start) / 1e3:7.3f}  at {(start - span_start) / 1e3:8.2f}  {kernels or 'none'}")
     return lines
 
 
