@@ -249,7 +249,7 @@ def communication_lane_lines(events: list, top: int = 12) -> list:
              f"{(span_end - span_start) / 1e3:.2f} ms, idle {sum(e - s for s, e in idle) / 1e3:.2f} ms",
              f"its {top} longest idle stretches: ms, ms into the step, the kernels that ran then (ms)"]
     others = [e for e in events if kernel_kind(e["name"]) != "NCCL"]
-    for start, end in sorted(idle, key=lambda stretch: stretch[0] - stretch[1])[:top]:
+    for start, end in sorted(idle, key=lambda stretch: stretch[1] - stretch[0], reverse=True)[:top]:
         by_name = {}
         for event in others:
             overlap = min(end, event["ts"] + event["dur"]) - max(start, event["ts"])
