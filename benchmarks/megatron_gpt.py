@@ -13,10 +13,12 @@ producers (on), written in BF16 and then cast (off), or both models in turn (bot
 --overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
+--batch-split adds the NVFP4 model (fused producers on) with its decoder block run as two halves of the micro-batch
+at once (split_batch, parallel/megatron/batch_split.py) as "nvfp4_batch_split".
 
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
-                                                           [--overlap-transports collectives,auto]
+                                                           [--overlap-transports collectives,auto] [--batch-split]
 """
 import argparse
 import datetime
@@ -38,7 +40,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.environment import OVERLAP_TRANSPORTS
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
-                                          with_sdpa_attention, with_sequence_parallel_norm)
+                                          split_batch, with_sdpa_attention, with_sequence_parallel_norm)
 from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_record, result_path  # noqa: E402
 
@@ -68,6 +70,9 @@ def parse_args():
     parser.add_argument("--overlap-transports", type=transport_list, default=(),
                         help="comma-separated overlap transports (ring, collectives, auto) measured as extra NVFP4 "
                              "models (fused producers on), after the recipe's own")
+    parser.add_argument("--batch-split", action="store_true",
+                        help="also measure the NVFP4 model with its decoder block split into two halves of the "
+                             "micro-batch on two streams (split_batch)")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
@@ -84,7 +89,8 @@ def transport_list(text: str) -> tuple:
     return transports
 
 
-def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> GPTModel:
+def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None,
+          batch_split: bool = False) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
         tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
@@ -100,19 +106,23 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
     else:
         layer = with_sequence_parallel_norm(with_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm")))
         spec = TransformerBlockSubmodules(layer_specs=[layer] * args.layers, layer_norm=NVFP4Norm)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-                    max_sequence_length=args.seq, position_embedding_type="rope").cuda()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                     max_sequence_length=args.seq, position_embedding_type="rope").cuda()
+    if batch_split:
+        split_batch(model)
+    return model
 
 
-def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> dict:
+def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None,
+            batch_split: bool = False) -> dict:
     """Tokens/s and peak memory of forward+backward on one fixed batch (an NVFP4 model's overlap transport: the
-    recipe's unless given)."""
+    recipe's unless given; batch_split: split_batch)."""
     if spec_name.startswith("nvfp4"):
         transport = transport or NVFP4Recipe.from_env().overlap_transport
     gc.collect()  # the previous spec's model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build(spec_name, args, tp, fused_producers, transport)
+    model = build(spec_name, args, tp, fused_producers, transport, batch_split)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).cuda()
     positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.micro_batch, -1)
@@ -144,6 +154,7 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
     if spec_name.startswith("nvfp4"):
         result["fused_producers"] = fused_producers
         result["overlap_transport"] = transport
+        result["batch_split"] = batch_split
     return result  # the model is freed on return, before the next spec is built
 
 
@@ -272,9 +283,13 @@ def main():
         results[name] = measure(name, args, tp, fused)
     for transport in args.overlap_transports:
         results[f"nvfp4_{transport}"] = measure(f"nvfp4_{transport}", args, tp, True, transport)
+    if args.batch_split:
+        results["nvfp4_batch_split"] = measure("nvfp4_batch_split", args, tp, True, batch_split=True)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
     transport_ratios = {transport: results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
                         for transport in args.overlap_transports}
+    split = results.get("nvfp4_batch_split")
+    split_ratio = None if split is None else split["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
     unfused = results.get("nvfp4_unfused")
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
@@ -292,6 +307,10 @@ def main():
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
         for transport, ratio in transport_ratios.items():
             print(f"NVFP4 with overlap transport {transport} / BF16: tokens/s {ratio:.3f}x")
+        if split_ratio is not None:
+            print(f"NVFP4 with the batch split / BF16: tokens/s {split_ratio:.3f}x"
+                  + (f" (target >= {target:.2f})" if target else "")
+                  + f"; {split['tokens_per_s'] / results['nvfp4']['tokens_per_s']:.3f}x of the NVFP4 model without it")
         if unfused is not None:
             print(f"fused producers: tokens/s {results['nvfp4']['tokens_per_s'] / unfused['tokens_per_s']:.3f}x "
                   f"of the NVFP4 model without them")
@@ -303,6 +322,8 @@ def main():
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
         record.update({f"{transport}_tokens_per_s_ratio": ratio for transport, ratio in transport_ratios.items()})
+        if split_ratio is not None:
+            record["batch_split_tokens_per_s_ratio"] = split_ratio
         if unfused is not None:
             record["unfused_tokens_per_s_ratio"] = unfused["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
             record["fused_vs_unfused_tokens_per_s"] = results["nvfp4"]["tokens_per_s"] / unfused["tokens_per_s"]

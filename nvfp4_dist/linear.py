@@ -285,6 +285,23 @@ class LinearOptions:
     layer_name: str = "Linear"  # the layer, in error messages
 
 
+def _accumulate_in_stream_order(weight: torch.Tensor, compute: Callable) -> None:
+    """compute(weight.main_grad), after the previous accumulation into it when that ran on another CUDA stream (the
+    two halves of parallel/megatron/batch_split.py run their backwards on two streams)."""
+    buffer = weight.main_grad
+    if not buffer.is_cuda:
+        compute(buffer)
+        return
+    stream = torch.cuda.current_stream(buffer.device)
+    last = getattr(weight, "_main_grad_written", None)
+    if last is not None:
+        stream.wait_event(last)
+    compute(buffer)
+    written = torch.cuda.Event()
+    written.record(stream)
+    weight._main_grad_written = written
+
+
 def deliver_weight_grad(weight: torch.Tensor, compute: Callable, accumulate_into_main_grad: bool,
                         delayed: bool):
     """Run a wgrad `compute(accumulate_into)` and return what backward returns for the weight.
@@ -295,7 +312,7 @@ def deliver_weight_grad(weight: torch.Tensor, compute: Callable, accumulate_into
     accumulated into weight.grad there.
     """
     if accumulate_into_main_grad and getattr(weight, "main_grad", None) is not None:
-        compute(weight.main_grad)
+        _accumulate_in_stream_order(weight, compute)
         if delayed:
             return None
         if hasattr(weight, "grad_added_to_main_grad"):

@@ -27,6 +27,8 @@ an empty output and zero weight gradients, as torch.nn.Linear gives.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import torch
@@ -208,6 +210,38 @@ class _ParallelLinear(torch.nn.Module):
         if producer is not None:
             return produced_linear(producer, x, self.weight, bias, recipe, reduce_amaxes=reduce_amaxes, **options)
         return nvfp4_linear(x, self.weight, bias, recipe, **options)
+
+    def prepare_weight(self) -> None:
+        """Quantize the weight now, on the current stream, if the next forward runs in NVFP4 and reuses its copy
+        (parallel/megatron/batch_split.py: before forwards on other streams read it)."""
+        recipe = self.resolved_recipe()
+        if recipe is not None and self.keep_quantized_weight:
+            self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
+
+    @contextlib.contextmanager
+    def communicating_over(self, group):
+        """Forwards inside the block communicate over `group`, a group of tp_group's ranks in the same order (its
+        own NCCL communicator and stream: parallel/megatron/batch_split.py). Backward follows its forward's group.
+        Each group's comm objects are kept for the next block."""
+        if group is self.tp_group:
+            yield
+            return
+        twins = self.__dict__.setdefault("_comms_over", {})
+        if group not in twins:
+            if dist.get_process_group_ranks(group) != dist.get_process_group_ranks(self.tp_group):
+                raise ValueError(f"{describe_layer(self)}: communicating_over a group of ranks "
+                                 f"{dist.get_process_group_ranks(group)}, not the layer's "
+                                 f"{dist.get_process_group_ranks(self.tp_group)}")
+            comm = copy.copy(self.comm)
+            comm.group = group
+            twins[group] = (comm, None)
+        own = (self.tp_group, self.comm, getattr(self, "_overlapped_comm", None))
+        self.tp_group, (self.comm, self._overlapped_comm) = group, twins[group]
+        try:
+            yield
+        finally:
+            twins[group] = (self.comm, self._overlapped_comm)
+            self.tp_group, self.comm, self._overlapped_comm = own
 
     def _overlapped(self, comm: LinearComm, recipe: NVFP4Recipe) -> LinearComm:
         """The pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum
