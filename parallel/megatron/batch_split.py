@@ -56,6 +56,12 @@ def _given(value) -> bool:
     return value is not None and value is not False
 
 
+def _recorded_event(stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 def _second_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _streams:
         _streams[device] = torch.cuda.Stream(device)
@@ -69,6 +75,10 @@ class BatchSplitTransformerBlock(TransformerBlock):
     _linears: list
     _group = None
     _twin = None
+    # Where in the first layer of the first half the second half starts: "block" (at once), "attention" (the core
+    # attention) or "mlp". A start part-way in staggers the halves, so one half's collectives meet the other's
+    # GEMMs instead of its own.
+    second_half_start = "mlp"
 
     def forward(self, *args, **kwargs):
         named = inspect.signature(TransformerBlock.forward).bind(self, *args, **kwargs).arguments
@@ -85,11 +95,14 @@ class BatchSplitTransformerBlock(TransformerBlock):
                 linear.prepare_weight()
             main = torch.cuda.current_stream(device)
             second = _second_stream(device)
-            second.wait_stream(main)
+            hook, started = self._mark_second_half_start()
         outputs = [self._run_half(halves[0], named)]
         if known_link_speed(self._twin) is None and known_link_speed(self._group) is not None:
             set_link_speed(self._twin, known_link_speed(self._group))  # the first half measured the links
         if device.type == "cuda":
+            if hook is not None:
+                hook.remove()
+            second.wait_event(started[0] if started else _recorded_event(main))
             with torch.cuda.stream(second):
                 outputs.append(self._run_half(halves[1], named, self._twin))
             main.wait_stream(second)
@@ -97,6 +110,22 @@ class BatchSplitTransformerBlock(TransformerBlock):
         else:
             outputs.append(self._run_half(halves[1], named, self._twin))
         return torch.cat(outputs, dim=1)
+
+    def _mark_second_half_start(self) -> tuple:
+        """(a forward pre-hook to remove after the first half, or None; a list that gets the event on the first
+        half's stream at which the second half starts, at second_half_start of the first layer)."""
+        started: list = []
+        if self.second_half_start == "block" or not len(self.layers):
+            started.append(_recorded_event(torch.cuda.current_stream()))
+            return None, started
+        layer = self.layers[0]
+        module = layer.mlp if self.second_half_start == "mlp" else layer.self_attention.core_attention
+
+        def record(*_):
+            if not started:
+                started.append(_recorded_event(torch.cuda.current_stream()))
+
+        return module.register_forward_pre_hook(record), started
 
     def _halves(self, source, named: dict):
         """[(hidden states, {argument: value}) per half], or None where the call runs whole."""
