@@ -13,12 +13,12 @@ producers (on), written in BF16 and then cast (off), or both models in turn (bot
 --overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
---batch-split adds the NVFP4 model (fused producers on) with its decoder block run as two halves of the micro-batch
-at once (split_batch, parallel/megatron/batch_split.py) as "nvfp4_batch_split".
+--batch-split PARTS adds the NVFP4 model (fused producers on) with its decoder block run as PARTS parts of the
+micro-batch at once (split_batch, parallel/megatron/batch_split.py) as "nvfp4_batch_split".
 
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
-                                                           [--overlap-transports collectives,auto] [--batch-split]
+                                                           [--overlap-transports collectives,auto] [--batch-split 2]
 """
 import argparse
 import datetime
@@ -70,9 +70,9 @@ def parse_args():
     parser.add_argument("--overlap-transports", type=transport_list, default=(),
                         help="comma-separated overlap transports (ring, collectives, auto) measured as extra NVFP4 "
                              "models (fused producers on), after the recipe's own")
-    parser.add_argument("--batch-split", action="store_true",
-                        help="also measure the NVFP4 model with its decoder block split into two halves of the "
-                             "micro-batch on two streams (split_batch)")
+    parser.add_argument("--batch-split", type=int, default=0, metavar="PARTS",
+                        help="also measure the NVFP4 model with its decoder block run as PARTS parts of the "
+                             "micro-batch at once, on their own streams (split_batch; 0: not measured)")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
@@ -90,7 +90,7 @@ def transport_list(text: str) -> tuple:
 
 
 def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None,
-          batch_split: bool = False) -> GPTModel:
+          batch_split: int = 0) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
         tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
@@ -109,14 +109,14 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                      max_sequence_length=args.seq, position_embedding_type="rope").cuda()
     if batch_split:
-        split_batch(model)
+        split_batch(model, batch_split)
     return model
 
 
 def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None,
-            batch_split: bool = False) -> dict:
+            batch_split: int = 0) -> dict:
     """Tokens/s and peak memory of forward+backward on one fixed batch (an NVFP4 model's overlap transport: the
-    recipe's unless given; batch_split: split_batch)."""
+    recipe's unless given; batch_split: split_batch's parts, 0 for none)."""
     if spec_name.startswith("nvfp4"):
         transport = transport or NVFP4Recipe.from_env().overlap_transport
     gc.collect()  # the previous spec's model
@@ -284,7 +284,7 @@ def main():
     for transport in args.overlap_transports:
         results[f"nvfp4_{transport}"] = measure(f"nvfp4_{transport}", args, tp, True, transport)
     if args.batch_split:
-        results["nvfp4_batch_split"] = measure("nvfp4_batch_split", args, tp, True, batch_split=True)
+        results["nvfp4_batch_split"] = measure("nvfp4_batch_split", args, tp, True, batch_split=args.batch_split)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
     transport_ratios = {transport: results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
                         for transport in args.overlap_transports}
@@ -308,7 +308,7 @@ def main():
         for transport, ratio in transport_ratios.items():
             print(f"NVFP4 with overlap transport {transport} / BF16: tokens/s {ratio:.3f}x")
         if split_ratio is not None:
-            print(f"NVFP4 with the batch split / BF16: tokens/s {split_ratio:.3f}x"
+            print(f"NVFP4 with the batch split in {args.batch_split} / BF16: tokens/s {split_ratio:.3f}x"
                   + (f" (target >= {target:.2f})" if target else "")
                   + f"; {split['tokens_per_s'] / results['nvfp4']['tokens_per_s']:.3f}x of the NVFP4 model without it")
         if unfused is not None:

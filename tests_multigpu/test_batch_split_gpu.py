@@ -1,14 +1,15 @@
 """split_batch (parallel/megatron/batch_split.py) on 2 and 4 GPUs over each link class: the Megatron GPT decoder block
-run as two halves on two CUDA streams, over two NCCL communicators, against the same block run on each half alone.
+run as 2 and 4 parts of the micro-batch on as many CUDA streams and NCCL communicators, against the same block run on
+each part alone.
 
 Run: `pytest -q tests_multigpu/test_batch_split_gpu.py` (each case launches torchrun on this file), or one world
 directly: `torchrun --nproc-per-node 4 tests_multigpu/test_batch_split_gpu.py` with a link class's environment
 (`eval "$(python benchmarks/torchrun_setup.py --links slow)"` first). Needs megatron-core and the built kernels.
 
-Expected: the per-token losses are bit-identical (each half is quantized on its own either way; the fused Hopper
+Expected: the per-token losses are bit-identical (each part is quantized on its own either way; the fused Hopper
 GEMM's rows do not depend on how many rows it gets); the gradients agree to the run-to-run noise of the unsplit
 block (attention's backward and NCCL's reductions are not bit-reproducible), checked as relative L2 <= GRAD_RTOL,
-where a lost half, a wrong group or a race between the streams gives O(1). Also, single-process: wgrads added into
+where a lost part, a wrong group or a race between the streams gives O(1). Also, single-process: wgrads added into
 one main_grad from two streams land in order (nvfp4_dist/linear.py).
 """
 import importlib.util
@@ -118,18 +119,25 @@ def main():
     try:
         generator = torch.Generator().manual_seed(5)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator).cuda()
-        half = BATCH // 2
         reference = build(tp)
-        expected = torch.cat([losses(reference, tokens, slice(0, half)), losses(reference, tokens, slice(half, BATCH))])
-        split = build(tp)
-        split_batch(split)
-        for step in range(2):  # the second step reuses the twin communicator, streams and quantized weights
-            split.zero_grad()
-            got = losses(split, tokens, slice(0, BATCH))
-            assert torch.equal(got, expected), f"step {step}: max loss diff {(got - expected).abs().max().item()}"
-        references = dict(reference.named_parameters())
-        worst = max((relative_l2(p.grad, references[n].grad), n) for n, p in split.named_parameters())
-        assert worst[0] <= GRAD_RTOL, worst
+        per_sample = [losses(reference, tokens, slice(i, i + 1)) for i in range(BATCH)]
+        singles = dict(reference.named_parameters())
+        pairs = build(tp)
+        in_pairs = torch.cat([losses(pairs, tokens, slice(0, 2)), losses(pairs, tokens, slice(2, 4))])
+        worst = (0.0, "")
+        for parts, expected, wanted in ((2, in_pairs, dict(pairs.named_parameters())),
+                                        (4, torch.cat(per_sample), singles)):
+            split = build(tp)
+            split_batch(split, parts)
+            for step in range(2):  # the second step reuses the twin communicators, streams and quantized weights
+                split.zero_grad()
+                got = losses(split, tokens, slice(0, BATCH))
+                assert torch.equal(got, expected), \
+                    f"{parts} parts, step {step}: max loss diff {(got - expected).abs().max().item()}"
+            worst = max(worst, *((relative_l2(p.grad, wanted[n].grad), f"{parts} parts: {n}")
+                                 for n, p in split.named_parameters()))
+            assert worst[0] <= GRAD_RTOL, worst
+            del split
         torch.cuda.synchronize()
         dist.barrier()
         if dist.get_rank() == 0:
