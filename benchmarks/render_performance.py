@@ -217,7 +217,18 @@ def megatron_summary(record: dict) -> list[str]:
             f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs "
             f"{bf16['tokens_per_s']:.0f})",
             f"peak memory: {times(record['peak_memory_ratio'])} ({nvfp4['peak_memory_gib']:.2f} vs "
-            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record), *transport_lines(record)]
+            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record), *transport_lines(record),
+            *batch_split_lines(record)]
+
+
+def batch_split_lines(record: dict) -> list[str]:
+    """The NVFP4 model with its decoder block split into parts of the micro-batch, where the run measured it."""
+    split, nvfp4 = record["results"].get("nvfp4_batch_split"), record["results"]["nvfp4"]
+    if split is None:
+        return []
+    return [f"decoder block in {split['batch_split']} parts of the micro-batch at once (split_batch): tokens/s "
+            f"{times(record['batch_split_tokens_per_s_ratio'])} (step {split['step_ms']:.1f} ms); "
+            f"{times(split['tokens_per_s'] / nvfp4['tokens_per_s'])} of the unsplit NVFP4 model"]
 
 
 def transport_lines(record: dict) -> list[str]:
@@ -249,7 +260,7 @@ def megatron_command(record: dict) -> str:
     flags = []
     for name, value in record["args"].items():
         flag = "--" + name.replace("_", "-")
-        if flag in OUTPUT_FLAGS or value is None:
+        if flag in OUTPUT_FLAGS or value is None or (name == "batch_split" and value == 0):
             continue
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + name.replace("_", "-"))
