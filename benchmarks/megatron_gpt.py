@@ -13,12 +13,13 @@ producers (on), written in BF16 and then cast (off), or both models in turn (bot
 --overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
---batch-split PARTS adds the NVFP4 model (fused producers on) with its decoder block run as PARTS parts of the
-micro-batch at once (split_batch, parallel/megatron/batch_split.py) as "nvfp4_batch_split".
+--batch-split PARTS[,PARTS...] adds the NVFP4 model (fused producers on) with its decoder block run as PARTS parts of
+the micro-batch at once (split_batch, parallel/megatron/batch_split.py), as "nvfp4_batch_split" (one count) or
+"nvfp4_batch_split_<PARTS>" (several).
 
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
-                                                           [--overlap-transports collectives,auto] [--batch-split 2]
+                                                           [--overlap-transports collectives,auto] [--batch-split 2,3]
 """
 import argparse
 import datetime
@@ -70,15 +71,25 @@ def parse_args():
     parser.add_argument("--overlap-transports", type=transport_list, default=(),
                         help="comma-separated overlap transports (ring, collectives, auto) measured as extra NVFP4 "
                              "models (fused producers on), after the recipe's own")
-    parser.add_argument("--batch-split", type=int, default=0, metavar="PARTS",
+    parser.add_argument("--batch-split", type=parts_list, default=(), metavar="PARTS[,PARTS...]",
                         help="also measure the NVFP4 model with its decoder block run as PARTS parts of the "
-                             "micro-batch at once, on their own streams (split_batch; 0: not measured)")
+                             "micro-batch at once, on their own streams (split_batch), for each PARTS given")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one step per spec: GPU time by kernel kind, the top kernels, the compute "
                              "stream's gaps and the communication lane's idle stretches, into DIR")
     return parser.parse_args()
+
+
+def parts_list(text: str) -> tuple:
+    try:
+        parts = tuple(int(t) for t in text.split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated part counts (integers >= 2)") from None
+    if any(p < 2 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each part count must be >= 2")
+    return parts
 
 
 def transport_list(text: str) -> tuple:
@@ -283,13 +294,14 @@ def main():
         results[name] = measure(name, args, tp, fused)
     for transport in args.overlap_transports:
         results[f"nvfp4_{transport}"] = measure(f"nvfp4_{transport}", args, tp, True, transport)
-    if args.batch_split:
-        results["nvfp4_batch_split"] = measure("nvfp4_batch_split", args, tp, True, batch_split=args.batch_split)
+    for parts in args.batch_split:
+        name = "nvfp4_batch_split" if len(args.batch_split) == 1 else f"nvfp4_batch_split_{parts}"
+        results[name] = measure(name, args, tp, True, batch_split=parts)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
     transport_ratios = {transport: results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
                         for transport in args.overlap_transports}
-    split = results.get("nvfp4_batch_split")
-    split_ratio = None if split is None else split["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+    split_ratios = {r["batch_split"]: r["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
+                    for r in results.values() if r.get("batch_split")}
     unfused = results.get("nvfp4_unfused")
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
@@ -307,10 +319,10 @@ def main():
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
         for transport, ratio in transport_ratios.items():
             print(f"NVFP4 with overlap transport {transport} / BF16: tokens/s {ratio:.3f}x")
-        if split_ratio is not None:
-            print(f"NVFP4 with the batch split in {args.batch_split} / BF16: tokens/s {split_ratio:.3f}x"
+        for parts, ratio in split_ratios.items():
+            print(f"NVFP4 with the batch split in {parts} / BF16: tokens/s {ratio:.3f}x"
                   + (f" (target >= {target:.2f})" if target else "")
-                  + f"; {split['tokens_per_s'] / results['nvfp4']['tokens_per_s']:.3f}x of the NVFP4 model without it")
+                  + f"; {ratio / speedup:.3f}x of the NVFP4 model without it")
         if unfused is not None:
             print(f"fused producers: tokens/s {results['nvfp4']['tokens_per_s'] / unfused['tokens_per_s']:.3f}x "
                   f"of the NVFP4 model without them")
@@ -322,8 +334,8 @@ def main():
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
         record.update({f"{transport}_tokens_per_s_ratio": ratio for transport, ratio in transport_ratios.items()})
-        if split_ratio is not None:
-            record["batch_split_tokens_per_s_ratio"] = split_ratio
+        if split_ratios:
+            record["batch_split_tokens_per_s_ratios"] = {str(parts): ratio for parts, ratio in split_ratios.items()}
         if unfused is not None:
             record["unfused_tokens_per_s_ratio"] = unfused["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
             record["fused_vs_unfused_tokens_per_s"] = results["nvfp4"]["tokens_per_s"] / unfused["tokens_per_s"]

@@ -222,13 +222,13 @@ def megatron_summary(record: dict) -> list[str]:
 
 
 def batch_split_lines(record: dict) -> list[str]:
-    """The NVFP4 model with its decoder block split into parts of the micro-batch, where the run measured it."""
-    split, nvfp4 = record["results"].get("nvfp4_batch_split"), record["results"]["nvfp4"]
-    if split is None:
-        return []
-    return [f"decoder block in {split['batch_split']} parts of the micro-batch at once (split_batch): tokens/s "
-            f"{times(record['batch_split_tokens_per_s_ratio'])} (step {split['step_ms']:.1f} ms); "
-            f"{times(split['tokens_per_s'] / nvfp4['tokens_per_s'])} of the unsplit NVFP4 model"]
+    """The NVFP4 model with its decoder block split into parts of the micro-batch, for each part count measured."""
+    results = record["results"]
+    nvfp4, bf16 = results["nvfp4"], results["local_bf16"]
+    return [f"decoder block in {r['batch_split']} parts of the micro-batch at once (split_batch): tokens/s "
+            f"{times(r['tokens_per_s'] / bf16['tokens_per_s'])} (step {r['step_ms']:.1f} ms); "
+            f"{times(r['tokens_per_s'] / nvfp4['tokens_per_s'])} of the unsplit NVFP4 model"
+            for name, r in results.items() if name.startswith("nvfp4_batch_split")]
 
 
 def transport_lines(record: dict) -> list[str]:
@@ -260,13 +260,13 @@ def megatron_command(record: dict) -> str:
     flags = []
     for name, value in record["args"].items():
         flag = "--" + name.replace("_", "-")
-        if flag in OUTPUT_FLAGS or value is None or (name == "batch_split" and value == 0):
+        if flag in OUTPUT_FLAGS or value is None:
             continue
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + name.replace("_", "-"))
         elif isinstance(value, list):
             if value:
-                flags += [flag, ",".join(value)]
+                flags += [flag, ",".join(str(item) for item in value)]
         else:
             flags += [flag, str(value)]
     return shlex.join([*max_connections_setting(record), "torchrun", "--nproc-per-node", str(record["gpus"]),
