@@ -287,7 +287,7 @@ class LinearOptions:
 
 def _accumulate_in_stream_order(weight: torch.Tensor, compute: Callable) -> None:
     """compute(weight.main_grad), after the previous accumulation into it when that ran on another CUDA stream (the
-    two halves of parallel/megatron/batch_split.py run their backwards on two streams)."""
+    parts of parallel/megatron/batch_split.py run their backwards on streams of their own)."""
     buffer = weight.main_grad
     if not buffer.is_cuda:
         compute(buffer)

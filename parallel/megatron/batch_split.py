@@ -65,7 +65,7 @@ def _part_stream(device: torch.device, index: int) -> torch.cuda.Stream:
 
 
 class BatchSplitTransformerBlock(TransformerBlock):
-    """TransformerBlock whose forward runs the two halves of the micro-batch at once (module docstring); made by
+    """TransformerBlock whose forward runs parts of the micro-batch at once (module docstring); made by
     split_batch()."""
 
     _linears: list
