@@ -92,6 +92,10 @@ def _split_worker(rank, world_size):
     assert [tuple(h.shape) for h, _ in parts] == [(SEQ // TP, 2, 8), (SEQ // TP, 1, 8), (SEQ // TP, 1, 8)]
     assert [tuple(a["attention_mask"].shape) for _, a in parts] == [(2, 1, SEQ, SEQ), (1, 1, SEQ, SEQ),
                                                                      (1, 1, SEQ, SEQ)]
+    # Wrappers with a .module (Megatron's DDP, Float16Module) are looked through.
+    wrapper = torch.nn.Module()
+    wrapper.module = split
+    assert split_batch(wrapper, 3) is block
     # parts=1 gives Megatron's block back; the twins are kept for the next split.
     twins = block._groups[1:]
     assert type(split_batch(split, 1)) is TransformerBlock

@@ -138,10 +138,14 @@ class BatchSplitTransformerBlock(TransformerBlock):
 
 
 def split_batch(model, parts: int = 2) -> TransformerBlock:
-    """Make `model`'s decoder block (a GPTModel, or the TransformerBlock itself) run each micro-batch as `parts`
-    parts at once (module docstring); returns the block. Call on every rank after building the model: it makes
-    the twin tensor-parallel groups (collective). parts=1 restores the whole-batch block."""
-    block = getattr(model, "decoder", model)
+    """Make `model`'s decoder block (a GPTModel, the TransformerBlock itself, or a wrapper of either with a `.module`
+    such as Megatron's DDP and Float16Module) run each micro-batch as `parts` parts at once (module docstring);
+    returns the block. Call on every rank after building the model: it makes the twin tensor-parallel groups
+    (collective). parts=1 restores the whole-batch block."""
+    block = model
+    while not isinstance(block, TransformerBlock) and not hasattr(block, "decoder") and hasattr(block, "module"):
+        block = block.module
+    block = getattr(block, "decoder", block)
     if type(block) not in (TransformerBlock, BatchSplitTransformerBlock):
         raise ValueError(f"split_batch: {type(block).__name__} is not Megatron's TransformerBlock")
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
