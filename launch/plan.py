@@ -73,7 +73,8 @@ def check_finite(flag: str, value: float) -> None:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Sizes, counts and rates: each within its allowed range (before any of them divides another)."""
-    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--ffn", args.ffn)):
+    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--ffn", args.ffn),
+                        ("--batch-split", args.batch_split)):
         if value is not None:
             check_at_least(flag, value, 1)
     for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
@@ -180,6 +181,14 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
         raise ValueError("--overlap-transport needs --overlap (it picks how overlap pipelines)")
     if args.gemm_backend in ("cublaslt", "emulated") and device != "cuda":
         raise ValueError(f"--gemm-backend={args.gemm_backend} needs CUDA (--device cuda)")
+    if args.batch_split > 1 and model != "megatron":
+        raise ValueError(f"--batch-split={args.batch_split} needs --model megatron (it splits Megatron's decoder "
+                         f"block)")
+    if args.batch_split > 1 and tp == 1:
+        raise ValueError(f"--batch-split={args.batch_split} needs --tp > 1 (there is no TP communication to hide)")
+    if args.batch_split > args.micro_batch:
+        raise ValueError(f"--batch-split={args.batch_split}: more parts than --micro-batch={args.micro_batch} "
+                         f"sequences")
     if model == "megatron" and args.sp and device != "cuda":
         raise ValueError("--sp with --model megatron needs CUDA (Megatron-Core's own output layer gathers the "
                          "sequence through a CUDA buffer); on CPU use --model gpt --sp")

@@ -81,7 +81,9 @@ def describe_job(plan, dp_size: int) -> str:
     return (f"{plan.model} model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}, ffn {plan.ffn}, "
             f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on {nodes} "
             f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
-            f"{'on' if args.overlap else 'off'}); recipe {plan.recipe}"
+            f"{'on' if args.overlap else 'off'}"
+            + (f", decoder block in {args.batch_split} parts of the micro-batch" if args.batch_split > 1 else "")
+            + f"); recipe {plan.recipe}"
             + (f"; per-layer recipes from {args.recipe_config}" if args.recipe_config is not None else ""))
 
 
