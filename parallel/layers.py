@@ -200,7 +200,7 @@ class _ParallelLinear(torch.nn.Module):
         if recipe.overlap and self.world_size > 1:
             comm = self._overlapped(comm, recipe)
         if self.keep_quantized_weight:
-            weight_q = self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
+            weight_q = self._cached_weight(recipe)
         else:  # requantized at every forward anyway: hold no copy between forward and backward
             self.weight_cache.invalidate()
             weight_q = quantize_weight(self.weight, recipe, columnwise=False)
@@ -211,12 +211,16 @@ class _ParallelLinear(torch.nn.Module):
             return produced_linear(producer, x, self.weight, bias, recipe, reduce_amaxes=reduce_amaxes, **options)
         return nvfp4_linear(x, self.weight, bias, recipe, **options)
 
+    def _cached_weight(self, recipe: NVFP4Recipe):
+        """The weight quantized with `recipe` for this forward and its backward, from the cache if current."""
+        return self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
+
     def prepare_weight(self) -> None:
         """Quantize the weight now, on the current stream, if the next forward runs in NVFP4 and reuses its copy
         (parallel/megatron/batch_split.py: before forwards on other streams read it)."""
         recipe = self.resolved_recipe()
         if recipe is not None and self.keep_quantized_weight:
-            self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
+            self._cached_weight(recipe)
 
     @contextlib.contextmanager
     def communicating_over(self, group):

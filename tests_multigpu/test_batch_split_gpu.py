@@ -12,7 +12,6 @@ block (attention's backward and NCCL's reductions are not bit-reproducible), che
 where a lost part, a wrong group or a race between the streams gives O(1). Also, single-process: wgrads added into
 one main_grad from two streams land in order (nvfp4_dist/linear.py).
 """
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -27,16 +26,10 @@ LAYERS, HIDDEN, FFN, HEADS, SEQ, BATCH, VOCAB = 2, 1024, 4096, 16, 1024, 4, 4096
 GRAD_RTOL = 2e-2
 
 
-def link_environment(links):
-    spec = importlib.util.spec_from_file_location("torchrun_setup", ROOT / "benchmarks" / "torchrun_setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.link_environment(links)
-
-
 @pytest.mark.parametrize("world_size, links", [(2, "nvlink"), (2, "slow"), (4, "nvlink"), (4, "slow")])
 def test_split_batch_matches_each_half_on_gpus(world_size, links):
     pytest.importorskip("megatron.core")
+    from tests_multigpu.test_overlap_gpu import link_environment
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     environment = dict(os.environ, **link_environment(links))

@@ -12,7 +12,7 @@ or, to keep the first N / last M transformer layers in BF16,
 compat: the megatron-core requirement and constructor conventions; adapters: the NVFP4 column/row-parallel
 linears (and the column-parallel one with the layer's norm inside); mlp: NVFP4MLP (the activation inside
 linear_fc2); norm: NVFP4Norm; attention: SDPACoreAttention; specs: the spec functions; batch_split: split_batch,
-the decoder block run as two halves of each micro-batch at once (slow links).
+the decoder block run as parts of each micro-batch at once (slow links).
 """
 from nvfp4_dist.parallel.megatron.compat import MEGATRON_CORE_VERSION, SUPPORTED_MEGATRON_CORE
 from nvfp4_dist.parallel.megatron.adapters import (NVFP4ColumnParallelLinear, NVFP4LayerNormColumnParallelLinear,
