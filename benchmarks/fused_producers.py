@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from nvfp4_dist import kernels
+from nvfp4_dist import fused_kernels, kernels
 from nvfp4_dist._extension import load_extension
 from provenance import command_line, default_results_path, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from quantize import CardSampler, time_interleaved  # noqa: E402
@@ -124,15 +124,16 @@ def activation_chains(extension, stream, tokens: int, ffn: int, activation: str,
     buffers = Buffers(tokens, ffn, row_scaled)
     code = ACTIVATION_CODES[activation]
     cast = unfused_cast(extension, stream, a, buffers)
+    table = fused_kernels.activation_table(h.device, activation)  # both chains look the activation up
 
     def unfused():
-        extension.activation_forward(h, code, a, stream)
+        extension.activation_forward(h, code, a, table, stream)
         cast()
 
     def fused():
         extension.activation_amaxes(h, code, buffers.amax_plain, row_scaled, None if row_scaled else buffers.amax_rht,
-                                    True, stream)
-        extension.activation_cast(h, code, *buffers.cast_outputs(), row_scaled, not row_scaled, True, stream)
+                                    True, table, stream)
+        extension.activation_cast(h, code, *buffers.cast_outputs(), row_scaled, not row_scaled, True, table, stream)
     return h, unfused, fused
 
 

@@ -3,8 +3,11 @@
 // - launch_activation: the activation written in h's dtype (the unfused chain);
 // - launch_activation_amaxes (pass 1): the amax of the BF16 output, per tensor (with the RHT: from the same reads
 //   as the post-RHT amax, item = 16 rows x 2 columns) or per row;
-// - launch_activation_cast (pass 2): producer_cast.cuh's cast with the activation as its producer.
+// - launch_activation_cast (pass 2): producer_cast.cuh's cast with the activation as its producer;
+// - launch_activation_table: the table of GELU or SiLU values (producer_numerics.cuh) by which the kernels
+//   activate BF16 inputs (ActivationArgs::table; null: the formulas), copied into shared memory per CTA.
 #include <algorithm>
+#include <type_traits>
 
 #include "nvfp4_device.cuh"
 #include "nvfp4_numerics.cuh"
@@ -31,9 +34,47 @@ __device__ __forceinline__ void load8(const T* address, float (&out)[kVector]) {
   }
 }
 
+template <bool kSwiglu>
+constexpr int kTableBytes = kSwiglu ? kSiluTableBytes : kGeluTableBytes;
+
+// The activation of one output from fc1's values: by the formulas, or (kLookup, BF16 h) from the activation's
+// table in shared memory. Either is the formula's FP32 value, except that the looked-up GELU is already rounded to
+// BF16, as every caller rounds it.
+template <typename T, bool kSwiglu, bool kLookup>
+struct Activate {
+  static_assert(!kLookup || std::is_same_v<T, __nv_bfloat16>, "the tables take BF16 inputs");
+  const void* table;  // kLookup: shared memory
+
+  __device__ __forceinline__ float operator()(float x) const {  // GELU
+    if constexpr (kLookup) return gelu_bf16_by_table(x, static_cast<const uint16_t*>(table));
+    else return gelu_of(x);
+  }
+  __device__ __forceinline__ float operator()(float gate, float up) const {  // SwiGLU
+    if constexpr (kLookup) return silu_by_table(gate, static_cast<const float*>(table)) * up;
+    else return swiglu_of(gate, up);
+  }
+};
+
+// The activation's table (kTableBytes<kSwiglu> at `global`) copied into `shared` by the CTA's threads; the caller's
+// barrier follows.
+template <bool kSwiglu>
+__device__ __forceinline__ void copy_table(uint8_t* shared, const void* global) {
+  const uint4* source = static_cast<const uint4*>(global);
+  for (int i = threadIdx.x; i < kTableBytes<kSwiglu> / 16; i += blockDim.x) {
+    reinterpret_cast<uint4*>(shared)[i] = __ldg(source + i);
+  }
+}
+
+// Shared memory for the table of a kernel that looks the activation up (16 bytes otherwise).
+template <bool kSwiglu, bool kLookup>
+struct SharedTable {
+  __align__(16) uint8_t bytes[kLookup ? kTableBytes<kSwiglu> : 16];
+};
+
 // The activation of outputs (row, c .. c + 7) in FP32 (before any rounding).
-template <typename T, bool kSwiglu>
-__device__ __forceinline__ void activation8(const T* h, int64_t cols, int64_t row, int64_t c, float (&out)[kVector]) {
+template <typename T, bool kSwiglu, typename Act>
+__device__ __forceinline__ void activation8(const Act& act, const T* h, int64_t cols, int64_t row, int64_t c,
+                                            float (&out)[kVector]) {
   const int64_t in_cols = kSwiglu ? 2 * cols : cols;
   float first[kVector];
   load8<T>(h + row * in_cols + c, first);
@@ -41,10 +82,10 @@ __device__ __forceinline__ void activation8(const T* h, int64_t cols, int64_t ro
     float up[kVector];
     load8<T>(h + row * in_cols + cols + c, up);
 #pragma unroll
-    for (int e = 0; e < kVector; ++e) out[e] = swiglu_of(first[e], up[e]);
+    for (int e = 0; e < kVector; ++e) out[e] = act(first[e], up[e]);
   } else {
 #pragma unroll
-    for (int e = 0; e < kVector; ++e) out[e] = gelu_of(first[e]);
+    for (int e = 0; e < kVector; ++e) out[e] = act(first[e]);
   }
 }
 
@@ -63,17 +104,24 @@ __device__ __forceinline__ void store8(T* address, const float (&values)[kVector
 }
 
 // The activation written in T (kWrite), or the amax of its BF16 rounding per tensor: items of 8 outputs.
-template <typename T, bool kSwiglu, bool kWrite>
+template <typename T, bool kSwiglu, bool kWrite, bool kLookup>
 __global__ void __launch_bounds__(kThreads) activation_vectors_kernel(const T* __restrict__ h, int64_t rows, int64_t cols,
-                                                                      T* __restrict__ out, float* __restrict__ amax) {
+                                                                      T* __restrict__ out, float* __restrict__ amax,
+                                                                      const void* __restrict__ table) {
   __shared__ uint32_t scratch[32];
+  __shared__ SharedTable<kSwiglu, kLookup> shared_table;
+  if constexpr (kLookup) {
+    copy_table<kSwiglu>(shared_table.bytes, table);
+    __syncthreads();
+  }
+  const Activate<T, kSwiglu, kLookup> act{shared_table.bytes};
   const int64_t vectors_per_row = cols / kVector, vectors = rows * vectors_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running = 0u;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors; v += stride) {
     const int64_t row = v / vectors_per_row, c = (v % vectors_per_row) * kVector;
     float values[kVector];
-    activation8<T, kSwiglu>(h, cols, row, c, values);
+    activation8<T, kSwiglu>(act, h, cols, row, c, values);
     if constexpr (kWrite) {
       store8<T>(out + row * cols + c, values);
     } else {
@@ -87,21 +135,30 @@ __global__ void __launch_bounds__(kThreads) activation_vectors_kernel(const T* _
   }
 }
 
-// The amax of each row's BF16 output: one warp per row.
-template <typename T, bool kSwiglu>
+// The amax of each row's BF16 output: a warp per row, a grid-stride loop over the rows.
+template <typename T, bool kSwiglu, bool kLookup>
 __global__ void __launch_bounds__(kThreads) activation_row_amax_kernel(const T* __restrict__ h, int64_t rows, int64_t cols,
-                                                                       float* __restrict__ amax) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  uint32_t running = 0u;
-  for (int64_t c = (threadIdx.x & 31) * kVector; c < cols; c += 32 * kVector) {
-    float values[kVector];
-    activation8<T, kSwiglu>(h, cols, row, c, values);
-#pragma unroll
-    for (int e = 0; e < kVector; ++e) running = max(running, abs_bits(rounded_to_bf16(values[e])));
+                                                                       float* __restrict__ amax,
+                                                                       const void* __restrict__ table) {
+  __shared__ SharedTable<kSwiglu, kLookup> shared_table;
+  if constexpr (kLookup) {
+    copy_table<kSwiglu>(shared_table.bytes, table);
+    __syncthreads();
   }
-  running = __reduce_max_sync(0xFFFFFFFFu, running);
-  if ((threadIdx.x & 31) == 0) amax[row] = __uint_as_float(running);
+  const Activate<T, kSwiglu, kLookup> act{shared_table.bytes};
+  constexpr int kWarps = kThreads / 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    uint32_t running = 0u;
+    for (int64_t c = (threadIdx.x & 31) * kVector; c < cols; c += 32 * kVector) {
+      float values[kVector];
+      activation8<T, kSwiglu>(act, h, cols, row, c, values);
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) running = max(running, abs_bits(rounded_to_bf16(values[e])));
+    }
+    running = __reduce_max_sync(0xFFFFFFFFu, running);
+    if ((threadIdx.x & 31) == 0) amax[row] = __uint_as_float(running);
+  }
 }
 
 // Two adjacent elements of T as FP32.
@@ -116,37 +173,43 @@ __device__ __forceinline__ float2 load_pair(const T* address) {
   }
 }
 
-// Two adjacent outputs (row, c), (row, c + 1) in FP32.
-template <typename T, bool kSwiglu>
-__device__ __forceinline__ float2 activation_pair(const T* h, int64_t cols, int64_t row, int64_t c) {
-  if constexpr (kSwiglu) {
-    const float2 gate = load_pair<T>(h + row * 2 * cols + c), up = load_pair<T>(h + row * 2 * cols + cols + c);
-    return make_float2(swiglu_of(gate.x, up.x), swiglu_of(gate.y, up.y));
-  } else {
-    const float2 x = load_pair<T>(h + row * cols + c);
-    return make_float2(gelu_of(x.x), gelu_of(x.y));
-  }
-}
-
 // Item: two adjacent columns of one 16-row block. The amax of the BF16 output (plain) and of the BF16-rounded
 // RHT of each column's 16 values (the columnwise copy's source). A 2D grid-stride loop: y over the row blocks,
 // x over the column pairs.
-template <typename T, bool kSwiglu, bool kRandomSign>
+template <typename T, bool kSwiglu, bool kRandomSign, bool kLookup>
 __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* __restrict__ h, int64_t rows, int64_t cols,
                                                                        float* __restrict__ amax_plain,
-                                                                       float* __restrict__ amax_rht) {
+                                                                       float* __restrict__ amax_rht,
+                                                                       const void* __restrict__ table) {
   __shared__ uint32_t scratch[32];
+  __shared__ SharedTable<kSwiglu, kLookup> shared_table;
+  if constexpr (kLookup) {
+    copy_table<kSwiglu>(shared_table.bytes, table);
+    __syncthreads();
+  }
+  const Activate<T, kSwiglu, kLookup> act{shared_table.bytes};
   const int64_t row_blocks = rows / kBlockSize, pairs = cols / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running_plain = 0u, running_rht = 0u;
   for (int64_t row_block = blockIdx.y; row_block < row_blocks; row_block += gridDim.y) {
     for (int64_t pair = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; pair < pairs; pair += stride) {
+      float2 inputs[kBlockSize], ups[kSwiglu ? kBlockSize : 1];  // every load in flight before the arithmetic
+#pragma unroll
+      for (int i = 0; i < kBlockSize; ++i) {
+        const int64_t row = row_block * kBlockSize + i;
+        inputs[i] = load_pair<T>(h + row * (kSwiglu ? 2 * cols : cols) + 2 * pair);
+        if constexpr (kSwiglu) ups[i] = load_pair<T>(h + row * 2 * cols + cols + 2 * pair);
+      }
       float column0[kBlockSize], column1[kBlockSize];
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
-        const float2 both = activation_pair<T, kSwiglu>(h, cols, row_block * kBlockSize + i, 2 * pair);
-        column0[i] = rounded_to_bf16(both.x);
-        column1[i] = rounded_to_bf16(both.y);
+        if constexpr (kSwiglu) {
+          column0[i] = rounded_to_bf16(act(inputs[i].x, ups[i].x));
+          column1[i] = rounded_to_bf16(act(inputs[i].y, ups[i].y));
+        } else {
+          column0[i] = rounded_to_bf16(act(inputs[i].x));
+          column1[i] = rounded_to_bf16(act(inputs[i].y));
+        }
         running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
       }
       float transformed0[kBlockSize], transformed1[kBlockSize];
@@ -166,33 +229,42 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
   }
 }
 
-// The activation as the cast's producer (nothing staged).
-template <typename T, bool kSwiglu>
+// The activation as the cast's producer: the table, when it looks the activation up, staged once per CTA.
+template <typename T, bool kSwiglu, bool kLookup>
 struct ActivationProducer {
   const T* h;
   int64_t cols;
+  const void* table;  // kLookup: global memory
 
-  struct Tile {};
+  using Tile = SharedTable<kSwiglu, kLookup>;
+
+  __device__ void prepare(Tile& tile, int) const {
+    if constexpr (kLookup) copy_table<kSwiglu>(tile.bytes, table);
+  }
 
   __device__ void stage(Tile&, int64_t, int64_t, int, int, int) const {}
 
-  __device__ void produce8(const Tile&, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const {
-    activation8<T, kSwiglu>(h, cols, m0 + r, k0 + c, out);
+  __device__ void produce8(const Tile& tile, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const {
+    activation8<T, kSwiglu>(Activate<T, kSwiglu, kLookup>{tile.bytes}, h, cols, m0 + r, k0 + c, out);
   }
 };
 
-// GELU as the tile cast's producer (16-bit h): the copied tile of h replaced in place by its GELU. (SwiGLU's cast
-// takes the 64 x 128 kernel: the tile cast would read the up half outside its copy pipeline, which measured slower.)
-template <typename T>
+// GELU as the tile cast's producer (16-bit h): the copied tile of h replaced in place by its GELU, looked up in
+// the table staged with each tile when kLookup. (SwiGLU's cast takes the 64 x 128 kernel: the tile cast would
+// read the up half outside its copy pipeline, which measured slower.)
+template <typename T, bool kLookup>
 struct GeluTileProducer {
   static constexpr bool kTransforms = true;
-  struct Staged {};
+  using Staged = SharedTable<false, kLookup>;
+  const void* table;  // kLookup: global memory
 
   __device__ int64_t row_stride(int64_t cols) const { return cols; }
 
-  __device__ void stage(Staged&, int64_t, int64_t, int, int, int) const {}
+  __device__ void stage(Staged& staged, int64_t, int64_t, int, int, int) const {
+    if constexpr (kLookup) copy_table<false>(staged.bytes, table);
+  }
 
-  __device__ void transform(uint8_t* tile, const Staged&, int64_t, int64_t, int rows_in_tile, int cols_in_tile,
+  __device__ void transform(uint8_t* tile, const Staged& staged, int64_t, int64_t, int rows_in_tile, int cols_in_tile,
                             int tid) const {
     using Chunks = producer::TileChunks;
     const int chunk = tid % Chunks::Layout::kChunksPerRow, first_row = tid / Chunks::Layout::kChunksPerRow;
@@ -206,22 +278,61 @@ struct GeluTileProducer {
     for (int u = 0; u < Chunks::kCount; ++u) {
       const int r = first_row + u * Chunks::kRowStep;
       if (r >= rows_in_tile) continue;  // the zeros outside h stay
-      float values[8];
-      unpack_vector<T>(raw[u], values);
+      uint4 produced;
+      if constexpr (kLookup) {  // on the BF16 bits, two a word
+        const uint16_t* const entries = reinterpret_cast<const uint16_t*>(staged.bytes);
+        uint32_t* const words = reinterpret_cast<uint32_t*>(&raw[u]);
+        uint32_t* const out = reinterpret_cast<uint32_t*>(&produced);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) values[e] = gelu_of(values[e]);
-      *reinterpret_cast<uint4*>(tile + Chunks::Layout::chunk_offset(r, chunk)) = producer::packed_bf16(values);
+        for (int w = 0; w < 4; ++w) {
+          out[w] = gelu_bf16_bits_by_table(words[w] & 0xFFFFu, entries) |
+                   (gelu_bf16_bits_by_table(words[w] >> 16, entries) << 16);
+        }
+      } else {
+        float values[8];
+        unpack_vector<T>(raw[u], values);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) values[e] = gelu_of(values[e]);
+        produced = producer::packed_bf16(values);
+      }
+      *reinterpret_cast<uint4*>(tile + Chunks::Layout::chunk_offset(r, chunk)) = produced;
     }
   }
 };
 
-template <typename T, bool kSwiglu>
+template <typename T, bool kSwiglu, bool kLookup>
 cudaError_t launch_activation_cast_of(const ActivationArgs& args, const ProducerCastArgs& cast, cudaStream_t stream) {
   const T* h = static_cast<const T*>(args.h);
   if constexpr (sizeof(T) == 2 && !kSwiglu) {
-    return producer::launch_produced_tile_cast(h, GeluTileProducer<T>{}, cast, stream);
+    return producer::launch_produced_tile_cast(h, GeluTileProducer<T, kLookup>{args.table}, cast, stream);
   } else {
-    return producer::launch_produce_and_cast(ActivationProducer<T, kSwiglu>{h, args.cols}, cast, stream);
+    return producer::launch_produce_and_cast(ActivationProducer<T, kSwiglu, kLookup>{h, args.cols, args.table}, cast,
+                                             stream);
+  }
+}
+
+// Whether the kernels look the activation of T up (BF16 inputs given a table).
+template <typename T>
+bool looks_up(const ActivationArgs& args) {
+  return std::is_same_v<T, __nv_bfloat16> && args.table != nullptr;
+}
+
+// fn(std::integral_constant<bool, kLookup>) for the activation's inputs T.
+template <typename T, typename Fn>
+cudaError_t with_lookup(const ActivationArgs& args, Fn&& fn) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (looks_up<T>(args)) return fn(std::true_type{});
+  }
+  return fn(std::false_type{});
+}
+
+// Entry i of the GELU table (BF16 bits) or of the SiLU one (FP32), zeros in the padding to 16 bytes.
+__global__ void __launch_bounds__(kThreads) activation_table_kernel(bool swiglu, void* table) {
+  const int i = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
+  if (swiglu) {
+    if (i < kSiluTableBytes / 4) static_cast<float*>(table)[i] = i < silu_table().entries() ? silu_table_entry(i) : 0.0f;
+  } else if (i < kGeluTableBytes / 2) {
+    static_cast<uint16_t*>(table)[i] = i < gelu_table().entries() ? gelu_table_entry(i) : uint16_t{0};
   }
 }
 
@@ -232,28 +343,29 @@ int64_t grid_for(int64_t items) {
 
 bool valid(const ActivationArgs& args) { return args.cols > 0 && args.cols % kBlockSize == 0 && args.rows >= 0; }
 
-template <typename T, bool kSwiglu>
+template <typename T, bool kSwiglu, bool kLookup>
 cudaError_t launch_amaxes(const ActivationArgs& args, float* amax_rowwise, bool row_scaled, float* amax_rht,
                           bool rht_random_sign, cudaStream_t stream) {
   const T* h = static_cast<const T*>(args.h);
   if (row_scaled) {
-    const int64_t grid = (args.rows + kThreads / 32 - 1) / (kThreads / 32);
-    activation_row_amax_kernel<T, kSwiglu><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(h, args.rows, args.cols,
-                                                                                                 amax_rowwise);
+    const int64_t grid = grid_for(args.rows * 32);  // a warp per row
+    activation_row_amax_kernel<T, kSwiglu, kLookup><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        h, args.rows, args.cols, amax_rowwise, args.table);
   } else if (amax_rht == nullptr) {
-    activation_vectors_kernel<T, kSwiglu, false><<<static_cast<unsigned>(grid_for(args.rows * args.cols / kVector)), kThreads, 0,
-                                                    stream>>>(h, args.rows, args.cols, nullptr, amax_rowwise);
+    activation_vectors_kernel<T, kSwiglu, false, kLookup>
+        <<<static_cast<unsigned>(grid_for(args.rows * args.cols / kVector)), kThreads, 0, stream>>>(
+            h, args.rows, args.cols, nullptr, amax_rowwise, args.table);
   } else {  // the plain amax from the RHT amax's reads
     const int64_t row_blocks = args.rows / kBlockSize, pairs = args.cols / 2;
     const int64_t ctas = grid_for(row_blocks * pairs);
     const int64_t grid_x = std::min<int64_t>((pairs + kThreads - 1) / kThreads, ctas);
     const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(std::min<int64_t>({row_blocks, ctas / grid_x, 65535})));
     if (rht_random_sign) {
-      activation_rht_amax_kernel<T, kSwiglu, true><<<grid, kThreads, 0, stream>>>(h, args.rows, args.cols, amax_rowwise,
-                                                                                 amax_rht);
+      activation_rht_amax_kernel<T, kSwiglu, true, kLookup><<<grid, kThreads, 0, stream>>>(h, args.rows, args.cols,
+                                                                                          amax_rowwise, amax_rht, args.table);
     } else {
-      activation_rht_amax_kernel<T, kSwiglu, false><<<grid, kThreads, 0, stream>>>(h, args.rows, args.cols, amax_rowwise,
-                                                                                  amax_rht);
+      activation_rht_amax_kernel<T, kSwiglu, false, kLookup><<<grid, kThreads, 0, stream>>>(h, args.rows, args.cols,
+                                                                                           amax_rowwise, amax_rht, args.table);
     }
   }
   return cudaGetLastError();
@@ -268,14 +380,19 @@ cudaError_t launch_activation(const ActivationArgs& args, void* out, cudaStream_
   const bool swiglu = args.activation == Activation::kSwiglu;
   NVFP4_DISPATCH_INPUT_TYPE(
       args.type, T,
-      if (swiglu) {
-        activation_vectors_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(args.h), args.rows,
-                                                                                args.cols, static_cast<T*>(out), nullptr);
-      } else {
-        activation_vectors_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(args.h), args.rows,
-                                                                                 args.cols, static_cast<T*>(out), nullptr);
-      });
-  return cudaGetLastError();
+      return with_lookup<T>(args, [&](auto lookup) {
+        constexpr bool kLookup = decltype(lookup)::value;
+        const T* h = static_cast<const T*>(args.h);
+        if (swiglu) {
+          activation_vectors_kernel<T, true, true, kLookup><<<grid, kThreads, 0, stream>>>(
+              h, args.rows, args.cols, static_cast<T*>(out), nullptr, args.table);
+        } else {
+          activation_vectors_kernel<T, false, true, kLookup><<<grid, kThreads, 0, stream>>>(
+              h, args.rows, args.cols, static_cast<T*>(out), nullptr, args.table);
+        }
+        return cudaGetLastError();
+      }));
+  return cudaSuccess;
 }
 
 cudaError_t launch_activation_amaxes(const ActivationArgs& args, float* amax_rowwise, bool row_scaled, float* amax_rht,
@@ -294,19 +411,35 @@ cudaError_t launch_activation_amaxes(const ActivationArgs& args, float* amax_row
   }
   if (args.rows == 0) return cudaSuccess;
   const bool swiglu = args.activation == Activation::kSwiglu;
-  NVFP4_DISPATCH_INPUT_TYPE(args.type, T,
-                            return swiglu ? launch_amaxes<T, true>(args, amax_rowwise, row_scaled, amax_rht, rht_random_sign, stream)
-                                          : launch_amaxes<T, false>(args, amax_rowwise, row_scaled, amax_rht, rht_random_sign, stream));
+  NVFP4_DISPATCH_INPUT_TYPE(args.type, T, return with_lookup<T>(args, [&](auto lookup) {
+    constexpr bool kLookup = decltype(lookup)::value;
+    return swiglu ? launch_amaxes<T, true, kLookup>(args, amax_rowwise, row_scaled, amax_rht, rht_random_sign, stream)
+                  : launch_amaxes<T, false, kLookup>(args, amax_rowwise, row_scaled, amax_rht, rht_random_sign, stream);
+  }));
   return cudaSuccess;
 }
 
 cudaError_t launch_activation_cast(const ActivationArgs& args, const ProducerCastArgs& cast, cudaStream_t stream) {
   if (!valid(args) || cast.rows != args.rows || cast.cols != args.cols) return cudaErrorInvalidValue;
   const bool swiglu = args.activation == Activation::kSwiglu;
-  NVFP4_DISPATCH_INPUT_TYPE(args.type, T,
-                            return swiglu ? launch_activation_cast_of<T, true>(args, cast, stream)
-                                          : launch_activation_cast_of<T, false>(args, cast, stream));
+  NVFP4_DISPATCH_INPUT_TYPE(args.type, T, return with_lookup<T>(args, [&](auto lookup) {
+    constexpr bool kLookup = decltype(lookup)::value;
+    return swiglu ? launch_activation_cast_of<T, true, kLookup>(args, cast, stream)
+                  : launch_activation_cast_of<T, false, kLookup>(args, cast, stream);
+  }));
   return cudaSuccess;
+}
+
+int activation_table_bytes(Activation activation) {
+  return activation == Activation::kSwiglu ? kSiluTableBytes : kGeluTableBytes;
+}
+
+cudaError_t launch_activation_table(Activation activation, void* table, cudaStream_t stream) {
+  if (table == nullptr || reinterpret_cast<uintptr_t>(table) % kActivationTableAlignment != 0) return cudaErrorInvalidValue;
+  const bool swiglu = activation == Activation::kSwiglu;
+  const int slots = swiglu ? kSiluTableBytes / 4 : kGeluTableBytes / 2;
+  activation_table_kernel<<<(slots + kThreads - 1) / kThreads, kThreads, 0, stream>>>(swiglu, table);
+  return cudaGetLastError();
 }
 
 }  // namespace nvfp4

@@ -346,7 +346,7 @@ void norm_cast(const at::Tensor& x, const at::Tensor& weight, const std::optiona
                "norm_cast");
 }
 
-nvfp4::ActivationArgs activation_args(const at::Tensor& h, int64_t activation) {
+nvfp4::ActivationArgs activation_args(const at::Tensor& h, int64_t activation, const std::optional<at::Tensor>& table) {
   check_input(h);
   const bool swiglu = activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu);
   TORCH_CHECK(!swiglu || h.size(1) % 2 == 0, "nvfp4_dist._C: SwiGLU takes [rows, 2 cols]");
@@ -356,11 +356,35 @@ nvfp4::ActivationArgs activation_args(const at::Tensor& h, int64_t activation) {
   args.rows = h.size(0);
   args.cols = swiglu ? h.size(1) / 2 : h.size(1);
   args.activation = swiglu ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu;
+  if (table.has_value() && h.scalar_type() == at::kBFloat16) {
+    check_device_tensor(*table, "table");
+    TORCH_CHECK(table->scalar_type() == at::kByte && table->is_contiguous() &&
+                    table->numel() == nvfp4::activation_table_bytes(args.activation) &&
+                    reinterpret_cast<uintptr_t>(table->data_ptr()) % nvfp4::kActivationTableAlignment == 0 &&
+                    table->device() == h.device(),
+                "nvfp4_dist._C: table: the activation's table from activation_table, on h's device");
+    args.table = table->data_ptr();
+  }
   return args;
 }
 
-void activation_forward(const at::Tensor& h, int64_t activation, at::Tensor& out, int64_t stream) {
-  const nvfp4::ActivationArgs args = activation_args(h, activation);
+void activation_table(int64_t activation, at::Tensor& out, int64_t stream) {
+  check_device_tensor(out, "out");
+  const nvfp4::Activation kind = activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu)
+                                     ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu;
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == nvfp4::activation_table_bytes(kind),
+              "nvfp4_dist._C.activation_table: out uint8 of activation_table_bytes(activation)");
+  check_launch(nvfp4::launch_activation_table(kind, out.data_ptr(), as_stream(stream)), "activation_table");
+}
+
+int64_t activation_table_bytes(int64_t activation) {
+  return nvfp4::activation_table_bytes(activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu)
+                                           ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu);
+}
+
+void activation_forward(const at::Tensor& h, int64_t activation, at::Tensor& out, const std::optional<at::Tensor>& table,
+                        int64_t stream) {
+  const nvfp4::ActivationArgs args = activation_args(h, activation, table);
   check_device_tensor(out, "out");
   TORCH_CHECK(out.scalar_type() == h.scalar_type() && out.numel() == args.rows * args.cols,
               "nvfp4_dist._C.activation_forward: out [rows, cols] of h's dtype");
@@ -368,8 +392,9 @@ void activation_forward(const at::Tensor& h, int64_t activation, at::Tensor& out
 }
 
 void activation_amaxes(const at::Tensor& h, int64_t activation, at::Tensor& amax_rowwise, bool row_scaled,
-                       const std::optional<at::Tensor>& amax_rht, bool rht_random_sign, int64_t stream) {
-  const nvfp4::ActivationArgs args = activation_args(h, activation);
+                       const std::optional<at::Tensor>& amax_rht, bool rht_random_sign,
+                       const std::optional<at::Tensor>& table, int64_t stream) {
+  const nvfp4::ActivationArgs args = activation_args(h, activation, table);
   TORCH_CHECK(amax_rowwise.numel() == (row_scaled ? args.rows : 1), "nvfp4_dist._C.activation_amaxes: amax (1,) or (rows,)");
   check_launch(nvfp4::launch_activation_amaxes(args, amax_rowwise.data_ptr<float>(), row_scaled,
                                                amax_rht.has_value() ? amax_rht->data_ptr<float>() : nullptr,
@@ -381,8 +406,8 @@ void activation_cast(const at::Tensor& h, int64_t activation, const std::optiona
                      const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
                      const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
                      const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool rht, bool rht_random_sign,
-                     int64_t stream) {
-  const nvfp4::ActivationArgs args = activation_args(h, activation);
+                     const std::optional<at::Tensor>& table, int64_t stream) {
+  const nvfp4::ActivationArgs args = activation_args(h, activation, table);
   check_launch(nvfp4::launch_activation_cast(args,
                                              producer_cast_args(args.rows, args.cols, amax_rowwise, amax_columnwise,
                                                                 rowwise_data, rowwise_scale, columnwise_data,
@@ -488,6 +513,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("activation_forward", &activation_forward, "GELU / SwiGLU of fc1's output");
   m.def("activation_amaxes", &activation_amaxes, "amaxes of the NVFP4 copies of an activation's BF16 output");
   m.def("activation_cast", &activation_cast, "NVFP4 copies of an activation's BF16 output, the output not written");
+  m.def("activation_table", &activation_table, "the table by which the activation kernels activate BF16 inputs");
+  m.def("activation_table_bytes", &activation_table_bytes, "the size of activation_table's output");
   m.def("peer_publish", &peer_publish, "this rank's pieces into its symmetric buffer, then a barrier over the ranks");
   m.def("peer_gather", &peer_gather, "every rank's published pieces into outputs, concatenated or interleaved");
   m.def("peer_barrier", &peer_barrier_only, "a barrier over the ranks' signal pads, on the stream");

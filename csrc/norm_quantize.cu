@@ -335,6 +335,8 @@ struct NormProducer {
     __align__(16) float bias[producer::kCastTileCols];
   };
 
+  __device__ void prepare(Tile&, int) const {}
+
   __device__ void stage(Tile& tile, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
     if (tid < rows_in_tile) {
       tile.rstd[tid] = rstd[m0 + tid];

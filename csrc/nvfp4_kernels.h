@@ -97,7 +97,13 @@ struct ActivationArgs {
   InputType type;                //   contiguous, 16-byte aligned
   int64_t rows, cols;            // of the activation's output; cols % 16 == 0
   Activation activation;
+  const void* table;             // BF16 h: the activation's table (launch_activation_table), or null: the formulas
 };
+// The activation's table (activation_table_bytes of it, kActivationTableAlignment-aligned), by which the kernels
+// activate BF16 inputs (csrc/producer_numerics.cuh).
+constexpr int kActivationTableAlignment = 16;
+int activation_table_bytes(Activation activation);
+cudaError_t launch_activation_table(Activation activation, void* table, cudaStream_t stream);
 // The activation into out [rows, cols] of h's type.
 cudaError_t launch_activation(const ActivationArgs& args, void* out, cudaStream_t stream);
 // The amax of the activation's BF16 output into amax_rowwise ((1,), or (rows,) when row_scaled), and of its RHT'd

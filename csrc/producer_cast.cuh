@@ -8,6 +8,7 @@
 //   and the columnwise copy (after the RHT when on) with their E4M3 scales (launch_produce_and_cast). A Producer
 //   gives, for one tile:
 //     struct Tile;                                                           // its staged data, in shared memory
+//     void prepare(Tile&, int tid) const;                                    // once per CTA, before its tiles
 //     void stage(Tile&, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
 //     void produce8(const Tile&, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const;
 //   produce8: the FP32 values (before the rounding to BF16) of row m0 + r, columns k0 + c .. k0 + c + 7.
@@ -68,102 +69,125 @@ __device__ __forceinline__ float bf16_amax(const float (&values)[kBlockSize]) {
   return __uint_as_float(running);
 }
 
-// One CTA per tile; kRHT: the columnwise copy of x^T . H (docs/numerics.md §5).
+// A grid-stride loop over the tiles; kRHT: the columnwise copy of x^T . H (docs/numerics.md §5).
 template <typename Producer, bool kRHT, bool kRandomSign>
 __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Producer producer, const ProducerCastArgs args) {
   __shared__ __align__(128) uint8_t tile[kCastTileRows * kCastRowBytes];
   __shared__ typename Producer::Tile staged;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t column_tiles = (args.cols + kCastTileCols - 1) / kCastTileCols;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x / column_tiles) * kCastTileRows;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.x % column_tiles) * kCastTileCols;
-  const int rows_in_tile = args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows;
-  const int cols_in_tile = args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols;
-  producer.stage(staged, m0, k0, rows_in_tile, cols_in_tile, tid);
-  __syncthreads();
+  const int64_t tiles = (args.rows + kCastTileRows - 1) / kCastTileRows * column_tiles;
+  producer.prepare(staged, tid);
+  // no barrier at the end of an iteration: the next one's writes to staged and tile follow barriers that every
+  // thread reaches only after its reads of this one
+  for (int64_t tile_index = blockIdx.x; tile_index < tiles; tile_index += gridDim.x) {
+    const int64_t m0 = tile_index / column_tiles * kCastTileRows;
+    const int64_t k0 = tile_index % column_tiles * kCastTileCols;
+    const int rows_in_tile = args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows;
+    const int cols_in_tile = args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols;
+    producer.stage(staged, m0, k0, rows_in_tile, cols_in_tile, tid);
+    __syncthreads();
 
-  // 1. The produced tile, rounded to BF16, in shared memory (zeros outside the tensor).
+    // 1. The produced tile, rounded to BF16, in shared memory (zeros outside the tensor).
 #pragma unroll
-  for (int u = 0; u < kCastVectorsPerThread; ++u) {
-    const int vector = tid + u * kCastThreads, r = vector / kCastChunksPerRow, chunk = vector % kCastChunksPerRow;
-    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-    if (r < rows_in_tile && chunk * 8 < cols_in_tile) {
-      float values[8];
-      producer.produce8(staged, m0, k0, r, chunk * 8, values);
-      uint32_t words[4];
+    for (int u = 0; u < kCastVectorsPerThread; ++u) {
+      const int vector = tid + u * kCastThreads, r = vector / kCastChunksPerRow, chunk = vector % kCastChunksPerRow;
+      uint4 packed = make_uint4(0u, 0u, 0u, 0u);
+      if (r < rows_in_tile && chunk * 8 < cols_in_tile) {
+        float values[8];
+        producer.produce8(staged, m0, k0, r, chunk * 8, values);
+        uint32_t words[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(values[2 * i], values[2 * i + 1]);
-        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-      }
-      packed = make_uint4(words[0], words[1], words[2], words[3]);
-    }
-    *reinterpret_cast<uint4*>(tile + tile_chunk_offset(r, chunk)) = packed;
-  }
-  __syncthreads();
-
-  // 2. Rowwise copy: item (row, 16-column block); 8 consecutive threads write 64 bytes of a row.
-  if (args.rowwise_data != nullptr) {
-    const float tensor_s_enc = args.row_scaled ? 0.0f : encode_scale(args.amax_rowwise[0]);
-    const int block = tid & 7;
-#pragma unroll
-    for (int u = 0; u < kCastRowwiseItemsPerThread; ++u) {
-      const int r = (tid >> 3) + u * kCastRowwiseRowStep;
-      if (r >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
-      float values[kBlockSize];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(tile + tile_chunk_offset(r, 2 * block + q));
-        float part[8];
-        unpack_vector<__nv_bfloat16>(raw, part);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) values[8 * q + e] = part[e];
-      }
-      const float s_enc = args.row_scaled ? encode_scale(args.amax_rowwise[m0 + r]) : tensor_s_enc;
-      uint32_t scale;
-      const uint2 packed = encode_bf16_block(values, bf16_amax(values), s_enc, scale);
-      const int64_t row = m0 + r;
-      *reinterpret_cast<uint2*>(args.rowwise_data + row * (args.cols / 2) + k0 / 2 + block * (kBlockSize / 2)) = packed;
-      args.rowwise_scale[row * (args.cols / kBlockSize) + k0 / kBlockSize + block] = static_cast<uint8_t>(scale);
-    }
-  }
-
-  // 3. Columnwise copy of x^T (after the RHT when on): lane = (row block lane % 4, column pair lane / 4 of the
-  //    warp's 8); a warp writes 32 contiguous bytes (4 row blocks) of each of its 16 columns.
-  if (args.columnwise_data != nullptr) {
-    const int row_block = lane & 3, pair = warp * 8 + (lane >> 2), column = 2 * pair;
-    if (row_block * kBlockSize < rows_in_tile && column < cols_in_tile) {
-      const float s_enc = encode_scale(args.amax_columnwise[0]);
-      float columns[2][kBlockSize];
-#pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) {
-        const int r = row_block * kBlockSize + i;
-        const uint32_t word =
-            *reinterpret_cast<const uint32_t*>(tile + tile_chunk_offset(r, pair >> 2) + (pair & 3) * 4);
-        const float2 both = bf16_pair_to_float2(word);
-        columns[0][i] = both.x;
-        columns[1][i] = both.y;
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if constexpr (kRHT) {
-          float transformed[kBlockSize];  // odd elements negated
-          rht_chunk_odd_negated<kRandomSign>(columns[j], transformed);
-#pragma unroll
-          for (int i = 0; i < kBlockSize; ++i) {
-            const float rounded = rounded_to_bf16(transformed[i]);
-            columns[j][i] = (i & 1) ? -rounded : rounded;
-          }
+        for (int i = 0; i < 4; ++i) {
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(values[2 * i], values[2 * i + 1]);
+          words[i] = *reinterpret_cast<const uint32_t*>(&pair);
         }
+        packed = make_uint4(words[0], words[1], words[2], words[3]);
+      }
+      *reinterpret_cast<uint4*>(tile + tile_chunk_offset(r, chunk)) = packed;
+    }
+    __syncthreads();
+
+    // 2. Rowwise copy: item (row, 16-column block); 8 consecutive threads write 64 bytes of a row.
+    if (args.rowwise_data != nullptr) {
+      const float tensor_s_enc = args.row_scaled ? 0.0f : encode_scale(args.amax_rowwise[0]);
+      const int block = tid & 7;
+#pragma unroll
+      for (int u = 0; u < kCastRowwiseItemsPerThread; ++u) {
+        const int r = (tid >> 3) + u * kCastRowwiseRowStep;
+        if (r >= rows_in_tile || block * kBlockSize >= cols_in_tile) continue;
+        float values[kBlockSize];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(tile + tile_chunk_offset(r, 2 * block + q));
+          float part[8];
+          unpack_vector<__nv_bfloat16>(raw, part);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) values[8 * q + e] = part[e];
+        }
+        const float s_enc = args.row_scaled ? encode_scale(args.amax_rowwise[m0 + r]) : tensor_s_enc;
         uint32_t scale;
-        const uint2 packed = encode_bf16_block(columns[j], bf16_amax(columns[j]), s_enc, scale);
-        const int64_t col = k0 + column + j;
-        *reinterpret_cast<uint2*>(args.columnwise_data + col * (args.rows / 2) + m0 / 2 + row_block * (kBlockSize / 2)) =
-            packed;
-        args.columnwise_scale[col * (args.rows / kBlockSize) + m0 / kBlockSize + row_block] = static_cast<uint8_t>(scale);
+        const uint2 packed = encode_bf16_block(values, bf16_amax(values), s_enc, scale);
+        const int64_t row = m0 + r;
+        *reinterpret_cast<uint2*>(args.rowwise_data + row * (args.cols / 2) + k0 / 2 + block * (kBlockSize / 2)) = packed;
+        args.rowwise_scale[row * (args.cols / kBlockSize) + k0 / kBlockSize + block] = static_cast<uint8_t>(scale);
+      }
+    }
+
+    // 3. Columnwise copy of x^T (after the RHT when on): lane = (row block lane % 4, column pair lane / 4 of the
+    //    warp's 8); a warp writes 32 contiguous bytes (4 row blocks) of each of its 16 columns.
+    if (args.columnwise_data != nullptr) {
+      const int row_block = lane & 3, pair = warp * 8 + (lane >> 2), column = 2 * pair;
+      if (row_block * kBlockSize < rows_in_tile && column < cols_in_tile) {
+        const float s_enc = encode_scale(args.amax_columnwise[0]);
+        float columns[2][kBlockSize];
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) {
+          const int r = row_block * kBlockSize + i;
+          const uint32_t word =
+              *reinterpret_cast<const uint32_t*>(tile + tile_chunk_offset(r, pair >> 2) + (pair & 3) * 4);
+          const float2 both = bf16_pair_to_float2(word);
+          columns[0][i] = both.x;
+          columns[1][i] = both.y;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if constexpr (kRHT) {
+            float transformed[kBlockSize];  // odd elements negated
+            rht_chunk_odd_negated<kRandomSign>(columns[j], transformed);
+#pragma unroll
+            for (int i = 0; i < kBlockSize; ++i) {
+              const float rounded = rounded_to_bf16(transformed[i]);
+              columns[j][i] = (i & 1) ? -rounded : rounded;
+            }
+          }
+          uint32_t scale;
+          const uint2 packed = encode_bf16_block(columns[j], bf16_amax(columns[j]), s_enc, scale);
+          const int64_t col = k0 + column + j;
+          *reinterpret_cast<uint2*>(args.columnwise_data + col * (args.rows / 2) + m0 / 2 + row_block * (kBlockSize / 2)) =
+              packed;
+          args.columnwise_scale[col * (args.rows / kBlockSize) + m0 / kBlockSize + row_block] = static_cast<uint8_t>(scale);
+        }
       }
     }
   }
+}
+
+// CTAs of produce_and_cast_kernel<Producer, kRHT, kRandomSign> for `tiles` tiles: as many as fit on the device at
+// once, at most one per tile.
+template <typename Producer, bool kRHT, bool kRandomSign>
+unsigned produce_and_cast_grid(int64_t tiles) {
+  static const int resident = [] {
+    int per_multiprocessor = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
+                                                      kCastThreads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      per_multiprocessor = 1;
+    }
+    return per_multiprocessor > 0 ? per_multiprocessor : 1;
+  }();
+  const int64_t ctas = static_cast<int64_t>(device_multiprocessors()) * resident;
+  return static_cast<unsigned>(tiles < ctas ? tiles : ctas);
 }
 
 template <typename Producer>
@@ -173,15 +197,17 @@ cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCast
   const int64_t tiles = ((args.rows + kCastTileRows - 1) / kCastTileRows) * ((args.cols + kCastTileCols - 1) / kCastTileCols);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  const unsigned grid = static_cast<unsigned>(tiles);
   if (args.rht && columnwise) {
     if (args.rht_random_sign) {
-      produce_and_cast_kernel<Producer, true, true><<<grid, kCastThreads, 0, stream>>>(producer, args);
+      produce_and_cast_kernel<Producer, true, true>
+          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, 0, stream>>>(producer, args);
     } else {
-      produce_and_cast_kernel<Producer, true, false><<<grid, kCastThreads, 0, stream>>>(producer, args);
+      produce_and_cast_kernel<Producer, true, false>
+          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, 0, stream>>>(producer, args);
     }
   } else {
-    produce_and_cast_kernel<Producer, false, false><<<grid, kCastThreads, 0, stream>>>(producer, args);
+    produce_and_cast_kernel<Producer, false, false>
+        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, 0, stream>>>(producer, args);
   }
   return cudaGetLastError();
 }

@@ -133,4 +133,75 @@ NVFP4_HD float gelu_of(float x) { return (0.5f * x) * fixed_order_erfc(x * -kFra
 
 NVFP4_HD float swiglu_of(float gate, float up) { return silu_of(gate) * up; }
 
+// --- the activations of BF16 inputs by lookup --------------------------------------------------------------------
+// A BF16 input takes 2^16 values, so the kernels look its activation up instead of evaluating exp and erfc (about
+// 100 instructions an element, which made the activation's passes bound by arithmetic): GELU's value rounded to BF16
+// (all that the kernels keep of it) and SiLU's FP32 value (SwiGLU multiplies it by up before rounding). A table
+// holds the formula's values for the BF16 magnitudes first..last of both signs; the values outside (rare in
+// activations) follow rules that hold for every BF16 value they cover (tests/test_fused_kernels_cpu.py checks all
+// 2^16, a NaN matching any NaN): below first, x * 0.5 (GELU's then rounded to BF16); above last (infinities and
+// NaNs too), x for x > 0, else x * 0.
+struct ActivationTable {
+  uint32_t first, last;  // the BF16 magnitude bits held, for each sign
+
+  NVFP4_HD constexpr int per_sign() const { return static_cast<int>(last - first + 1); }
+  NVFP4_HD constexpr int entries() const { return 2 * per_sign(); }
+};
+// (functions: device code reads them by value)
+NVFP4_HD constexpr ActivationTable gelu_table() { return {0x3B4Bu, 0x4158u}; }  // |x| 0.0031 .. 13.5
+NVFP4_HD constexpr ActivationTable silu_table() { return {0x33C1u, 0x42B1u}; }  // |x| 9.0e-8 .. 88.5
+// sizes rounded up to 16 bytes: the kernels copy the tables in 16-byte words
+constexpr int kGeluTableBytes = (gelu_table().entries() * 2 + 15) / 16 * 16;  // BF16 entries
+constexpr int kSiluTableBytes = (silu_table().entries() * 4 + 15) / 16 * 16;  // FP32 entries
+
+// The entry of a BF16 value x (as FP32): positives first, then negatives; -1 outside the table.
+NVFP4_HD int activation_table_slot(float x, ActivationTable table) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t offset = ((bits >> 16) & 0x7FFFu) - table.first;  // wraps around below first
+  return offset < static_cast<uint32_t>(table.per_sign())
+             ? static_cast<int>(offset) + static_cast<int>(bits >> 31) * table.per_sign()
+             : -1;
+}
+
+// The BF16 value (as FP32) whose activation entry `index` holds.
+NVFP4_HD float activation_table_input(int index, ActivationTable table) {
+  const uint32_t sign = index < table.per_sign() ? 0u : 0x8000u;
+  return bits_float((sign | (table.first + static_cast<uint32_t>(index % table.per_sign()))) << 16);
+}
+
+// Entry `index` of the GELU table (BF16 bits) and of the SiLU table.
+NVFP4_HD uint16_t gelu_table_entry(int index) {
+  return static_cast<uint16_t>(float_bits(rounded_to_bf16(gelu_of(activation_table_input(index, gelu_table())))) >> 16);
+}
+NVFP4_HD float silu_table_entry(int index) { return silu_of(activation_table_input(index, silu_table())); }
+
+// The activation of a BF16 x outside its table, by the rules: below first x * 0.5; above, x for x > 0, else x * 0
+// (-0 for finite x; NaN for -inf and NaN, as the formulas give).
+NVFP4_HD float activation_outside_table(float x, ActivationTable table) {
+  const uint32_t magnitude = (float_bits(x) >> 16) & 0x7FFFu;
+  return magnitude < table.first ? x * 0.5f : (x > 0.0f ? x : x * 0.0f);
+}
+
+// The BF16 bits of GELU of the BF16 bits p (low 16 bits), rounded to BF16, from the GELU table: the same slot as
+// activation_table_slot, on the bits (no conversions), the rules in a branch that the lanes rarely take.
+NVFP4_HD uint32_t gelu_bf16_bits_by_table(uint32_t p, const uint16_t* table) {
+  constexpr ActivationTable kTable = gelu_table();
+  const uint32_t offset = (p & 0x7FFFu) - kTable.first;  // wraps around below first
+  if (offset < static_cast<uint32_t>(kTable.per_sign())) {
+    return table[offset + ((p >> 15) & 1u) * static_cast<uint32_t>(kTable.per_sign())];
+  }
+  return float_bits(rounded_to_bf16(activation_outside_table(bits_float(p << 16), kTable))) >> 16;
+}
+
+// GELU of a BF16 x, rounded to BF16: rounded_to_bf16(gelu_of(x)), from the GELU table.
+NVFP4_HD float gelu_bf16_by_table(float x, const uint16_t* table) {
+  return bits_float(gelu_bf16_bits_by_table(float_bits(x) >> 16, table) << 16);
+}
+
+// SiLU of a BF16 x: silu_of(x), from the SiLU table.
+NVFP4_HD float silu_by_table(float x, const float* table) {
+  const int slot = activation_table_slot(x, silu_table());
+  return slot >= 0 ? table[slot] : activation_outside_table(x, silu_table());
+}
+
 }  // namespace nvfp4

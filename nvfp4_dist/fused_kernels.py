@@ -3,7 +3,8 @@ csrc/norm_quantize.cu and csrc/activation_quantize.cu.
 
 Results equal the reference bit for bit (norm statistics and outputs, activation outputs, NVFP4 codes, scales and
 amaxes). The norm's row pass holds a row in registers: its kernels take rows of whole 16-blocks up to
-NORM_THREADS * MAX_NORM_BLOCKS_PER_THREAD * 16 wide (takes_norm_width). Importing this module needs no GPU.
+NORM_THREADS * MAX_NORM_BLOCKS_PER_THREAD * 16 wide (takes_norm_width). The activation kernels look the GELU or
+SiLU of BF16 inputs up in a table of the formula's values (activation_table). Importing this module needs no GPU.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ MAX_NORM_BLOCKS_PER_THREAD = 4   # csrc/norm_quantize.cu kMaxBlocksPerThread
 _NORMALIZATION_CODES = {"LayerNorm": 0, "RMSNorm": 1}  # nvfp4::Normalization
 _ACTIVATION_CODES = {"gelu": 0, "swiglu": 1}           # nvfp4::Activation
 _VECTOR_BYTES = 16
+_ACTIVATION_TABLES: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
 def norm_blocks_per_thread(cols: int) -> int:
@@ -194,6 +196,30 @@ def _activation_input(h: torch.Tensor, activation: str) -> torch.Tensor:
     return h2d
 
 
+def activation_table(device: torch.device, activation: str) -> torch.Tensor | None:
+    """The table by which the kernels activate BF16 inputs on `device` (csrc/producer_numerics.cuh: the formula's
+    values over the BF16 inputs that need them), built once per device and activation. None while the current
+    stream captures a CUDA graph and it is not built yet: the kernels then evaluate the formulas (the same bits,
+    slower)."""
+    key = (torch.device(device), activation)
+    table = _ACTIVATION_TABLES.get(key)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        extension = load_extension()
+        code = _ACTIVATION_CODES[activation]
+        with torch.cuda.device(key[0]):
+            table = torch.empty(extension.activation_table_bytes(code), dtype=torch.uint8, device=key[0])
+            extension.activation_table(code, table, stream_handle(key[0]))
+            torch.cuda.current_stream(key[0]).synchronize()  # other streams may read it first
+        _ACTIVATION_TABLES[key] = table
+    return table
+
+
+def _table_for(h2d: torch.Tensor, activation: str) -> torch.Tensor | None:
+    return activation_table(h2d.device, activation) if h2d.dtype == torch.bfloat16 else None
+
+
 def activation_forward(h: torch.Tensor, *, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The activation of h [..., N] in out_dtype, which must be h's dtype ([..., N/2] for SwiGLU)."""
     h2d = _activation_input(h, activation)
@@ -202,7 +228,8 @@ def activation_forward(h: torch.Tensor, *, activation: str, out_dtype: torch.dty
     shape = activation_output_shape(h.shape, activation)
     out = torch.empty(shape, dtype=out_dtype, device=h2d.device)
     with torch.cuda.device(h2d.device):
-        load_extension().activation_forward(h2d, _ACTIVATION_CODES[activation], out, stream_handle(h2d.device))
+        load_extension().activation_forward(h2d, _ACTIVATION_CODES[activation], out, _table_for(h2d, activation),
+                                            stream_handle(h2d.device))
     return out
 
 
@@ -216,7 +243,7 @@ def activation_amaxes(h: torch.Tensor, *, activation: str, columnwise: bool = Tr
     amax_rht = _amax(h2d) if columnwise and rht else None
     with torch.cuda.device(h2d.device):
         load_extension().activation_amaxes(h2d, _ACTIVATION_CODES[activation], amax_rowwise, row_scaled, amax_rht,
-                                           rht_random_sign, stream_handle(h2d.device))
+                                           rht_random_sign, _table_for(h2d, activation), stream_handle(h2d.device))
     amax_columnwise = amax_rht if amax_rht is not None else (amax_rowwise.clone() if columnwise else None)
     return amax_rowwise, amax_columnwise
 
@@ -236,5 +263,5 @@ def activation_quantize(h: torch.Tensor, *, activation: str, amax_rowwise: torch
         load_extension().activation_cast(h2d, _ACTIVATION_CODES[activation], q.amax_rowwise, q.amax_columnwise,
                                          q.rowwise_data, _raw(q.rowwise_scale), q.columnwise_data,
                                          _raw(q.columnwise_scale), row_scaled, rht, rht_random_sign,
-                                         stream_handle(h2d.device))
+                                         _table_for(h2d, activation), stream_handle(h2d.device))
     return q

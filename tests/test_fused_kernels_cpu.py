@@ -112,6 +112,24 @@ void elementwise(const float* x, const float* up, long n, int kind, float* out) 
     }
   }
 }
+
+// kind 0: GELU rounded to BF16, 1: SiLU, of BF16 values x as the kernels look them up, from tables built here
+// by the kernels' table entries (activation_table_kernel).
+void activation_by_table(const float* x, long n, int kind, float* out) {
+  std::vector<uint16_t> gelu(gelu_table().entries());
+  std::vector<float> silu(silu_table().entries());
+  for (int i = 0; i < gelu_table().entries(); ++i) gelu[i] = gelu_table_entry(i);
+  for (int i = 0; i < silu_table().entries(); ++i) silu[i] = silu_table_entry(i);
+  for (long i = 0; i < n; ++i) out[i] = kind == 0 ? gelu_bf16_by_table(x[i], gelu.data()) : silu_by_table(x[i], silu.data());
+}
+
+// The tables' entries and bytes: GELU, SiLU.
+void activation_table_sizes(int* out) {
+  out[0] = gelu_table().entries();
+  out[1] = kGeluTableBytes;
+  out[2] = silu_table().entries();
+  out[3] = kSiluTableBytes;
+}
 }
 """
 
@@ -266,3 +284,31 @@ def test_swiglu_and_bf16_rounding_match_reference(numerics):
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), generator=torch.Generator().manual_seed(4),
                          dtype=torch.int64).to(torch.int32).view(torch.float32)
     assert_bits_equal(elementwise(numerics, 5, bits), bits.to(torch.bfloat16).float(), "bf16 rounding")
+
+
+def every_bf16_value() -> torch.Tensor:
+    """All 2^16 BF16 bit patterns (infinities and NaNs included), as FP32."""
+    return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind,name", [(0, "gelu"), (1, "silu")])
+def test_activation_tables_equal_the_formulas_on_every_bf16_input(numerics, kind, name):
+    """The lookup (table entries, the rules outside the tables, the slots) equals the formula on all 2^16 inputs."""
+    x = every_bf16_value()
+    x_np = f32(x)
+    out = np.zeros_like(x_np)
+    numerics.activation_by_table(pointer(x_np), ctypes.c_long(x_np.size), ctypes.c_int(kind), pointer(out))
+    want = R.gelu(x).to(torch.bfloat16).float() if name == "gelu" else R.silu(x)
+    assert_bits_equal(out, want, f"{name} by table")
+
+
+@needs_nvcc
+def test_activation_tables_are_small_and_padded(numerics):
+    """The tables fit a CTA's shared memory beside the cast's tile, padded to the kernels' 16-byte copies."""
+    sizes = np.zeros(4, dtype=np.int32)
+    numerics.activation_table_sizes(pointer(sizes))
+    gelu_entries, gelu_bytes, silu_entries, silu_bytes = sizes.tolist()
+    assert gelu_bytes % 16 == 0 and gelu_entries * 2 <= gelu_bytes < gelu_entries * 2 + 16
+    assert silu_bytes % 16 == 0 and silu_entries * 4 <= silu_bytes < silu_entries * 4 + 16
+    assert gelu_bytes <= 8 * 1024 and silu_bytes <= 32 * 1024

@@ -2,6 +2,7 @@
 
 - each kernel against its reference twin (nvfp4_dist/reference/fused_producers.py, run on the CPU): norm and
   activation outputs, norm statistics, amaxes, and the NVFP4 copies;
+- the activation of every BF16 input looked up in the kernels' tables against the formulas;
 - the fused chain (pass 1, pass 2: the BF16 output never written) against the unfused chain on the GPU (the
   norm's / activation's BF16 output written by its kernel, then the quantize kernels), at hidden 4096 and 8192
   and ffn 14336: both copies with the RHT, per-row amaxes (row-scaled), RMSNorm and LayerNorm, SwiGLU and GELU;
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 import nvfp4_dist as nv
 from nvfp4_dist import fused, fused_kernels, ops
+from nvfp4_dist._extension import load_extension
 from nvfp4_dist.layernorm_linear import LayerNormLinear, LayerNormMLP
 from nvfp4_dist.reference import fused_producers as R
 
@@ -160,6 +162,66 @@ def test_activation_forward_matches_reference(shape, dtype, activation):
                               1.0, -1.0]).to(dtype)
     got = fused_kernels.activation_forward(h, activation=activation, out_dtype=dtype)
     assert_bits(got, R.activation_forward(h.cpu(), activation=activation, out_dtype=dtype), "activation")
+
+
+def every_bf16_input(activation):
+    """h whose (gate) values are all 2^16 BF16 bit patterns, infinities and NaNs included; SwiGLU's up half
+    normal values of several octaves."""
+    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(4096, 16)
+    if activation == "swiglu":
+        x = torch.cat([x, activation_input((4096, 16), device="cpu", seed=5)], dim=1)
+    return x.cuda()
+
+
+def assert_bits_nan_as_nan(got, want, name):
+    """assert_bits, a NaN matching any NaN (the formulas' NaN payloads are not specified)."""
+    got, want = got.cpu().float(), want.cpu().float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{name}: NaNs differ"
+    assert_bits(got[~nan], want[~nan], name)
+
+
+@pytest.mark.parametrize("activation", R.ACTIVATIONS)
+def test_activation_tables_equal_the_formulas_on_every_bf16_input(activation):
+    """The kernels look the activation of BF16 inputs up (fused_kernels.activation_table); on all 2^16 inputs the
+    lookup equals the reference and the kernels' formula path (table None, as under CUDA graph capture)."""
+    h = every_bf16_input(activation)
+    looked_up = fused_kernels.activation_forward(h, activation=activation, out_dtype=torch.bfloat16)
+    by_formula = torch.empty_like(looked_up)
+    code = 0 if activation == "gelu" else 1
+    load_extension().activation_forward(h, code, by_formula, None, torch.cuda.current_stream().cuda_stream)
+    want = R.activation_forward(h.cpu(), activation=activation, out_dtype=torch.bfloat16)
+    assert_bits_nan_as_nan(looked_up, want, "looked up")
+    assert_bits_nan_as_nan(by_formula, want, "formula")
+
+
+@pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
+@pytest.mark.parametrize("activation", R.ACTIVATIONS)
+def test_activation_passes_by_table_equal_passes_by_formula(activation, recipe_name):
+    """Both fused passes give the same amaxes and copies with the table as with the formulas."""
+    options = cast_options(RECIPES[recipe_name])
+    h = activation_input((512, 4096 * (2 if activation == "swiglu" else 1)), seed=9, offset=-0.25)
+    code, stream = 0 if activation == "gelu" else 1, torch.cuda.current_stream().cuda_stream
+    extension, table = load_extension(), fused_kernels.activation_table(h.device, activation)
+    results = []
+    for given in (table, None):
+        rows = h.shape[0]
+        amax_rowwise = torch.empty(rows if options["row_scaled"] else 1, device="cuda")
+        amax_rht = torch.empty(1, device="cuda") if options["rht"] else None
+        extension.activation_amaxes(h, code, amax_rowwise, options["row_scaled"], amax_rht,
+                                    options["rht_random_sign"], given, stream)
+        amax_columnwise = amax_rht if options["columnwise"] else None
+        cols = 4096
+        q = [torch.full((rows, cols // 2), 0x77, dtype=torch.uint8, device="cuda"),
+             torch.full((rows, cols // 16), 0x77, dtype=torch.uint8, device="cuda")]
+        q += [torch.full((cols, rows // 2), 0x77, dtype=torch.uint8, device="cuda"),
+              torch.full((cols, rows // 16), 0x77, dtype=torch.uint8, device="cuda")] if options["columnwise"] else [None, None]
+        extension.activation_cast(h, code, amax_rowwise, amax_columnwise, *q, options["row_scaled"], options["rht"],
+                                  options["rht_random_sign"], given, stream)
+        results.append([amax_rowwise, amax_rht, *q])
+    for name, by_table, by_formula in zip(("amax_rowwise", "amax_rht", "rowwise_data", "rowwise_scale",
+                                           "columnwise_data", "columnwise_scale"), *results):
+        assert_bits(by_table, by_formula, name)
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))

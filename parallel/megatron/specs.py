@@ -168,7 +168,7 @@ def get_gpt_layer_nvfp4_spec(*, recipe: Optional[Union[NVFP4Recipe, RecipeMap]] 
     sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
     fused_producers: the norms inside linear_qkv and linear_fc1 and the activation inside linear_fc2
     (_norms_into_linears), so that each is fused into the NVFP4 cast of the linear's input where
-    recipe.fused_producers allows (off by default, docs/performance.md; NVFP4_DISABLE_FUSED_PRODUCERS=1 turns it
+    recipe.fused_producers allows (off by default, docs/fused_producers.md; NVFP4_DISABLE_FUSED_PRODUCERS=1 turns it
     off at run time; the same bytes either way). Distributed checkpoints keep the local spec's keys (Megatron maps its norms there);
     False: the local spec's structure and state_dict keys.
     With sequence parallelism use get_gpt_decoder_block_nvfp4_spec: given a layer spec, GPTModel
