@@ -11,6 +11,8 @@
 
     python -m pytest -q tests_multigpu/test_fused_producers_gpu.py
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,6 +195,25 @@ def test_activation_tables_equal_the_formulas_on_every_bf16_input(activation):
     want = R.activation_forward(h.cpu(), activation=activation, out_dtype=torch.bfloat16)
     assert_bits_nan_as_nan(looked_up, want, "looked up")
     assert_bits_nan_as_nan(by_formula, want, "formula")
+
+
+@pytest.mark.parametrize("activation", R.ACTIVATIONS)
+def test_fused_activation_captured_in_a_cuda_graph_before_its_table_exists(activation, monkeypatch):
+    """Captured before the device has the activation's table, the fused cast runs the formulas (no table is built
+    during capture) and gives the same copies as the eager cast, which builds and uses the table."""
+    monkeypatch.setattr(fused_kernels, "_ACTIVATION_TABLES", {})
+    recipe = dataclasses.replace(RECIPES["rht"], check_finite=False)  # its deferred host check does not capture
+    h = activation_input((256, 2048 * (2 if activation == "swiglu" else 1)), seed=13)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused.quantize_activation_output(h, activation=activation, recipe=recipe, columnwise=True)
+    assert fused_kernels._ACTIVATION_TABLES == {}, "a table was built during capture"
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fused.quantize_activation_output(h, activation=activation, recipe=recipe, columnwise=True)
+    assert (h.device, activation) in fused_kernels._ACTIVATION_TABLES
+    assert_same_copies(captured, eager)
 
 
 @pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
