@@ -93,7 +93,8 @@ def build_parser() -> ArgumentParser:
     where.add_argument("--seq-length", type=int, default=64, help="tokens (bytes) per sequence")
     where.add_argument("--micro-batch", type=int, default=8, help="sequences per data-parallel rank and step")
     where.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                       help="activation dtype outside the NVFP4 GEMMs (auto: bf16 on GPU, fp32 on CPU)")
+                       help="activation dtype outside the NVFP4 GEMMs (auto: bf16 on GPU, fp32 on CPU; bf16 with "
+                            "--model megatron needs CUDA)")
     recipe = parser.add_argument_group("NVFP4 recipe (docs/numerics.md §10)")
     recipe.add_argument("--no-rht", action="store_true", help="no random Hadamard transform on wgrad operands")
     recipe.add_argument("--no-sr", action="store_true", help="no stochastic rounding of gradients")
@@ -112,6 +113,10 @@ def build_parser() -> ArgumentParser:
                              "--row-scaled-activation, dequantized runs its backward in BF16 instead of on the "
                              "per-column scaled wgrad copy")
     add_four_over_six_flags(recipe)
+    recipe.add_argument("--fused-producers", action="store_true",
+                        help="--model megatron: the norms and the activation fused into the NVFP4 cast of the linear "
+                             "after them, their BF16 output never written (the same bytes; faster for some norms "
+                             "and activations than others: docs/fused_producers.md)")
     recipe.add_argument("--recipe-config", type=pathlib.Path, default=None, metavar="FILE",
                         help="per-layer recipes, YAML or JSON: module-name globs to \"bf16\" or to recipe fields "
                              "that change this recipe, first match wins (docs/numerics.md §10). Module names: "

@@ -1,7 +1,8 @@
 """nvfp4-train's GPU model: Megatron-Core's GPTModel with the NVFP4 decoder-block spec.
 
 The first/last --bf16-first-layers/--bf16-last-layers transformer layers stay in BF16; --recipe-config's
-per-layer recipes reach the linears through the spec's recipe_map; --batch-split runs the decoder block as parts
+per-layer recipes reach the linears through the spec's recipe_map; --fused-producers puts the norms and the
+activation inside the linears after them (the spec's fused_producers); --batch-split runs the decoder block as parts
 of each micro-batch at once (split_batch). Parameters
 are FP32 (master weights); with --dtype bf16 the forward runs under torch.autocast. On CPU (tests,
 --model megatron --device cpu) attention is torch's SDPA, since Megatron's DotProductAttention
@@ -56,7 +57,7 @@ def build_megatron_gpt(plan, device):
         apply_rope_fusion=False, init_method_std=0.02)
     spec = nvfp4_megatron.get_gpt_decoder_block_nvfp4_spec(
         config, recipe=plan.recipe, recipe_map=plan.recipe_map, bf16_first_layers=args.bf16_first_layers,
-        bf16_last_layers=args.bf16_last_layers)
+        bf16_last_layers=args.bf16_last_layers, fused_producers=args.fused_producers)
     if device.type == "cpu":
         spec = nvfp4_megatron.with_sdpa_attention(spec)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,

@@ -181,6 +181,9 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
         raise ValueError("--overlap-transport needs --overlap (it picks how overlap pipelines)")
     if args.gemm_backend in ("cublaslt", "emulated") and device != "cuda":
         raise ValueError(f"--gemm-backend={args.gemm_backend} needs CUDA (--device cuda)")
+    if args.fused_producers and model != "megatron":
+        raise ValueError("--fused-producers needs --model megatron (the small GPT's norms are modules of their own, "
+                         "not inside its linears)")
     if args.batch_split > 1 and model != "megatron":
         raise ValueError(f"--batch-split={args.batch_split} needs --model megatron (it splits Megatron's decoder "
                          f"block)")
@@ -189,6 +192,9 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
     if args.batch_split > args.micro_batch:
         raise ValueError(f"--batch-split={args.batch_split}: more parts than --micro-batch={args.micro_batch} "
                          f"sequences")
+    if model == "megatron" and args.dtype == "bf16" and device != "cuda":
+        raise ValueError("--dtype bf16 with --model megatron needs CUDA (the backward of Megatron-Core's own output "
+                         "layer does not follow CPU autocast); on CPU use --dtype fp32, or --model gpt")
     if model == "megatron" and args.sp and device != "cuda":
         raise ValueError("--sp with --model megatron needs CUDA (Megatron-Core's own output layer gathers the "
                          "sequence through a CUDA buffer); on CPU use --model gpt --sp")
@@ -258,7 +264,7 @@ def make_recipe(args: argparse.Namespace):
                                 row_scaled_activation=args.row_scaled_activation,
                                 bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers,
                                 gemm_backend=args.gemm_backend, overlap=args.overlap, check_finite=True,
-                                **given_recipe_fields(args))
+                                fused_producers=args.fused_producers, **given_recipe_fields(args))
 
 
 def load_recipe_config(path: pathlib.Path, recipe):

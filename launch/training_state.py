@@ -9,8 +9,11 @@ import torch.distributed as dist
 from nvfp4_dist.launch import checkpoint
 from nvfp4_dist.launch.plan import CHECKPOINT_DIRECTORY, SettingError
 
-# Flags a resumed run must share with its checkpoint (the state's shapes and sharding depend on them).
-CHECKPOINT_FLAGS = ("model", "layers", "hidden", "heads", "ffn", "seq_length", "tp", "sp", "world_size")
+# Flags a resumed run must share with its checkpoint (the state's shapes, sharding and keys depend on them), and
+# the value of those that checkpoints of older versions do not record.
+CHECKPOINT_FLAGS = ("model", "layers", "hidden", "heads", "ffn", "seq_length", "tp", "sp", "world_size",
+                    "fused_producers")
+UNRECORDED_FLAG_VALUES = {"fused_producers": False}
 
 
 def checkpoints_directory(plan):
@@ -21,7 +24,7 @@ def checkpoint_config(plan) -> dict:
     args = plan.args
     return {"model": plan.model, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "ffn": plan.ffn, "seq_length": args.seq_length, "tp": plan.tp, "sp": args.sp,
-            "world_size": plan.world_size}
+            "world_size": plan.world_size, "fused_producers": args.fused_producers}
 
 
 def rng_state(device) -> dict:
@@ -68,8 +71,9 @@ def resume(plan, model, optimizer, *, rank: int, device) -> tuple:
     if resumed.state is None:
         return 0, (f"no complete checkpoint in {root}{passed_over}: starting at step 1" if passed_over else None)
     saved = resumed.state["config"]
-    mismatched = {key: (saved.get(key), value) for key, value in checkpoint_config(plan).items()
-                  if saved.get(key) != value}
+    recorded = {key: saved.get(key, UNRECORDED_FLAG_VALUES.get(key)) for key in CHECKPOINT_FLAGS}
+    mismatched = {key: (recorded[key], value) for key, value in checkpoint_config(plan).items()
+                  if recorded[key] != value}
     if mismatched:
         details = ", ".join(f"--{key.replace('_', '-')}: checkpoint {old}, now {new}"
                             for key, (old, new) in mismatched.items())

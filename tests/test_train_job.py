@@ -198,6 +198,26 @@ def test_batch_split_flags_are_checked(capsys, monkeypatch):
         assert expected in capsys.readouterr().err, flags
 
 
+def test_fused_producers_flag_needs_the_megatron_model(capsys, monkeypatch):
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(worker, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", "--model", "gpt", "--fused-producers"])
+    assert "--fused-producers needs --model megatron" in capsys.readouterr().err
+
+
+def test_megatron_model_in_bf16_on_cpu_is_refused(capsys, monkeypatch):
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed (pip install nvfp4-dist[megatron])")
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(worker, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", "--model", "megatron", "--dtype", "bf16"])
+    assert "--dtype bf16 with --model megatron needs CUDA" in capsys.readouterr().err
+
+
 def test_world_size_from_a_launcher_is_checked(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setattr(worker, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
@@ -240,6 +260,27 @@ def test_megatron_model_trains_with_its_batch_split_on_cpu(tmp_path):
     assert "decoder block in 2 parts of the micro-batch" in result.stdout
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them(tmp_path):
+    """--fused-producers builds the spec with the norms and the activation inside the linears (their parameters
+    there, the recipe's fused_producers on) and trains (on CPU in FP32, so each takes the unfused chain: the fused
+    passes quantize BF16 outputs); its checkpoint does not resume a run without the flag, whose parameters have
+    other names."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
+    common = ("--model", "megatron", "--warmup-steps", "1", "--save-every", "2")
+    result = run_train(tmp_path, *common, "--fused-producers", "--steps", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "norms and activation fused into the NVFP4 casts" in result.stdout
+    assert "fused_producers=True" in result.stdout
+    losses = [r["loss"] for r in metrics(tmp_path)]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    refused = run_train(tmp_path, *common, "--steps", "6")
+    assert refused.returncode == 2
+    assert "--fused-producers: checkpoint True, now False" in refused.stdout + refused.stderr
+    resumed = run_train(tmp_path, *common, "--fused-producers", "--steps", "6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from the step-4 checkpoint" in resumed.stdout
 
 
 def test_sequence_parallel_matches_tensor_parallel_and_tp1(tmp_path):
