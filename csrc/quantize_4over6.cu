@@ -8,7 +8,8 @@
 // The per-element numerics are csrc/nvfp4_numerics.cuh's four_over_six_* functions (host-tested against the reference):
 // blocks of 16-bit values that neither saturate nor underflow (nearly all) take their common case, the error on |x|
 // with packed FP16 products and no IEEE division; every other block the general one. The cast is bound by arithmetic
-// (two candidates per block and copy), not by memory.
+// (two candidates per block and copy), not by memory; its outputs are staged per tile in shared memory and leave in
+// whole lines (StagedCopy), which spares L2 the four partial writes per line that direct stores made.
 #include <cstdint>
 
 #include "nvfp4_device.cuh"
@@ -90,12 +91,11 @@ __device__ __forceinline__ float tile_error_across_16_lanes(float error) {
 }
 
 // One block (16 values along the quantized dimension): both candidates, the choice, and the kept one's codes and
-// scale at data / scale when `inside`. Every lane of the warp takes part (the 16x16 sums shuffle).
+// scale into `codes` and `scale`. Every lane of the warp takes part (the 16x16 sums shuffle).
 // encode_of: e_b of a scale byte under global's S_dec (a shared-memory table, or BlockEncodeFactor).
 template <typename T, bool k2D, bool kMSE, bool kFastMath, typename EncodeOf>
 __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlockSize], const FourOverSixScale& global,
-                                                    const EncodeOf& encode_of, bool inside, uint8_t* data,
-                                                    uint8_t* scale) {
+                                                    const EncodeOf& encode_of, uint2& codes, uint8_t& scale) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) amax = fmaxf(amax, fabsf(values[i]));
@@ -108,9 +108,67 @@ __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlock
     error6 = tile_error_across_16_lanes(error6);
   }
   const bool map_to_4 = four_over_six_choice(error4, error6) == 0;
-  if (inside) {
-    *reinterpret_cast<uint2*>(data) = map_to_4 ? c.packed[0] : c.packed[1];
-    *scale = static_cast<uint8_t>(map_to_4 ? c.scale[0] : c.scale[1]);
+  codes = map_to_4 ? c.packed[0] : c.packed[1];
+  scale = static_cast<uint8_t>(map_to_4 ? c.scale[0] : c.scale[1]);
+}
+
+// One tile's codes and scales of one copy, staged in shared memory so that each row of the rowwise copy (each
+// column, for the columnwise one) leaves in whole 16-byte stores (8-byte ones where alignment or the tensor's edge
+// asks) instead of four 8-byte pieces from four warps: line [i] is tile row (or column) i, its 4 blocks in order.
+struct StagedCopy {
+  uint2 codes[kTile][kBlocksPerTileRow];
+  uint8_t scales[kTile][kBlocksPerTileRow];
+};
+
+// Line `line` (tile row or column) of a staged copy written out by two threads (half 0, 1: blocks 2 half, 2 half + 1)
+// for its codes, and by the first of them for its scales. data / scale: the line's first block in the copy;
+// blocks: the line's blocks inside the tensor (0..4); wide_codes, wide_scales: those addresses are 16- and 4-byte
+// aligned.
+__device__ __forceinline__ void write_staged_line(const StagedCopy& staged, int line, int half, int blocks,
+                                                  uint8_t* data, uint8_t* scale, bool wide_codes, bool wide_scales) {
+  const int first = 2 * half;
+  if (wide_codes && first + 1 < blocks) {
+    const uint2 low = staged.codes[line][first], high = staged.codes[line][first + 1];
+    *reinterpret_cast<uint4*>(data + first * 8) = make_uint4(low.x, low.y, high.x, high.y);
+  } else {
+#pragma unroll
+    for (int j = first; j < first + 2; ++j) {
+      if (j < blocks) *reinterpret_cast<uint2*>(data + j * 8) = staged.codes[line][j];
+    }
+  }
+  if (half != 0) return;
+  if (wide_scales && blocks == kBlocksPerTileRow) {
+    *reinterpret_cast<uint32_t*>(scale) = *reinterpret_cast<const uint32_t*>(staged.scales[line]);
+  } else {
+    for (int j = 0; j < blocks; ++j) scale[j] = staged.scales[line][j];
+  }
+}
+
+__device__ __forceinline__ bool aligned(const uint8_t* address, int bytes) {
+  return reinterpret_cast<uintptr_t>(address) % bytes == 0;
+}
+
+// A tile's staged copies written out: threads 0..127 the rowwise lines (two a row), 128..255 the columnwise ones.
+__device__ __forceinline__ void write_staged_tile(const StagedCopy (&staged)[2], const QuantizeArgs& args, int64_t m0,
+                                                  int64_t k0, int tid) {
+  const int line = (tid % 128) / 2, half = tid % 2;
+  if (tid < 128) {
+    const int64_t m = m0 + line;
+    if (args.rowwise_data == nullptr || m >= args.rows) return;
+    const int64_t left = (args.cols - k0) / kBlockSize;
+    write_staged_line(staged[0], line, half, left < kBlocksPerTileRow ? static_cast<int>(left) : kBlocksPerTileRow,
+                      args.rowwise_data + m * (args.cols / 2) + k0 / 2,
+                      args.rowwise_scale + m * (args.cols / kBlockSize) + k0 / kBlockSize,
+                      args.cols % 32 == 0 && aligned(args.rowwise_data, 16), args.cols % 64 == 0 && aligned(args.rowwise_scale, 4));
+  } else {
+    const int64_t k = k0 + line;
+    if (args.columnwise_data == nullptr || k >= args.cols) return;
+    const int64_t left = (args.rows - m0) / kBlockSize;
+    write_staged_line(staged[1], line, half, left < kBlocksPerTileRow ? static_cast<int>(left) : kBlocksPerTileRow,
+                      args.columnwise_data + k * (args.rows / 2) + m0 / 2,
+                      args.columnwise_scale + k * (args.rows / kBlockSize) + m0 / kBlockSize,
+                      args.rows % 32 == 0 && aligned(args.columnwise_data, 16),
+                      args.rows % 64 == 0 && aligned(args.columnwise_scale, 4));
   }
 }
 
@@ -132,6 +190,8 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
   using Tile = RawTile<T>;
   __shared__ __align__(128) uint8_t tile_buffers[2][Tile::kBytes];
   __shared__ float encode_of_scale[2][kPositiveScales];  // rowwise (tensor-scaled), columnwise
+  // per tile buffer: its rowwise and columnwise outputs, written out at the start of the next tile (or at the end)
+  __shared__ __align__(16) StagedCopy staged[2][2];
   const int tid = threadIdx.x;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerCta;
   const int64_t end_tile = first_tile + kTilesPerCta < tiles ? first_tile + kTilesPerCta : tiles;
@@ -148,6 +208,7 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
                             copy == 0 ? rowwise_global.s_dec : columnwise_global.s_dec);
   }
   const int lane_index = tid % kTile, block = tid / kTile;
+  int64_t staged_m0 = -1, staged_k0 = 0;  // the origin of the tile staged in the other buffer (-1: none)
 
 #pragma unroll 1
   for (int64_t tile_index = first_tile, buffer = 0; tile_index < end_tile; ++tile_index, buffer ^= 1) {
@@ -161,34 +222,35 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
     }
     __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
     const uint8_t* const tile = tile_buffers[buffer];
+    if (staged_m0 >= 0) write_staged_tile(staged[buffer ^ 1], args, staged_m0, staged_k0, tid);  // the last tile's
 
+    StagedCopy (&out)[2] = staged[buffer];
     if (args.rowwise_data != nullptr) {
-      const int64_t m = m0 + lane_index, k = k0 + block * kBlockSize;
-      const bool inside = m < args.rows && k < args.cols;
+      const int64_t m = m0 + lane_index;
       float values[kBlockSize];
       Tile::read_row_block(tile, lane_index, block, values);
-      uint8_t* const data = args.rowwise_data + m * (args.cols / 2) + k / 2;
-      uint8_t* const scale = args.rowwise_scale + m * (args.cols / kBlockSize) + k / kBlockSize;
+      uint2& codes = out[0].codes[lane_index][block];
+      uint8_t& scale = out[0].scales[lane_index][block];
       if (args.row_scaled) {  // 1D blocks only: S_enc per row
         const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
-        encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, inside, data,
-                                                       scale);
+        encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, codes, scale);
       } else {
-        encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, inside,
-                                                     data, scale);
+        encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, codes,
+                                                     scale);
       }
     }
     if (args.columnwise_data != nullptr) {  // rows % 16 == 0
-      const int64_t k = k0 + lane_index, m = m0 + block * kBlockSize;
-      const bool inside = m < args.rows && k < args.cols;
       float values[kBlockSize];
       Tile::read_column_block(tile, lane_index, block, values);
-      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]}, inside,
-                                                   args.columnwise_data + k * (args.rows / 2) + m / 2,
-                                                   args.columnwise_scale + k * (args.rows / kBlockSize) + m / kBlockSize);
+      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]},
+                                                   out[1].codes[lane_index][block], out[1].scales[lane_index][block]);
     }
-    __syncthreads();  // this buffer's readers are done before the copy two tiles on
+    staged_m0 = m0;
+    staged_k0 = k0;
+    // this buffer's readers are done before the copy two tiles on, and this tile's staged outputs are in
+    __syncthreads();
   }
+  write_staged_tile(staged[(end_tile - first_tile - 1) % 2], args, staged_m0, staged_k0, tid);
 }
 
 template <typename T, bool k2D, bool kMSE>
