@@ -71,6 +71,17 @@ struct SharedTable {
   __align__(16) uint8_t bytes[kLookup ? kTableBytes<kSwiglu> : 16];
 };
 
+// The activation of a grid-stride kernel: with kLookup, its table copied into `shared` first (a barrier: collective).
+template <typename T, bool kSwiglu, bool kLookup>
+__device__ __forceinline__ Activate<T, kSwiglu, kLookup> activation_with_table(SharedTable<kSwiglu, kLookup>& shared,
+                                                                               const void* table) {
+  if constexpr (kLookup) {
+    copy_table<kSwiglu>(shared.bytes, table);
+    __syncthreads();
+  }
+  return Activate<T, kSwiglu, kLookup>{shared.bytes};
+}
+
 // The activation of outputs (row, c .. c + 7) in FP32 (before any rounding).
 template <typename T, bool kSwiglu, typename Act>
 __device__ __forceinline__ void activation8(const Act& act, const T* h, int64_t cols, int64_t row, int64_t c,
@@ -110,11 +121,7 @@ __global__ void __launch_bounds__(kThreads) activation_vectors_kernel(const T* _
                                                                       const void* __restrict__ table) {
   __shared__ uint32_t scratch[32];
   __shared__ SharedTable<kSwiglu, kLookup> shared_table;
-  if constexpr (kLookup) {
-    copy_table<kSwiglu>(shared_table.bytes, table);
-    __syncthreads();
-  }
-  const Activate<T, kSwiglu, kLookup> act{shared_table.bytes};
+  const auto act = activation_with_table<T>(shared_table, table);
   const int64_t vectors_per_row = cols / kVector, vectors = rows * vectors_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running = 0u;
@@ -141,11 +148,7 @@ __global__ void __launch_bounds__(kThreads) activation_row_amax_kernel(const T* 
                                                                        float* __restrict__ amax,
                                                                        const void* __restrict__ table) {
   __shared__ SharedTable<kSwiglu, kLookup> shared_table;
-  if constexpr (kLookup) {
-    copy_table<kSwiglu>(shared_table.bytes, table);
-    __syncthreads();
-  }
-  const Activate<T, kSwiglu, kLookup> act{shared_table.bytes};
+  const auto act = activation_with_table<T>(shared_table, table);
   constexpr int kWarps = kThreads / 32;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
@@ -183,11 +186,7 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
                                                                        const void* __restrict__ table) {
   __shared__ uint32_t scratch[32];
   __shared__ SharedTable<kSwiglu, kLookup> shared_table;
-  if constexpr (kLookup) {
-    copy_table<kSwiglu>(shared_table.bytes, table);
-    __syncthreads();
-  }
-  const Activate<T, kSwiglu, kLookup> act{shared_table.bytes};
+  const auto act = activation_with_table<T>(shared_table, table);
   const int64_t row_blocks = rows / kBlockSize, pairs = cols / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running_plain = 0u, running_rht = 0u;
@@ -311,17 +310,12 @@ cudaError_t launch_activation_cast_of(const ActivationArgs& args, const Producer
   }
 }
 
-// Whether the kernels look the activation of T up (BF16 inputs given a table).
-template <typename T>
-bool looks_up(const ActivationArgs& args) {
-  return std::is_same_v<T, __nv_bfloat16> && args.table != nullptr;
-}
-
-// fn(std::integral_constant<bool, kLookup>) for the activation's inputs T.
+// fn(std::integral_constant<bool, kLookup>) for the activation's inputs T: the kernels look the activation up for
+// BF16 inputs given a table.
 template <typename T, typename Fn>
 cudaError_t with_lookup(const ActivationArgs& args, Fn&& fn) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (looks_up<T>(args)) return fn(std::true_type{});
+    if (args.table != nullptr) return fn(std::true_type{});
   }
   return fn(std::false_type{});
 }

@@ -346,16 +346,20 @@ void norm_cast(const at::Tensor& x, const at::Tensor& weight, const std::optiona
                "norm_cast");
 }
 
+nvfp4::Activation activation_of(int64_t code) {
+  return code == static_cast<int64_t>(nvfp4::Activation::kSwiglu) ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu;
+}
+
 nvfp4::ActivationArgs activation_args(const at::Tensor& h, int64_t activation, const std::optional<at::Tensor>& table) {
   check_input(h);
-  const bool swiglu = activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu);
-  TORCH_CHECK(!swiglu || h.size(1) % 2 == 0, "nvfp4_dist._C: SwiGLU takes [rows, 2 cols]");
   nvfp4::ActivationArgs args{};
+  args.activation = activation_of(activation);
+  const bool swiglu = args.activation == nvfp4::Activation::kSwiglu;
+  TORCH_CHECK(!swiglu || h.size(1) % 2 == 0, "nvfp4_dist._C: SwiGLU takes [rows, 2 cols]");
   args.h = h.data_ptr();
   args.type = input_type(h);
   args.rows = h.size(0);
   args.cols = swiglu ? h.size(1) / 2 : h.size(1);
-  args.activation = swiglu ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu;
   if (table.has_value() && h.scalar_type() == at::kBFloat16) {
     check_device_tensor(*table, "table");
     TORCH_CHECK(table->scalar_type() == at::kByte && table->is_contiguous() &&
@@ -370,16 +374,14 @@ nvfp4::ActivationArgs activation_args(const at::Tensor& h, int64_t activation, c
 
 void activation_table(int64_t activation, at::Tensor& out, int64_t stream) {
   check_device_tensor(out, "out");
-  const nvfp4::Activation kind = activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu)
-                                     ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu;
+  const nvfp4::Activation kind = activation_of(activation);
   TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == nvfp4::activation_table_bytes(kind),
               "nvfp4_dist._C.activation_table: out uint8 of activation_table_bytes(activation)");
   check_launch(nvfp4::launch_activation_table(kind, out.data_ptr(), as_stream(stream)), "activation_table");
 }
 
 int64_t activation_table_bytes(int64_t activation) {
-  return nvfp4::activation_table_bytes(activation == static_cast<int64_t>(nvfp4::Activation::kSwiglu)
-                                           ? nvfp4::Activation::kSwiglu : nvfp4::Activation::kGelu);
+  return nvfp4::activation_table_bytes(activation_of(activation));
 }
 
 void activation_forward(const at::Tensor& h, int64_t activation, at::Tensor& out, const std::optional<at::Tensor>& table,

@@ -154,12 +154,11 @@ NVFP4_HD constexpr ActivationTable silu_table() { return {0x33C1u, 0x42B1u}; }  
 constexpr int kGeluTableBytes = (gelu_table().entries() * 2 + 15) / 16 * 16;  // BF16 entries
 constexpr int kSiluTableBytes = (silu_table().entries() * 4 + 15) / 16 * 16;  // FP32 entries
 
-// The entry of a BF16 value x (as FP32): positives first, then negatives; -1 outside the table.
-NVFP4_HD int activation_table_slot(float x, ActivationTable table) {
-  const uint32_t bits = float_bits(x);
-  const uint32_t offset = ((bits >> 16) & 0x7FFFu) - table.first;  // wraps around below first
+// The entry of the BF16 value with bits p (low 16 bits): positives first, then negatives; -1 outside the table.
+NVFP4_HD int activation_table_slot(uint32_t p, ActivationTable table) {
+  const uint32_t offset = (p & 0x7FFFu) - table.first;  // wraps around below first
   return offset < static_cast<uint32_t>(table.per_sign())
-             ? static_cast<int>(offset) + static_cast<int>(bits >> 31) * table.per_sign()
+             ? static_cast<int>(offset) + static_cast<int>((p >> 15) & 1u) * table.per_sign()
              : -1;
 }
 
@@ -182,15 +181,12 @@ NVFP4_HD float activation_outside_table(float x, ActivationTable table) {
   return magnitude < table.first ? x * 0.5f : (x > 0.0f ? x : x * 0.0f);
 }
 
-// The BF16 bits of GELU of the BF16 bits p (low 16 bits), rounded to BF16, from the GELU table: the same slot as
-// activation_table_slot, on the bits (no conversions), the rules in a branch that the lanes rarely take.
+// The BF16 bits of GELU of the BF16 bits p (low 16 bits), rounded to BF16, from the GELU table: on the bits (no
+// conversions), the rules in a branch that the lanes rarely take.
 NVFP4_HD uint32_t gelu_bf16_bits_by_table(uint32_t p, const uint16_t* table) {
-  constexpr ActivationTable kTable = gelu_table();
-  const uint32_t offset = (p & 0x7FFFu) - kTable.first;  // wraps around below first
-  if (offset < static_cast<uint32_t>(kTable.per_sign())) {
-    return table[offset + ((p >> 15) & 1u) * static_cast<uint32_t>(kTable.per_sign())];
-  }
-  return float_bits(rounded_to_bf16(activation_outside_table(bits_float(p << 16), kTable))) >> 16;
+  const int slot = activation_table_slot(p, gelu_table());
+  if (slot >= 0) return table[slot];
+  return float_bits(rounded_to_bf16(activation_outside_table(bits_float(p << 16), gelu_table()))) >> 16;
 }
 
 // GELU of a BF16 x, rounded to BF16: rounded_to_bf16(gelu_of(x)), from the GELU table.
@@ -200,7 +196,7 @@ NVFP4_HD float gelu_bf16_by_table(float x, const uint16_t* table) {
 
 // SiLU of a BF16 x: silu_of(x), from the SiLU table.
 NVFP4_HD float silu_by_table(float x, const float* table) {
-  const int slot = activation_table_slot(x, silu_table());
+  const int slot = activation_table_slot(float_bits(x) >> 16, silu_table());
   return slot >= 0 ? table[slot] : activation_outside_table(x, silu_table());
 }
 

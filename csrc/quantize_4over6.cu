@@ -148,27 +148,29 @@ __device__ __forceinline__ bool aligned(const uint8_t* address, int bytes) {
   return reinterpret_cast<uintptr_t>(address) % bytes == 0;
 }
 
-// A tile's staged copies written out: threads 0..127 the rowwise lines (two a row), 128..255 the columnwise ones.
+// Line `line` of one copy's staged tile written out (write_staged_line): the copy's row first_line + line of
+// `lines` rows, each `length` elements long (codes at data, scales at scale), from element `start` (the tile's).
+__device__ __forceinline__ void write_staged_copy_line(const StagedCopy& staged, int line, int half, int64_t first_line,
+                                                       int64_t lines, int64_t length, int64_t start, uint8_t* data,
+                                                       uint8_t* scale) {
+  const int64_t row = first_line + line;
+  if (data == nullptr || row >= lines) return;
+  const int64_t left = (length - start) / kBlockSize;
+  write_staged_line(staged, line, half, left < kBlocksPerTileRow ? static_cast<int>(left) : kBlocksPerTileRow,
+                    data + row * (length / 2) + start / 2, scale + row * (length / kBlockSize) + start / kBlockSize,
+                    length % 32 == 0 && aligned(data, 16), length % 64 == 0 && aligned(scale, 4));
+}
+
+// A tile's staged copies written out: threads 0..127 the rowwise lines (two a row), 128..255 the columnwise ones
+// (rows of x^T).
 __device__ __forceinline__ void write_staged_tile(const StagedCopy (&staged)[2], const QuantizeArgs& args, int64_t m0,
                                                   int64_t k0, int tid) {
   const int line = (tid % 128) / 2, half = tid % 2;
   if (tid < 128) {
-    const int64_t m = m0 + line;
-    if (args.rowwise_data == nullptr || m >= args.rows) return;
-    const int64_t left = (args.cols - k0) / kBlockSize;
-    write_staged_line(staged[0], line, half, left < kBlocksPerTileRow ? static_cast<int>(left) : kBlocksPerTileRow,
-                      args.rowwise_data + m * (args.cols / 2) + k0 / 2,
-                      args.rowwise_scale + m * (args.cols / kBlockSize) + k0 / kBlockSize,
-                      args.cols % 32 == 0 && aligned(args.rowwise_data, 16), args.cols % 64 == 0 && aligned(args.rowwise_scale, 4));
+    write_staged_copy_line(staged[0], line, half, m0, args.rows, args.cols, k0, args.rowwise_data, args.rowwise_scale);
   } else {
-    const int64_t k = k0 + line;
-    if (args.columnwise_data == nullptr || k >= args.cols) return;
-    const int64_t left = (args.rows - m0) / kBlockSize;
-    write_staged_line(staged[1], line, half, left < kBlocksPerTileRow ? static_cast<int>(left) : kBlocksPerTileRow,
-                      args.columnwise_data + k * (args.rows / 2) + m0 / 2,
-                      args.columnwise_scale + k * (args.rows / kBlockSize) + m0 / kBlockSize,
-                      args.rows % 32 == 0 && aligned(args.columnwise_data, 16),
-                      args.rows % 64 == 0 && aligned(args.columnwise_scale, 4));
+    write_staged_copy_line(staged[1], line, half, k0, args.cols, args.rows, m0, args.columnwise_data,
+                           args.columnwise_scale);
   }
 }
 
