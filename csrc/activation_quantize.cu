@@ -228,7 +228,9 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
   }
 }
 
-// The activation as the cast's producer: the table, when it looks the activation up, staged once per CTA.
+// The activation as the cast's producer: the table, when it looks the activation up, staged once per CTA. SwiGLU
+// of 16-bit h takes the kernel's copy pipeline: each thread's gate and up vectors of the next tile copied into a
+// source slot (vector v's gate at 16 v, its up kGateBytes further) while the current tile is cast.
 template <typename T, bool kSwiglu, bool kLookup>
 struct ActivationProducer {
   const T* h;
@@ -236,6 +238,9 @@ struct ActivationProducer {
   const void* table;  // kLookup: global memory
 
   using Tile = SharedTable<kSwiglu, kLookup>;
+  static constexpr bool kCopied = kSwiglu && sizeof(T) == 2;
+  static constexpr int kGateBytes = producer::kCastTileRows * producer::kCastRowBytes;
+  static constexpr int kSourceBytes = kCopied ? 2 * kGateBytes : 0;
 
   __device__ void prepare(Tile& tile, int) const {
     if constexpr (kLookup) copy_table<kSwiglu>(tile.bytes, table);
@@ -243,8 +248,33 @@ struct ActivationProducer {
 
   __device__ void stage(Tile&, int64_t, int64_t, int, int, int) const {}
 
-  __device__ void produce8(const Tile& tile, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const {
-    activation8<T, kSwiglu>(Activate<T, kSwiglu, kLookup>{tile.bytes}, h, cols, m0 + r, k0 + c, out);
+  __device__ void copy_source(uint8_t* slot, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
+    if constexpr (kCopied) {
+#pragma unroll
+      for (int u = 0; u < producer::kCastVectorsPerThread; ++u) {
+        const producer::CastVector vector(tid, u);
+        if (vector.row < rows_in_tile && vector.chunk * 8 < cols_in_tile) {
+          const T* gate = h + (m0 + vector.row) * 2 * cols + k0 + vector.chunk * 8;
+          producer::cp_async_16(slot + 16 * vector.index(), gate);
+          producer::cp_async_16(slot + kGateBytes + 16 * vector.index(), gate + cols);
+        }
+      }
+    }
+  }
+
+  __device__ void produce8(const Tile& tile, const uint8_t* slot, int64_t m0, int64_t k0, int r, int c,
+                           float (&out)[8]) const {
+    const Activate<T, kSwiglu, kLookup> act{tile.bytes};
+    if constexpr (kCopied) {
+      const int offset = 16 * (r * producer::kCastChunksPerRow + c / 8);
+      float gate[8], up[8];
+      unpack_vector<T>(*reinterpret_cast<const uint4*>(slot + offset), gate);
+      unpack_vector<T>(*reinterpret_cast<const uint4*>(slot + kGateBytes + offset), up);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = act(gate[e], up[e]);
+    } else {
+      activation8<T, kSwiglu>(act, h, cols, m0 + r, k0 + c, out);
+    }
   }
 };
 

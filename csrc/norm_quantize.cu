@@ -335,7 +335,11 @@ struct NormProducer {
     __align__(16) float bias[producer::kCastTileCols];
   };
 
+  static constexpr int kSourceBytes = 0;  // produce8 loads x itself
+
   __device__ void prepare(Tile&, int) const {}
+
+  __device__ void copy_source(uint8_t*, int64_t, int64_t, int, int, int) const {}
 
   __device__ void stage(Tile& tile, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const {
     if (tid < rows_in_tile) {
@@ -348,7 +352,8 @@ struct NormProducer {
     }
   }
 
-  __device__ void produce8(const Tile& tile, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const {
+  __device__ void produce8(const Tile& tile, const uint8_t*, int64_t m0, int64_t k0, int r, int c,
+                           float (&out)[8]) const {
     constexpr int kPerVector = 16 / sizeof(T);
     const uint4* source = reinterpret_cast<const uint4*>(x + (m0 + r) * cols + k0 + c);
     float values[8];

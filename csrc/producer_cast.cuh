@@ -8,10 +8,15 @@
 //   and the columnwise copy (after the RHT when on) with their E4M3 scales (launch_produce_and_cast). A Producer
 //   gives, for one tile:
 //     struct Tile;                                                           // its staged data, in shared memory
+//     static constexpr int kSourceBytes;                                     // see copy_source; 0: none
 //     void prepare(Tile&, int tid) const;                                    // once per CTA, before its tiles
 //     void stage(Tile&, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
-//     void produce8(const Tile&, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const;
-//   produce8: the FP32 values (before the rounding to BF16) of row m0 + r, columns k0 + c .. k0 + c + 7.
+//     void copy_source(uint8_t* slot, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
+//     void produce8(const Tile&, const uint8_t* slot, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const;
+//   produce8: the FP32 values (before the rounding to BF16) of row m0 + r, columns k0 + c .. k0 + c + 7, for the
+//   vectors (r, c / 8) = kCastVector(tid, u) of thread tid. copy_source (kSourceBytes > 0): cp.async of the input
+//   those vectors of thread tid need into `slot` (kSourceBytes of shared memory), which produce8 then reads: the
+//   kernel copies the CTA's next tile's input while it casts the current one (two slots).
 // The element numerics are csrc/nvfp4_numerics.cuh's in both.
 #pragma once
 
@@ -41,6 +46,20 @@ constexpr int kCastRowBlocks = kCastTileRows / kBlockSize;
 constexpr int kCastRowwiseRowStep = kCastThreads / (kCastTileCols / kBlockSize);  // 8 threads per tile row
 constexpr int kCastRowwiseItemsPerThread = kCastTileRows / kCastRowwiseRowStep;
 static_assert(kCastThreads / 32 * 8 * 2 == kCastTileCols, "columnwise items: a warp takes 8 column pairs x 4 row blocks");
+
+// Vector u of thread tid in a tile (8 columns of one row): (row, 16-byte chunk of the row), a warp's 32 vectors
+// consecutive chunks of two rows.
+struct CastVector {
+  int row, chunk;
+  __device__ CastVector(int tid, int u)
+      : row((tid + u * kCastThreads) / kCastChunksPerRow), chunk((tid + u * kCastThreads) % kCastChunksPerRow) {}
+  __device__ int index() const { return row * kCastChunksPerRow + chunk; }
+};
+
+__device__ __forceinline__ void cp_async_16(uint8_t* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global) : "memory");
+}
 static_assert(kCastRowBlocks == 4, "columnwise items: 4 row blocks per tile");
 
 // Shared-memory position of 16-byte chunk `chunk` of tile row `row`: the chunk index XOR-swizzled by
@@ -74,28 +93,45 @@ template <typename Producer, bool kRHT, bool kRandomSign>
 __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Producer producer, const ProducerCastArgs args) {
   __shared__ __align__(128) uint8_t tile[kCastTileRows * kCastRowBytes];
   __shared__ typename Producer::Tile staged;
+  extern __shared__ __align__(128) uint8_t source_slots[];  // kSourceBytes > 0: two, the launch's dynamic bytes
+  constexpr int kSourceBytes = Producer::kSourceBytes;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t column_tiles = (args.cols + kCastTileCols - 1) / kCastTileCols;
   const int64_t tiles = (args.rows + kCastTileRows - 1) / kCastTileRows * column_tiles;
+  const auto copy_source_of = [&](int64_t tile_index, uint8_t* slot) {  // one cp.async group, empty past the end
+    if (tile_index < tiles) {
+      const int64_t m0 = tile_index / column_tiles * kCastTileRows, k0 = tile_index % column_tiles * kCastTileCols;
+      producer.copy_source(slot, m0, k0, args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows,
+                           args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols, tid);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  if constexpr (kSourceBytes > 0) copy_source_of(blockIdx.x, source_slots);
   producer.prepare(staged, tid);
   // no barrier at the end of an iteration: the next one's writes to staged and tile follow barriers that every
-  // thread reaches only after its reads of this one
-  for (int64_t tile_index = blockIdx.x; tile_index < tiles; tile_index += gridDim.x) {
+  // thread reaches only after its reads of this one (and a thread reads only the source it copied itself)
+  for (int64_t tile_index = blockIdx.x, slot = 0; tile_index < tiles; tile_index += gridDim.x, slot ^= 1) {
     const int64_t m0 = tile_index / column_tiles * kCastTileRows;
     const int64_t k0 = tile_index % column_tiles * kCastTileCols;
     const int rows_in_tile = args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows;
     const int cols_in_tile = args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols;
     producer.stage(staged, m0, k0, rows_in_tile, cols_in_tile, tid);
+    const uint8_t* const source = source_slots + slot * kSourceBytes;
+    if constexpr (kSourceBytes > 0) {
+      copy_source_of(tile_index + gridDim.x, source_slots + (slot ^ 1) * kSourceBytes);  // the next tile's, in flight
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    }
     __syncthreads();
 
     // 1. The produced tile, rounded to BF16, in shared memory (zeros outside the tensor).
 #pragma unroll
     for (int u = 0; u < kCastVectorsPerThread; ++u) {
-      const int vector = tid + u * kCastThreads, r = vector / kCastChunksPerRow, chunk = vector % kCastChunksPerRow;
+      const CastVector vector(tid, u);
+      const int r = vector.row, chunk = vector.chunk;
       uint4 packed = make_uint4(0u, 0u, 0u, 0u);
       if (r < rows_in_tile && chunk * 8 < cols_in_tile) {
         float values[8];
-        producer.produce8(staged, m0, k0, r, chunk * 8, values);
+        producer.produce8(staged, source, m0, k0, r, chunk * 8, values);
         uint32_t words[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -173,14 +209,29 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   }
 }
 
+// The dynamic shared memory of produce_and_cast_kernel<Producer, ...>: its two source slots.
+template <typename Producer>
+constexpr int source_slot_bytes() { return 2 * Producer::kSourceBytes; }
+
+// The kernel allowed its source slots (over 48 KiB of shared memory with its static arrays), on the current device.
+template <typename Producer, bool kRHT, bool kRandomSign>
+cudaError_t allow_source_slots() {
+  if constexpr (source_slot_bytes<Producer>() == 0) {
+    return cudaSuccess;
+  } else {
+    return cudaFuncSetAttribute(produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, source_slot_bytes<Producer>());
+  }
+}
+
 // CTAs of produce_and_cast_kernel<Producer, kRHT, kRandomSign> for `tiles` tiles: as many as fit on the device at
-// once, at most one per tile.
+// once (its source slots allowed), at most one per tile.
 template <typename Producer, bool kRHT, bool kRandomSign>
 unsigned produce_and_cast_grid(int64_t tiles) {
   static const int resident = [] {
     int per_multiprocessor = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
-                                                      kCastThreads, 0) != cudaSuccess) {
+                                                      kCastThreads, source_slot_bytes<Producer>()) != cudaSuccess) {
       (void)cudaGetLastError();
       per_multiprocessor = 1;
     }
@@ -197,17 +248,22 @@ cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCast
   const int64_t tiles = ((args.rows + kCastTileRows - 1) / kCastTileRows) * ((args.cols + kCastTileCols - 1) / kCastTileCols);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
+  const cudaError_t allowed = args.rht && columnwise
+                                  ? (args.rht_random_sign ? allow_source_slots<Producer, true, true>()
+                                                          : allow_source_slots<Producer, true, false>())
+                                  : allow_source_slots<Producer, false, false>();
+  if (allowed != cudaSuccess) return allowed;
   if (args.rht && columnwise) {
     if (args.rht_random_sign) {
       produce_and_cast_kernel<Producer, true, true>
-          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, 0, stream>>>(producer, args);
+          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args);
     } else {
       produce_and_cast_kernel<Producer, true, false>
-          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, 0, stream>>>(producer, args);
+          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args);
     }
   } else {
     produce_and_cast_kernel<Producer, false, false>
-        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, 0, stream>>>(producer, args);
+        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args);
   }
   return cudaGetLastError();
 }
