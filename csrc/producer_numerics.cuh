@@ -154,12 +154,13 @@ NVFP4_HD constexpr ActivationTable silu_table() { return {0x33C1u, 0x42B1u}; }  
 constexpr int kGeluTableBytes = (gelu_table().entries() * 2 + 15) / 16 * 16;  // BF16 entries
 constexpr int kSiluTableBytes = (silu_table().entries() * 4 + 15) / 16 * 16;  // FP32 entries
 
-// The entry of the BF16 value with bits p (low 16 bits): positives first, then negatives; -1 outside the table.
-NVFP4_HD int activation_table_slot(uint32_t p, ActivationTable table) {
-  const uint32_t offset = (p & 0x7FFFu) - table.first;  // wraps around below first
-  return offset < static_cast<uint32_t>(table.per_sign())
-             ? static_cast<int>(offset) + static_cast<int>((p >> 15) & 1u) * table.per_sign()
-             : -1;
+// Whether the table holds the BF16 value with bits p (low 16 bits), and its entry there: positives first, then
+// negatives. Both on unsigned offsets (the magnitude's offset wraps around below first), which the callers share.
+NVFP4_HD bool activation_table_holds(uint32_t p, ActivationTable table) {
+  return (p & 0x7FFFu) - table.first < static_cast<uint32_t>(table.per_sign());
+}
+NVFP4_HD uint32_t activation_table_slot(uint32_t p, ActivationTable table) {
+  return (p & 0x7FFFu) - table.first + ((p >> 15) & 1u) * static_cast<uint32_t>(table.per_sign());
 }
 
 // The BF16 value (as FP32) whose activation entry `index` holds.
@@ -184,8 +185,7 @@ NVFP4_HD float activation_outside_table(float x, ActivationTable table) {
 // The BF16 bits of GELU of the BF16 bits p (low 16 bits), rounded to BF16, from the GELU table: on the bits (no
 // conversions), the rules in a branch that the lanes rarely take.
 NVFP4_HD uint32_t gelu_bf16_bits_by_table(uint32_t p, const uint16_t* table) {
-  const int slot = activation_table_slot(p, gelu_table());
-  if (slot >= 0) return table[slot];
+  if (activation_table_holds(p, gelu_table())) return table[activation_table_slot(p, gelu_table())];
   return float_bits(rounded_to_bf16(activation_outside_table(bits_float(p << 16), gelu_table()))) >> 16;
 }
 
@@ -196,8 +196,9 @@ NVFP4_HD float gelu_bf16_by_table(float x, const uint16_t* table) {
 
 // SiLU of a BF16 x: silu_of(x), from the SiLU table.
 NVFP4_HD float silu_by_table(float x, const float* table) {
-  const int slot = activation_table_slot(float_bits(x) >> 16, silu_table());
-  return slot >= 0 ? table[slot] : activation_outside_table(x, silu_table());
+  const uint32_t p = float_bits(x) >> 16;
+  return activation_table_holds(p, silu_table()) ? table[activation_table_slot(p, silu_table())]
+                                                 : activation_outside_table(x, silu_table());
 }
 
 }  // namespace nvfp4
