@@ -263,6 +263,22 @@ def test_activation_passes_match_reference(shape, activation, recipe_name):
     assert_same_copies(q, r)
 
 
+@pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_swiglu_cast_of_many_partial_tiles_per_cta(dtype, recipe_name):
+    """More 64 x 128 tiles than CTAs, partial ones among them (1040 x 4112: the last row of tiles has 16 rows, the
+    last column of tiles 16 columns): each CTA's copy pipeline alternates its two source slots over whole and
+    partial tiles. Against the reference."""
+    options = cast_options(RECIPES[recipe_name])
+    h = activation_input((1040, 2 * 4112), dtype, seed=21, offset=0.125)
+    got = fused_kernels.activation_amaxes(h, activation="swiglu", **options)
+    quantize = dict(amax_rowwise=got[0], amax_columnwise=got[1], **options)
+    q = fused_kernels.activation_quantize(h, activation="swiglu", **quantize)
+    r = R.activation_quantize(h.cpu(), activation="swiglu",
+                              **{k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in quantize.items()})
+    assert_same_copies(q, r)
+
+
 def test_rowwise_only_casts_of_any_row_count():
     """No columnwise copy: any row count, tiles with partial rows and columns."""
     x = activation_input((100, 4112), seed=3)
