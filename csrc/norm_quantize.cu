@@ -225,9 +225,10 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
 
 template <typename T, bool kLayerNorm, int kBlocks>
 cudaError_t launch_rows(const RowPassArgs& args, cudaStream_t stream) {
-  // two rows at a time where a thread holds one block of each (their loads in flight together), else one: four
-  // blocks in registers cost more CTAs per multiprocessor than the second row's loads in flight gain
-  constexpr int kRows = kBlocks == 1 ? 2 : 1;
+  // two rows at a time (their loads in flight together, one round of block-wide sums for both) where their blocks
+  // fit the registers (two blocks of 16 per thread and row at most); RMSNorm, one block-wide sum a row, takes rows
+  // of two blocks a thread one at a time: fewer registers, more CTAs per multiprocessor
+  constexpr int kRows = kBlocks * (sizeof(T) == 4 ? 2 : 1) <= 2 && (kLayerNorm || kBlocks == 1) ? 2 : 1;
   const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
   const int64_t grid = std::min<int64_t>(bands, static_cast<int64_t>(device_multiprocessors()) * 8);
   norm_rows_kernel<T, kLayerNorm, kBlocks, kRows>
