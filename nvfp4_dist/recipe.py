@@ -134,7 +134,7 @@ class NVFP4Recipe:
       parallel layers and Megatron specs built on them) quantize it in the producer's passes without writing it
       (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only. Off by
       default: on Hopper the fused SwiGLU and LayerNorm chains with both copies measured about even with the
-      unfused chain (0.89x-1.03x); GELU, RMSNorm and every row-scaled cast faster (docs/fused_producers.md).
+      unfused chain (0.90x-1.04x); GELU, RMSNorm and every row-scaled cast faster (docs/fused_producers.md).
     backward_mode: the operands of the dgrad and wgrad GEMMs (docs/numerics.md §10). default: NVFP4 as in §3-7;
       high_precision: the input and weight as given (forward saves the input; the weight in the compute dtype) and
       the unquantized output gradient, GEMMs in the compute dtype; dequantized: the NVFP4 copies fprop used (the
