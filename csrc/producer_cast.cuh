@@ -14,7 +14,7 @@
 //     void copy_source(uint8_t* slot, int64_t m0, int64_t k0, int rows_in_tile, int cols_in_tile, int tid) const;
 //     void produce8(const Tile&, const uint8_t* slot, int64_t m0, int64_t k0, int r, int c, float (&out)[8]) const;
 //   produce8: the FP32 values (before the rounding to BF16) of row m0 + r, columns k0 + c .. k0 + c + 7, for the
-//   vectors (r, c / 8) = kCastVector(tid, u) of thread tid. copy_source (kSourceBytes > 0): cp.async of the input
+//   vectors (r, c / 8) = CastVector(tid, u) of thread tid. copy_source (kSourceBytes > 0): cp.async of the input
 //   those vectors of thread tid need into `slot` (kSourceBytes of shared memory), which produce8 then reads: the
 //   kernel copies the CTA's next tile's input while it casts the current one (two slots).
 // The element numerics are csrc/nvfp4_numerics.cuh's in both.
@@ -46,6 +46,7 @@ constexpr int kCastRowBlocks = kCastTileRows / kBlockSize;
 constexpr int kCastRowwiseRowStep = kCastThreads / (kCastTileCols / kBlockSize);  // 8 threads per tile row
 constexpr int kCastRowwiseItemsPerThread = kCastTileRows / kCastRowwiseRowStep;
 static_assert(kCastThreads / 32 * 8 * 2 == kCastTileCols, "columnwise items: a warp takes 8 column pairs x 4 row blocks");
+static_assert(kCastRowBlocks == 4, "columnwise items: 4 row blocks per tile");
 
 // Vector u of thread tid in a tile (8 columns of one row): (row, 16-byte chunk of the row), a warp's 32 vectors
 // consecutive chunks of two rows.
@@ -60,7 +61,6 @@ __device__ __forceinline__ void cp_async_16(uint8_t* shared, const void* global)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
                "l"(global) : "memory");
 }
-static_assert(kCastRowBlocks == 4, "columnwise items: 4 row blocks per tile");
 
 // Shared-memory position of 16-byte chunk `chunk` of tile row `row`: the chunk index XOR-swizzled by
 // (row mod 8) ^ 2 * (the row's 16-row block mod 4). Free of bank conflicts for the tile's stores (a warp stores 2
