@@ -266,7 +266,7 @@ struct ActivationProducer {
                            float (&out)[8]) const {
     const Activate<T, kSwiglu, kLookup> act{tile.bytes};
     if constexpr (kCopied) {
-      const int offset = 16 * (r * producer::kCastChunksPerRow + c / 8);
+      const int offset = 16 * producer::CastVector::index_of(r, c / 8);
       float gate[8], up[8];
       unpack_vector<T>(*reinterpret_cast<const uint4*>(slot + offset), gate);
       unpack_vector<T>(*reinterpret_cast<const uint4*>(slot + kGateBytes + offset), up);

@@ -54,7 +54,8 @@ struct CastVector {
   int row, chunk;
   __device__ CastVector(int tid, int u)
       : row((tid + u * kCastThreads) / kCastChunksPerRow), chunk((tid + u * kCastThreads) % kCastChunksPerRow) {}
-  __device__ int index() const { return row * kCastChunksPerRow + chunk; }
+  __device__ static int index_of(int row, int chunk) { return row * kCastChunksPerRow + chunk; }
+  __device__ int index() const { return index_of(row, chunk); }
 };
 
 __device__ __forceinline__ void cp_async_16(uint8_t* shared, const void* global) {
@@ -98,11 +99,19 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t column_tiles = (args.cols + kCastTileCols - 1) / kCastTileCols;
   const int64_t tiles = (args.rows + kCastTileRows - 1) / kCastTileRows * column_tiles;
+  struct Extent {
+    int64_t m0, k0;
+    int rows_in_tile, cols_in_tile;
+  };
+  const auto extent_of = [&](int64_t tile_index) {
+    const int64_t m0 = tile_index / column_tiles * kCastTileRows, k0 = tile_index % column_tiles * kCastTileCols;
+    return Extent{m0, k0, args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows,
+                  args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols};
+  };
   const auto copy_source_of = [&](int64_t tile_index, uint8_t* slot) {  // one cp.async group, empty past the end
     if (tile_index < tiles) {
-      const int64_t m0 = tile_index / column_tiles * kCastTileRows, k0 = tile_index % column_tiles * kCastTileCols;
-      producer.copy_source(slot, m0, k0, args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows,
-                           args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols, tid);
+      const Extent next = extent_of(tile_index);
+      producer.copy_source(slot, next.m0, next.k0, next.rows_in_tile, next.cols_in_tile, tid);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
@@ -111,10 +120,7 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   // no barrier at the end of an iteration: the next one's writes to staged and tile follow barriers that every
   // thread reaches only after its reads of this one (and a thread reads only the source it copied itself)
   for (int64_t tile_index = blockIdx.x, slot = 0; tile_index < tiles; tile_index += gridDim.x, slot ^= 1) {
-    const int64_t m0 = tile_index / column_tiles * kCastTileRows;
-    const int64_t k0 = tile_index % column_tiles * kCastTileCols;
-    const int rows_in_tile = args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows;
-    const int cols_in_tile = args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols;
+    const auto [m0, k0, rows_in_tile, cols_in_tile] = extent_of(tile_index);
     producer.stage(staged, m0, k0, rows_in_tile, cols_in_tile, tid);
     const uint8_t* const source = source_slots + slot * kSourceBytes;
     if constexpr (kSourceBytes > 0) {
