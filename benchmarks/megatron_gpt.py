@@ -8,8 +8,9 @@ the baseline's linears are Megatron's own ColumnParallelLinear / RowParallelLine
 Reports tokens/s, peak memory (and memory held at the end of forward: parameters, gradients and what
 autograd saved) and the NVFP4/BF16 ratios (targets: tokens/s >= 1.10x over NVLink, >= 1.8x over slow links;
 memory <= 0.8x). --links picks the link class (benchmarks/torchrun_setup.py); both specs run over the same links.
---fused-producers picks the NVFP4 model's norm and SwiGLU casts (recipe.fused_producers): fused into their
-producers (on), written in BF16 and then cast (off), or both models in turn (both: "nvfp4" fused, "nvfp4_unfused").
+--fused-producers picks the NVFP4 model's norms and SwiGLU (the spec's and the recipe's fused_producers): inside
+the linears after them and fused into their casts (on, the default of both), Megatron's local structure with the
+outputs written in BF16 and then cast (off), or both models in turn (both: "nvfp4" fused, "nvfp4_unfused").
 --overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
@@ -47,7 +48,7 @@ from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_recor
 
 TOKENS_PER_S_TARGETS = {"nvlink": 1.10, "slow": 1.8}  # NVFP4 / BF16, by link class
 MEMORY_TARGET = 0.80
-# --fused-producers: the NVFP4 models measured, (result name, recipe.fused_producers)
+# --fused-producers: the NVFP4 models measured, (result name, the spec's and the recipe's fused_producers)
 FUSED_PRODUCER_CHOICES = {"on": (("nvfp4", True),), "off": (("nvfp4", False),),
                           "both": (("nvfp4", True), ("nvfp4_unfused", False))}
 
@@ -113,7 +114,7 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
         recipe = NVFP4Recipe.from_env(**({"overlap": True} if args.overlap else {}), fused_producers=fused_producers,
                                       overlap_transport=transport)
         spec = get_gpt_decoder_block_nvfp4_spec(config, recipe=recipe, bf16_first_layers=0, bf16_last_layers=0,
-                                                sdpa_attention=True)
+                                                sdpa_attention=True, fused_producers=fused_producers)
     else:
         layer = with_sequence_parallel_norm(with_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm")))
         spec = TransformerBlockSubmodules(layer_specs=[layer] * args.layers, layer_norm=NVFP4Norm)

@@ -115,8 +115,7 @@ __device__ __forceinline__ float norm_of(float value, float mean, float rstd, fl
 // kRows rows of a band at a time (their loads in flight together); kBlocks: blocks of a row per thread.
 template <typename T, bool kLayerNorm, int kBlocks, int kRows>
 __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassArgs args) {
-  __shared__ float scratch[kRows][kNormThreads];
-  __shared__ float sums[kRows];
+  __shared__ float scratch[2][kRows][kNormThreads];  // block_halving_sums' two buffers, taken in turn
   __shared__ uint32_t max_scratch[32];
   const int tid = threadIdx.x;
   const int64_t cols = args.cols, blocks_per_row = cols / kBlockSize;
@@ -124,6 +123,7 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
   const T* x = static_cast<const T*>(args.x);
   const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
   uint32_t tensor_amax = 0u;  // bits of the largest |BF16 output| (non-negative floats: unsigned order)
+  int sums_buffer = 0;
 
   for (int64_t band = blockIdx.x; band < bands; band += gridDim.x) {
     const int64_t first_row = band * kBandRows;
@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
           for (int k = 0; k < kBlocks; ++k) block_sums[k] = halving_sum16(v[r][k]);
           mean[r] = thread_share_of_row_sum<kBlocks>(block_sums);
         }
-        block_halving_sums<kNormThreads, kRows>(mean, scratch, sums);
+        block_halving_sums<kNormThreads, kRows>(mean, scratch[sums_buffer]);
+        sums_buffer ^= 1;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           mean[r] = mean_of_row(mean[r], width);
@@ -178,7 +179,8 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
         }
         sum_of_squares[r] = thread_share_of_row_sum<kBlocks>(block_sums);
       }
-      block_halving_sums<kNormThreads, kRows>(sum_of_squares, scratch, sums);
+      block_halving_sums<kNormThreads, kRows>(sum_of_squares, scratch[sums_buffer]);
+      sums_buffer ^= 1;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         rstd[r] = rstd_of_row(sum_of_squares[r], width, args.eps);

@@ -323,35 +323,29 @@ __device__ __forceinline__ uint4 packed_bf16(const float (&values)[8]) {
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// Block-wide halving tree of kCount values per thread (the same tree for each), kThreads threads: levels of
-// stride kThreads / 2 .. 32 through shared memory, 16 .. 1 by shuffles; every thread gets the sums.
+// Block-wide halving tree of kCount values per thread (the same tree for each), kThreads threads; every thread gets
+// the sums. Thread t = 32 w + l: the levels of stride kThreads / 2 .. 32 pair warps w and w + kWarps / 2 .. w + 1 at
+// lane l, so after one barrier each thread reads its lane's value of every warp and adds those levels in registers,
+// then levels 16 .. 1 by shuffles (xor: each lane ends with the tree's sum, a + b == b + a). One barrier a call:
+// scratch is one of two buffers the caller alternates, so a call's writes cannot overtake the last call's reads
+// (every thread read that buffer before the barrier of the call in between).
 template <int kThreads, int kCount>
-__device__ __forceinline__ void block_halving_sums(float (&values)[kCount], float (*scratch)[kThreads],
-                                                   float* results) {
-  const int tid = threadIdx.x;
+__device__ __forceinline__ void block_halving_sums(float (&values)[kCount], float (*scratch)[kThreads]) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int c = 0; c < kCount; ++c) scratch[c][tid] = values[c];
+  for (int c = 0; c < kCount; ++c) scratch[c][threadIdx.x] = values[c];
   __syncthreads();
 #pragma unroll
-  for (int stride = kThreads / 2; stride >= 32; stride /= 2) {
-    if (tid < stride) {
+  for (int c = 0; c < kCount; ++c) {
+    float by_warp[kWarps];
 #pragma unroll
-      for (int c = 0; c < kCount; ++c) scratch[c][tid] = scratch[c][tid] + scratch[c][tid + stride];
-    }
-    __syncthreads();
+    for (int w = 0; w < kWarps; ++w) by_warp[w] = scratch[c][32 * w + lane];
+    float v = halving_sum<kWarps>(by_warp);
+#pragma unroll
+    for (int stride = 16; stride >= 1; stride /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFu, v, stride);
+    values[c] = v;
   }
-  if (tid < 32) {
-#pragma unroll
-    for (int c = 0; c < kCount; ++c) {
-      float v = scratch[c][tid];
-#pragma unroll
-      for (int stride = 16; stride >= 1; stride /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFu, v, stride);
-      if (tid == 0) results[c] = v;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int c = 0; c < kCount; ++c) values[c] = results[c];
 }
 
 }  // namespace producer

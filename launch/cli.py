@@ -113,10 +113,11 @@ def build_parser() -> ArgumentParser:
                              "--row-scaled-activation, dequantized runs its backward in BF16 instead of on the "
                              "per-column scaled wgrad copy")
     add_four_over_six_flags(recipe)
-    recipe.add_argument("--fused-producers", action="store_true",
-                        help="--model megatron: the norms and the activation fused into the NVFP4 cast of the linear "
-                             "after them, their BF16 output never written (the same bytes; faster for some norms "
-                             "and activations than others: docs/fused_producers.md)")
+    recipe.add_argument("--fused-producers", action=argparse.BooleanOptionalAction, default=None,
+                        help="--model megatron (on there unless --no-fused-producers): the norms and the activation "
+                             "inside the linears after them and fused into the NVFP4 cast of their input, their "
+                             "BF16 output never written (the same bytes: docs/fused_producers.md); "
+                             "NVFP4_DISABLE_FUSED_PRODUCERS=1 keeps that structure but runs the unfused casts")
     recipe.add_argument("--recipe-config", type=pathlib.Path, default=None, metavar="FILE",
                         help="per-layer recipes, YAML or JSON: module-name globs to \"bf16\" or to recipe fields "
                              "that change this recipe, first match wins (docs/numerics.md §10). Module names: "

@@ -57,7 +57,7 @@ def build_megatron_gpt(plan, device):
         apply_rope_fusion=False, init_method_std=0.02)
     spec = nvfp4_megatron.get_gpt_decoder_block_nvfp4_spec(
         config, recipe=plan.recipe, recipe_map=plan.recipe_map, bf16_first_layers=args.bf16_first_layers,
-        bf16_last_layers=args.bf16_last_layers, fused_producers=args.fused_producers)
+        bf16_last_layers=args.bf16_last_layers, fused_producers=plan.fused_producers)
     if device.type == "cpu":
         spec = nvfp4_megatron.with_sdpa_attention(spec)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,

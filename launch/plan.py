@@ -40,6 +40,8 @@ class Plan:
     recipe: object
     fault: object
     recipe_map: object = None  # --recipe-config, checked against `recipe` (nvfp4_dist.RecipeMap)
+    # the norms and the activation inside the linears after them (--fused-producers, on for --model megatron)
+    fused_producers: bool = False
 
 
 def detect_device(requested: str) -> str:
@@ -235,7 +237,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--inject-fault={args.inject_fault}: rank {fault.rank} >= {world_size} processes")
     recipe = make_recipe(args)
     recipe_map = load_recipe_config(args.recipe_config, recipe) if args.recipe_config is not None else None
-    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map)
+    fused_producers = args.fused_producers if args.fused_producers is not None else model == "megatron"
+    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map, fused_producers)
 
 
 def check_four_over_six_flags(args: argparse.Namespace) -> None:
@@ -264,7 +267,8 @@ def make_recipe(args: argparse.Namespace):
                                 row_scaled_activation=args.row_scaled_activation,
                                 bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers,
                                 gemm_backend=args.gemm_backend, overlap=args.overlap, check_finite=True,
-                                fused_producers=args.fused_producers, **given_recipe_fields(args))
+                                **({} if args.fused_producers is None else {"fused_producers": args.fused_producers}),
+                                **given_recipe_fields(args))
 
 
 def load_recipe_config(path: pathlib.Path, recipe):

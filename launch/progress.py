@@ -82,7 +82,8 @@ def describe_job(plan, dp_size: int) -> str:
             f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on {nodes} "
             f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
             f"{'on' if args.overlap else 'off'}"
-            + (", norms and activation fused into the NVFP4 casts" if args.fused_producers else "")
+            + (", norms and activation fused into the NVFP4 casts" if plan.fused_producers and plan.recipe.fused_producers
+               else ", norms and activation inside the linears, unfused casts" if plan.fused_producers else "")
             + (f", decoder block in {args.batch_split} parts of the micro-batch" if args.batch_split > 1 else "")
             + f"); recipe {plan.recipe}"
             + (f"; per-layer recipes from {args.recipe_config}" if args.recipe_config is not None else ""))

@@ -16,6 +16,14 @@ CHECKPOINT_FLAGS = ("model", "layers", "hidden", "heads", "ffn", "seq_length", "
 UNRECORDED_FLAG_VALUES = {"fused_producers": False}
 
 
+def mismatch_detail(key: str, old, new) -> str:
+    """One flag's difference between a checkpoint and this run, with the flag that resumes it where that is a
+    switch with two spellings (checkpoints made before --fused-producers was on by default have it off)."""
+    flag = "--" + key.replace("_", "-")
+    hint = f" (resume with {flag if old else '--no-' + flag[2:]})" if key == "fused_producers" else ""
+    return f"{flag}: checkpoint {old}, now {new}{hint}"
+
+
 def checkpoints_directory(plan):
     return plan.args.out_dir / CHECKPOINT_DIRECTORY
 
@@ -24,7 +32,7 @@ def checkpoint_config(plan) -> dict:
     args = plan.args
     return {"model": plan.model, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "ffn": plan.ffn, "seq_length": args.seq_length, "tp": plan.tp, "sp": args.sp,
-            "world_size": plan.world_size, "fused_producers": args.fused_producers}
+            "world_size": plan.world_size, "fused_producers": plan.fused_producers}
 
 
 def rng_state(device) -> dict:
@@ -75,8 +83,7 @@ def resume(plan, model, optimizer, *, rank: int, device) -> tuple:
     mismatched = {key: (recorded[key], value) for key, value in checkpoint_config(plan).items()
                   if recorded[key] != value}
     if mismatched:
-        details = ", ".join(f"--{key.replace('_', '-')}: checkpoint {old}, now {new}"
-                            for key, (old, new) in mismatched.items())
+        details = ", ".join(mismatch_detail(key, old, new) for key, (old, new) in mismatched.items())
         raise SettingError(f"the step-{resumed.step} checkpoint in {root} does not fit this run ({details}); use "
                            f"the same flags, another --out-dir, or --no-resume")
     model.load_state_dict(resumed.state["model"])

@@ -132,9 +132,9 @@ class NVFP4Recipe:
     nvfp4_4over6_err_use_fast_math: measure that error in the scaled domain (docs/numerics.md §12.4).
     fused_producers: layers whose input comes from a norm or an activation (nvfp4_dist.layernorm_linear, the
       parallel layers and Megatron specs built on them) quantize it in the producer's passes without writing it
-      (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only. Off by
-      default: on Hopper the fused SwiGLU and LayerNorm chains with both copies measured about even with the
-      unfused chain (0.90x-1.04x); GELU, RMSNorm and every row-scaled cast faster (docs/fused_producers.md).
+      (nvfp4_dist/fused.py); the copies are the same bytes either way, so this changes speed only. On by
+      default (NVFP4_DISABLE_FUSED_PRODUCERS=1 turns it off): on H100 GELU and RMSNorm are faster fused, SwiGLU
+      and LayerNorm with both copies about even (docs/fused_producers.md).
     backward_mode: the operands of the dgrad and wgrad GEMMs (docs/numerics.md §10). default: NVFP4 as in §3-7;
       high_precision: the input and weight as given (forward saves the input; the weight in the compute dtype) and
       the unquantized output gradient, GEMMs in the compute dtype; dequantized: the NVFP4 copies fprop used (the
@@ -157,7 +157,7 @@ class NVFP4Recipe:
     overlap_min_chunk_gflops: int = 256
     overlap_measure_links: bool = True
     overlap_transport: typing.Literal[OVERLAP_TRANSPORTS] = "auto"
-    fused_producers: bool = False
+    fused_producers: bool = True
     check_finite: bool = True
     nvfp4_4over6: str = "none"
     nvfp4_4over6_e4m3_use_256: str = "all"

@@ -20,18 +20,31 @@ from tests.helpers.host_harness import compile_harness, needs_nvcc, pointer
 # Host entry points over csrc/producer_numerics.cuh, composed as csrc/norm_quantize.cu composes them: thread t of
 # `threads` holds blocks row_block_of_thread(t, k, threads) of a row (k < K, the kernel's blocks per thread), zeros
 # past the row's end; its share of the row sum is thread_share_of_row_sum<K>, and the threads' shares meet as
-# block_halving_sums (csrc/producer_cast.cuh) meets them: shared-memory levels of stride threads / 2 .. 32, then
-# the warp's XOR shuffles of stride 16 .. 1, each lane adding its partner's value to its own.
+# block_halving_sums (csrc/producer_cast.cuh) meets them: lane l adds warp w's and warp w + warps / 2's values at
+# lane l (the levels of stride threads / 2 .. 32) by halving_sum over the warps, then the warp's XOR shuffles of
+# stride 16 .. 1, each lane adding its partner's value to its own.
 HARNESS = r"""
 #include <vector>
 #include "producer_numerics.cuh"
 using namespace nvfp4;
 
-static float block_halving_sum(std::vector<float> shared) {
+template <int kWarps>
+static std::vector<float> lanes_after_warp_levels(const std::vector<float>& shared) {
+  std::vector<float> lanes(32);
+  for (int lane = 0; lane < 32; ++lane) {
+    float by_warp[kWarps];
+    for (int w = 0; w < kWarps; ++w) by_warp[w] = shared[32 * w + lane];
+    lanes[lane] = halving_sum<kWarps>(by_warp);
+  }
+  return lanes;
+}
+
+static float block_halving_sum(const std::vector<float>& shared) {
   const int threads = static_cast<int>(shared.size());
-  for (int stride = threads / 2; stride >= 32; stride /= 2)
-    for (int tid = 0; tid < stride; ++tid) shared[tid] = shared[tid] + shared[tid + stride];
-  std::vector<float> lanes(shared.begin(), shared.begin() + 32);
+  std::vector<float> lanes = threads == 256 ? lanes_after_warp_levels<8>(shared)
+                           : threads == 128 ? lanes_after_warp_levels<4>(shared)
+                           : threads == 64  ? lanes_after_warp_levels<2>(shared)
+                                            : lanes_after_warp_levels<1>(shared);
   for (int stride = 16; stride >= 1; stride /= 2) {
     std::vector<float> shuffled(32);
     for (int lane = 0; lane < 32; ++lane) shuffled[lane] = lanes[lane ^ stride];

@@ -360,17 +360,22 @@ def test_fused_mlp_backward_keeps_fc1_output_not_the_activation():
 
 
 def test_switches_turn_the_fusion_on_and_off(monkeypatch, fused_calls):
-    assert not nv.NVFP4Recipe().fused_producers  # off by default: slower than unfused on Hopper (docs/performance.md)
+    assert nv.NVFP4Recipe().fused_producers  # on by default (docs/fused_producers.md)
     x = spread_input((16, 32), seed=73)
     LayerNormMLP(32, 32, activation="swiglu")(x)
-    assert fused_calls == {"norm": 0, "activation": 0}
-    mlp = LayerNormMLP(32, 32, activation="swiglu", recipe=nv.NVFP4Recipe(fused_producers=True))
-    mlp(x)
     assert fused_calls == {"norm": 1, "activation": 1}
+    LayerNormMLP(32, 32, activation="swiglu", recipe=nv.NVFP4Recipe(fused_producers=False))(x)
+    assert fused_calls == {"norm": 1, "activation": 1}
+    mlp = LayerNormMLP(32, 32, activation="swiglu")
     mlp(x.float())  # the norm's output is FP32: nothing to fuse
     assert fused_calls == {"norm": 1, "activation": 1}
     monkeypatch.setenv("NVFP4_DISABLE_FUSED_PRODUCERS", "1")
-    assert not nv.NVFP4Recipe.from_env(fused_producers=False).fused_producers
+    assert not nv.NVFP4Recipe.from_env().fused_producers
+    mlp(x)  # no recipe given: the environment's
+    assert fused_calls == {"norm": 1, "activation": 1}
+    monkeypatch.delenv("NVFP4_DISABLE_FUSED_PRODUCERS")
+    mlp(x)
+    assert fused_calls == {"norm": 2, "activation": 2}
 
 
 def test_bf16_fallback_and_disabled_autocast_run_unquantized():

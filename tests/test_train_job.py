@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nvfp4_dist.launch import checkpoint, plan, spawn, train, worker
+from nvfp4_dist.launch import checkpoint, plan, spawn, train, training_state, worker
 from nvfp4_dist.launch.optimizer import learning_rate
 
 # A small, quick configuration (tokens per rank: 4 x 64 = 256).
@@ -263,24 +263,33 @@ def test_megatron_model_trains_with_its_batch_split_on_cpu(tmp_path):
 
 
 def test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them(tmp_path):
-    """--fused-producers builds the spec with the norms and the activation inside the linears (their parameters
-    there, the recipe's fused_producers on) and trains (on CPU in FP32, so each takes the unfused chain: the fused
-    passes quantize BF16 outputs); its checkpoint does not resume a run without the flag, whose parameters have
-    other names."""
+    """--model megatron builds the spec with the norms and the activation inside the linears by default (their
+    parameters there, the recipe's fused_producers on) and trains (on CPU in FP32, so each takes the unfused chain:
+    the fused passes quantize BF16 outputs); its checkpoint does not resume a run with --no-fused-producers, whose
+    parameters have other names, and the refusal names the flag that resumes it."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
     common = ("--model", "megatron", "--warmup-steps", "1", "--save-every", "2")
-    result = run_train(tmp_path, *common, "--fused-producers", "--steps", "4")
+    result = run_train(tmp_path, *common, "--steps", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "norms and activation fused into the NVFP4 casts" in result.stdout
     assert "fused_producers=True" in result.stdout
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 4 and losses[-1] < losses[0]
-    refused = run_train(tmp_path, *common, "--steps", "6")
+    refused = run_train(tmp_path, *common, "--no-fused-producers", "--steps", "6")
     assert refused.returncode == 2
-    assert "--fused-producers: checkpoint True, now False" in refused.stdout + refused.stderr
+    assert ("--fused-producers: checkpoint True, now False (resume with --fused-producers)"
+            in refused.stdout + refused.stderr)
     resumed = run_train(tmp_path, *common, "--fused-producers", "--steps", "6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from the step-4 checkpoint" in resumed.stdout
+
+
+def test_checkpoint_from_before_fused_producers_were_default_names_the_flag_that_resumes_it():
+    """A checkpoint that does not record --fused-producers had it off: resuming it takes --no-fused-producers."""
+    assert training_state.UNRECORDED_FLAG_VALUES["fused_producers"] is False
+    assert (training_state.mismatch_detail("fused_producers", False, True)
+            == "--fused-producers: checkpoint False, now True (resume with --no-fused-producers)")
+    assert training_state.mismatch_detail("tp", 2, 4) == "--tp: checkpoint 2, now 4"
 
 
 def test_sequence_parallel_matches_tensor_parallel_and_tp1(tmp_path):

@@ -131,6 +131,25 @@ def test_norm_forward_matches_reference(shape, dtype, out_dtype, normalization):
     assert_bits(y, y_ref, "y")
 
 
+@pytest.mark.parametrize("normalization", R.NORMALIZATIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_norm_row_pass_over_several_bands_per_cta(dtype, normalization):
+    """Twice as many 16-row bands as the row pass has CTAs (8 a multiprocessor) and a last band of 3 rows: each
+    CTA's copy pipeline crosses from band to band, and the last row group is partial."""
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
+    shape = (16 * 8 * multiprocessors * 2 + 35, 272)
+    x = activation_input(shape, dtype, seed=5, offset=0.25)
+    weight, bias = norm_parameters(shape[1], normalization)
+    args = (weight.float(), None if bias is None else bias.float())
+    y, mean, rstd = fused_kernels.norm_forward(x, *args, normalization=normalization, eps=1e-5,
+                                               out_dtype=torch.bfloat16)
+    y_ref, mean_ref, rstd_ref = R.norm_forward(x.cpu(), *map(to_cpu, args), normalization=normalization, eps=1e-5,
+                                               out_dtype=torch.bfloat16)
+    assert_bits(rstd, rstd_ref, "rstd")
+    assert_bits(mean, mean_ref, "mean")
+    assert_bits(y, y_ref, "y")
+
+
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("normalization", R.NORMALIZATIONS)
 @pytest.mark.parametrize("shape", [(256, 4096), (128, 8192), (160, 2192), (64, 16384)], ids=str)

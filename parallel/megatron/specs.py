@@ -156,7 +156,7 @@ def with_sequence_parallel_norm(spec):
 
 
 def get_gpt_layer_nvfp4_spec(*, recipe: Optional[Union[NVFP4Recipe, RecipeMap]] = None, bf16: bool = False,
-                             sdpa_attention: bool = False, fused_producers: bool = False,
+                             sdpa_attention: bool = False, fused_producers: bool = True,
                              **local_spec_kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with linear_qkv/proj/fc1/fc2 in NVFP4 and SP-capable norms.
 
@@ -166,11 +166,12 @@ def get_gpt_layer_nvfp4_spec(*, recipe: Optional[Union[NVFP4Recipe, RecipeMap]] 
     which names them); None: nvfp4_dist.autocast, then environment.
     bf16: build the same layer with the adapters in their BF16 fallback.
     sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
-    fused_producers: the norms inside linear_qkv and linear_fc1 and the activation inside linear_fc2
-    (_norms_into_linears), so that each is fused into the NVFP4 cast of the linear's input where
-    recipe.fused_producers allows (off by default, docs/fused_producers.md; NVFP4_DISABLE_FUSED_PRODUCERS=1 turns it
-    off at run time; the same bytes either way). Distributed checkpoints keep the local spec's keys (Megatron maps its norms there);
-    False: the local spec's structure and state_dict keys.
+    fused_producers (default True): the norms inside linear_qkv and linear_fc1 and the activation inside
+    linear_fc2 (_norms_into_linears, the structure of Megatron's Transformer Engine spec), so that each is fused
+    into the NVFP4 cast of the linear's input where recipe.fused_producers allows (docs/fused_producers.md;
+    NVFP4_DISABLE_FUSED_PRODUCERS=1 turns the fusion off at run time; the same bytes either way). Distributed
+    checkpoints keep the local spec's keys (Megatron maps its norms there); False: the local spec's structure and
+    state_dict keys.
     With sequence parallelism use get_gpt_decoder_block_nvfp4_spec: given a layer spec, GPTModel
     builds the final norm from Megatron's local norm, which refuses sequence parallelism.
     """
@@ -207,7 +208,7 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
                                      recipe_map: Optional[Union[RecipeMap, Mapping]] = None,
                                      bf16_first_layers: Optional[int] = None,
                                      bf16_last_layers: Optional[int] = None,
-                                     sdpa_attention: bool = False, fused_producers: bool = False,
+                                     sdpa_attention: bool = False, fused_producers: bool = True,
                                      vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
                                      **local_spec_kwargs) -> TransformerBlockSubmodules:
     """Decoder-block spec: NVFP4 layers except the first/last ones (see bf16_layer_counts) in BF16.
