@@ -289,6 +289,7 @@ def test_a_megatron_result_with_other_transports_shows_them(tmp_path):
     record["results"].pop("nvfp4_auto")
     record["collectives_tokens_per_s_ratio"] = 1.5
     record["results"]["nvfp4_collectives"]["step_ms"] = 700.04
+    record["results"]["nvfp4"]["overlap_transport"] = "ring"
     record.pop("command")  # rebuilt from the arguments
     (tmp_path / "megatron_gpt_h100x2_slow.json").write_text(json.dumps(record))
     (result,) = render_performance.load_results(tmp_path)
