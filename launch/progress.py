@@ -74,6 +74,15 @@ def memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def producers_note(plan) -> str:
+    """Where the Megatron model's norms and activation are, and whether their casts are fused (or nothing)."""
+    if not plan.fused_producers:
+        return ""
+    if plan.recipe.fused_producers:
+        return ", norms and activation fused into the NVFP4 casts"
+    return ", norms and activation inside the linears, unfused casts (NVFP4_DISABLE_FUSED_PRODUCERS=1)"
+
+
 def describe_job(plan, dp_size: int) -> str:
     """The one-line description of the job that starts rank 0's output."""
     args = plan.args
@@ -82,8 +91,7 @@ def describe_job(plan, dp_size: int) -> str:
             f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on {nodes} "
             f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
             f"{'on' if args.overlap else 'off'}"
-            + (", norms and activation fused into the NVFP4 casts" if plan.fused_producers and plan.recipe.fused_producers
-               else ", norms and activation inside the linears, unfused casts" if plan.fused_producers else "")
+            + producers_note(plan)
             + (f", decoder block in {args.batch_split} parts of the micro-batch" if args.batch_split > 1 else "")
             + f"); recipe {plan.recipe}"
             + (f"; per-layer recipes from {args.recipe_config}" if args.recipe_config is not None else ""))

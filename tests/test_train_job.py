@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from nvfp4_dist.launch import checkpoint, plan, spawn, train, training_state, worker
+from nvfp4_dist.launch import checkpoint, plan, progress, spawn, train, training_state, worker
+from nvfp4_dist.launch.cli import build_parser
 from nvfp4_dist.launch.optimizer import learning_rate
 
 # A small, quick configuration (tokens per rank: 4 x 64 = 256).
@@ -282,6 +283,25 @@ def test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them(t
     resumed = run_train(tmp_path, *common, "--fused-producers", "--steps", "6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from the step-4 checkpoint" in resumed.stdout
+
+
+def test_the_job_line_says_where_the_norms_are_and_whether_their_casts_are_fused(monkeypatch):
+    """--model megatron puts the norms and the activation inside the linears unless --no-fused-producers;
+    NVFP4_DISABLE_FUSED_PRODUCERS=1 keeps them there with the unfused casts; --model gpt has neither."""
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    def job(*flags):
+        return plan.make_plan(build_parser().parse_args(["--device", "cpu", *flags]))
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
+    assert progress.producers_note(job("--model", "megatron")) == ", norms and activation fused into the NVFP4 casts"
+    assert progress.producers_note(job("--model", "megatron", "--no-fused-producers")) == ""
+    assert progress.producers_note(job("--model", "gpt")) == ""
+    monkeypatch.setenv("NVFP4_DISABLE_FUSED_PRODUCERS", "1")
+    unfused = job("--model", "megatron")
+    assert unfused.fused_producers and not unfused.recipe.fused_producers
+    assert "inside the linears, unfused casts" in progress.producers_note(unfused)
+    assert job("--model", "megatron", "--fused-producers").recipe.fused_producers  # the flag wins
 
 
 def test_checkpoint_from_before_fused_producers_were_default_names_the_flag_that_resumes_it():
