@@ -1,9 +1,9 @@
 """nvfp4-train's GPU model: Megatron-Core's GPTModel with the NVFP4 decoder-block spec.
 
 The first/last --bf16-first-layers/--bf16-last-layers transformer layers stay in BF16; --recipe-config's
-per-layer recipes reach the linears through the spec's recipe_map; --fused-producers puts the norms and the
-activation inside the linears after them (the spec's fused_producers); --batch-split runs the decoder block as parts
-of each micro-batch at once (split_batch). Parameters
+per-layer recipes reach the linears through the spec's recipe_map; the norms and the activation sit inside the
+linears after them (the spec's fused_producers, Plan.fused_producers) unless --no-fused-producers; --batch-split runs
+the decoder block as parts of each micro-batch at once (split_batch). Parameters
 are FP32 (master weights); with --dtype bf16 the forward runs under torch.autocast. On CPU (tests,
 --model megatron --device cpu) attention is torch's SDPA, since Megatron's DotProductAttention
 allocates its causal mask on CUDA, and Megatron's RNG tracker is the no-op one (dropout is off).
