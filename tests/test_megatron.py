@@ -400,7 +400,7 @@ def _fused_producers_worker(rank, world_size):
     swiglu = _config(gated_linear_unit=True, activation_func=F.silu, sequence_parallel=True,
                      normalization="RMSNorm", params_dtype=torch.bfloat16)
     torch.manual_seed(13)
-    layer = build_module(with_sdpa_attention(get_gpt_layer_nvfp4_spec(fused_producers=True)), config=swiglu,
+    layer = build_module(with_sdpa_attention(get_gpt_layer_nvfp4_spec()), config=swiglu,  # fused by default
                          layer_number=1)
     assert isinstance(layer.mlp, NVFP4MLP) and isinstance(layer.input_layernorm, IdentityOp)
     generator = torch.Generator().manual_seed(3)
@@ -408,9 +408,9 @@ def _fused_producers_worker(rank, world_size):
     dy = torch.randn(SEQ, BATCH, HIDDEN, generator=generator).bfloat16().chunk(TP)[rank]
     runs = []
     for disabled in ("0", "1"):
-        for module in layer.modules():  # the recipe fuses the casts (off by default)
+        for module in layer.modules():  # the recipe fuses the casts (its default) or not
             if isinstance(getattr(module, "recipe", None), nv.NVFP4Recipe) or hasattr(module, "weight_cache"):
-                module.recipe = nv.NVFP4Recipe(fused_producers=disabled == "0")
+                module.recipe = nv.NVFP4Recipe() if disabled == "0" else nv.NVFP4Recipe(fused_producers=False)
         inp = x.clone().requires_grad_(True)
         out = layer(hidden_states=inp, attention_mask=None)[0]
         torch.manual_seed(17)

@@ -188,8 +188,18 @@ MUTATIONS = (
              (("            self.tp_group, self.comm, self._overlapped_comm = own\n",
                "            self.comm, self._overlapped_comm = own[1:]\n"),),
              ("tests/test_megatron_batch_split.py",)),
+    Mutation("layer_spec_unfused_by_default", "megatron", "the single-layer spec keeps Megatron's local structure "
+             "unless asked (its norms outside the linears)",
+             (("sdpa_attention: bool = False, fused_producers: bool = True,\n                             **local_spec_kwargs)",
+               "sdpa_attention: bool = False, fused_producers: bool = False,\n                             **local_spec_kwargs)"),),
+             ("tests/test_megatron.py::test_specs_fuse_the_producers_at_tp2",)),
     # ---------------------------------------------------------------------------------------------- checkpointing
     Mutation("checkpoint_rng_not_restored", "checkpoint", "resuming from a checkpoint leaves torch's RNG unrestored",
              (('    torch.set_rng_state(state["torch"])\n', ""),),
              ("tests/test_train_job.py::test_short_run_trains_saves_and_resumes_exactly",)),
+    Mutation("checkpoint_records_the_flag_not_the_structure", "checkpoint", "a checkpoint records --fused-producers "
+             "as given (None when left out) instead of the structure the model was built with",
+             (('"world_size": plan.world_size, "fused_producers": plan.fused_producers}',
+               '"world_size": plan.world_size, "fused_producers": args.fused_producers}'),),
+             ("tests/test_train_job.py::test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them",)),
 )
