@@ -133,12 +133,12 @@ __global__ void __launch_bounds__(kThreads) activation_vectors_kernel(const T* _
       store8<T>(out + row * cols + c, values);
     } else {
 #pragma unroll
-      for (int e = 0; e < kVector; ++e) running = max(running, abs_bits(rounded_to_bf16(values[e])));
+      for (int e = 0; e < kVector; ++e) running = max(running, abs_bits(values[e]));
     }
   }
   if constexpr (!kWrite) {
     running = block_max_bits(running, scratch);
-    if (threadIdx.x == 0) atomic_max_bits(amax, running);
+    if (threadIdx.x == 0) atomic_max_bits(amax, rounded_bf16_bits(running));
   }
 }
 
@@ -157,10 +157,10 @@ __global__ void __launch_bounds__(kThreads) activation_row_amax_kernel(const T* 
       float values[kVector];
       activation8<T, kSwiglu>(act, h, cols, row, c, values);
 #pragma unroll
-      for (int e = 0; e < kVector; ++e) running = max(running, abs_bits(rounded_to_bf16(values[e])));
+      for (int e = 0; e < kVector; ++e) running = max(running, abs_bits(values[e]));
     }
     running = __reduce_max_sync(0xFFFFFFFFu, running);
-    if ((threadIdx.x & 31) == 0) amax[row] = __uint_as_float(running);
+    if ((threadIdx.x & 31) == 0) amax[row] = __uint_as_float(rounded_bf16_bits(running));
   }
 }
 
@@ -177,7 +177,8 @@ __device__ __forceinline__ float2 load_pair(const T* address) {
 }
 
 // Item: two adjacent columns of one 16-row block. The amax of the BF16 output (plain) and of the BF16-rounded
-// RHT of each column's 16 values (the columnwise copy's source). A 2D grid-stride loop: y over the row blocks,
+// RHT of each column's 16 values (the columnwise copy's source; its largest magnitude rounded once,
+// rounded_bf16_bits). A 2D grid-stride loop: y over the row blocks,
 // x over the column pairs.
 template <typename T, bool kSwiglu, bool kRandomSign, bool kLookup>
 __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* __restrict__ h, int64_t rows, int64_t cols,
@@ -216,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
       rht_chunk_odd_negated<kRandomSign>(column1, transformed1);
 #pragma unroll
       for (int j = 0; j < kBlockSize; ++j) {
-        running_rht = max(running_rht, max(abs_bits(rounded_to_bf16(transformed0[j])), abs_bits(rounded_to_bf16(transformed1[j]))));
+        running_rht = max(running_rht, max(abs_bits(transformed0[j]), abs_bits(transformed1[j])));
       }
     }
   }
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
   running_rht = block_max_bits(running_rht, scratch);
   if (threadIdx.x == 0) {
     atomic_max_bits(amax_plain, running_plain);
-    atomic_max_bits(amax_rht, running_rht);
+    atomic_max_bits(amax_rht, rounded_bf16_bits(running_rht));
   }
 }
 

@@ -4,9 +4,9 @@
 // CTA on each row: thread t holds blocks t + 256 k of the row in registers; the row's sums follow the reference's
 // halving tree (thread_share_of_row_sum, then block_halving_sums); LayerNorm's variance is taken from the centred
 // values in registers. It writes mean and rstd, and on request the norm's output and the amax of its BF16 rounding
-// (per tensor, or per row). For the RHT columnwise copy, a second kernel then takes the amax after the RHT from the
-// statistics: item = 2 columns of a 16-row block, as csrc/amax.cu takes it from a written output, with the 16
-// normalized values of each column formed in registers.
+// (per tensor, or per row). For the RHT columnwise copy it writes the statistics alone, and a second kernel takes
+// both amaxes (plain and after the RHT) from them: item = 2 columns of a 16-row block, as csrc/amax.cu takes them
+// from a written output, with the 16 normalized values of each column formed in registers.
 // Cast pass (launch_norm_cast): producer_cast.cuh's cast with the norm as its producer, from the statistics.
 // The norm's output is never written by the fused passes.
 #include <algorithm>
@@ -112,9 +112,12 @@ __device__ __forceinline__ float norm_of(float value, float mean, float rstd, fl
   }
 }
 
-// kRows rows of a band at a time (their loads in flight together); kBlocks: blocks of a row per thread.
-template <typename T, bool kLayerNorm, int kBlocks, int kRows>
-__global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassArgs args) {
+// kRows rows of a band at a time (their loads in flight together); kBlocks: blocks of a row per thread; kOutput:
+// the norm's output is formed (written, or its amax taken), else only the statistics. The register caps keep
+// 3 (LayerNorm's output) or 4 CTAs of one- and two-block rows per multiprocessor.
+template <typename T, bool kLayerNorm, int kBlocks, int kRows, bool kOutput>
+__global__ void __launch_bounds__(kNormThreads, kBlocks * kRows <= 2 ? (kOutput && kLayerNorm ? 3 : 4) : 2)
+    norm_rows_kernel(const RowPassArgs args) {
   __shared__ float scratch[2][kRows][kNormThreads];  // block_halving_sums' two buffers, taken in turn
   __shared__ uint32_t max_scratch[32];
   const int tid = threadIdx.x;
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
   const float width = static_cast<float>(cols);
   const T* x = static_cast<const T*>(args.x);
   const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
-  uint32_t tensor_amax = 0u;  // bits of the largest |BF16 output| (non-negative floats: unsigned order)
+  uint32_t tensor_amax = 0u;  // bits of the largest |output| (non-negative floats: unsigned order)
   int sums_buffer = 0;
 
   for (int64_t band = blockIdx.x; band < bands; band += gridDim.x) {
@@ -185,43 +188,56 @@ __global__ void __launch_bounds__(kNormThreads) norm_rows_kernel(const RowPassAr
       for (int r = 0; r < kRows; ++r) {
         rstd[r] = rstd_of_row(sum_of_squares[r], width, args.eps);
         const int64_t row = first_row + r0 + r;
-        const bool inside = row < args.rows;
-        if (tid == 0 && inside) {
+        if (tid == 0 && row < args.rows) {
           if (args.sum_of_squares != nullptr) args.sum_of_squares[row] = sum_of_squares[r];
           args.rstd[row] = rstd[r];
           if (kLayerNorm) args.mean[row] = mean[r];
         }
-        uint32_t row_amax = 0u;
+      }
+      if (!kOutput) continue;
+      // the output's blocks: each block's weight and bias loaded once for the kRows rows; the largest |output|
+      // kept unrounded (rounding to BF16 is monotone: the largest rounded value is the largest value rounded)
+      uint32_t row_amax[kRows];
 #pragma unroll
-        for (int k = 0; k < kBlocks; ++k) {
-          const int64_t block = row_block_of_thread(tid, k, kNormThreads);
-          if (!inside || block >= blocks_per_row) continue;
-          float weight[kBlockSize], bias[kBlockSize], out[kBlockSize];
-          load_floats16(args.weight + block * kBlockSize, weight);
-          if (kLayerNorm) load_floats16(args.bias + block * kBlockSize, bias);
+      for (int r = 0; r < kRows; ++r) row_amax[r] = 0u;
+#pragma unroll
+      for (int k = 0; k < kBlocks; ++k) {
+        const int64_t block = row_block_of_thread(tid, k, kNormThreads);
+        if (block >= blocks_per_row) continue;
+        float weight[kBlockSize], bias[kBlockSize];
+        load_floats16(args.weight + block * kBlockSize, weight);
+        if (kLayerNorm) load_floats16(args.bias + block * kBlockSize, bias);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t row = first_row + r0 + r;
+          if (row >= args.rows) continue;
+          float out[kBlockSize];
 #pragma unroll
           for (int i = 0; i < kBlockSize; ++i) {
             // v holds x - mean for LayerNorm
             out[i] = kLayerNorm ? layer_norm_of_centred(v[r][k][i], rstd[r], weight[i], bias[i])
                                 : rms_norm_of(v[r][k][i], rstd[r], weight[i]);
-            row_amax = max(row_amax, abs_bits(rounded_to_bf16(out[i])));
+            row_amax[r] = max(row_amax[r], abs_bits(out[i]));
           }
           if (args.y != nullptr) store_block(args.y, args.y_type, row * cols + block * kBlockSize, out);
         }
-        if (args.amax_rowwise != nullptr) {
-          if (args.row_scaled) {
-            row_amax = block_max_bits(row_amax, max_scratch);
-            if (tid == 0 && inside) args.amax_rowwise[row] = __uint_as_float(row_amax);
-          } else {
-            tensor_amax = max(tensor_amax, row_amax);
-          }
+      }
+      if (args.amax_rowwise == nullptr) continue;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = first_row + r0 + r;
+        if (args.row_scaled) {
+          const uint32_t largest = rounded_bf16_bits(block_max_bits(row_amax[r], max_scratch));
+          if (tid == 0 && row < args.rows) args.amax_rowwise[row] = __uint_as_float(largest);
+        } else {
+          tensor_amax = max(tensor_amax, row_amax[r]);
         }
       }
     }
   }
   if (args.amax_rowwise != nullptr && !args.row_scaled) {
     tensor_amax = block_max_bits(tensor_amax, max_scratch);
-    if (tid == 0) atomic_max_bits(args.amax_rowwise, tensor_amax);
+    if (tid == 0) atomic_max_bits(args.amax_rowwise, rounded_bf16_bits(tensor_amax));
   }
 }
 
@@ -233,8 +249,12 @@ cudaError_t launch_rows(const RowPassArgs& args, cudaStream_t stream) {
   constexpr int kRows = kBlocks * (sizeof(T) == 4 ? 2 : 1) <= 2 && (kLayerNorm || kBlocks == 1) ? 2 : 1;
   const int64_t bands = (args.rows + kBandRows - 1) / kBandRows;
   const int64_t grid = std::min<int64_t>(bands, static_cast<int64_t>(device_multiprocessors()) * 8);
-  norm_rows_kernel<T, kLayerNorm, kBlocks, kRows>
-      <<<static_cast<unsigned>(std::max<int64_t>(grid, 1)), kNormThreads, 0, stream>>>(args);
+  const unsigned ctas = static_cast<unsigned>(std::max<int64_t>(grid, 1));
+  if (args.y != nullptr || args.amax_rowwise != nullptr) {
+    norm_rows_kernel<T, kLayerNorm, kBlocks, kRows, true><<<ctas, kNormThreads, 0, stream>>>(args);
+  } else {
+    norm_rows_kernel<T, kLayerNorm, kBlocks, kRows, false><<<ctas, kNormThreads, 0, stream>>>(args);
+  }
   return cudaGetLastError();
 }
 
@@ -247,21 +267,23 @@ cudaError_t launch_rows_for_width(const RowPassArgs& args, cudaStream_t stream) 
   return cudaErrorInvalidValue;
 }
 
-// The amax of the RHT'd columnwise source of the norm's BF16 output, from the row statistics: item = 2 adjacent
-// columns of one 16-row block, their 16 normalized values each rounded to BF16, through the RHT (rounded to BF16
-// again), as reference/rht.py forms the columnwise copy's source. A 2D grid-stride loop: y over the row blocks, x
-// over the column pairs (consecutive lanes, consecutive pairs: coalesced rows).
+// The amaxes of the norm's BF16 output (plain, and of the RHT'd columnwise source), from the row statistics: item
+// = 2 adjacent columns of one 16-row block, their 16 normalized values each rounded to BF16, through the RHT, as
+// reference/rht.py forms the columnwise copy's source. The transform's outputs are not rounded one by one: their
+// largest magnitude is rounded once (rounded_bf16_bits). A 2D grid-stride loop: y over the row blocks, x over the
+// column pairs (consecutive lanes, consecutive pairs: coalesced rows).
 template <typename T, bool kLayerNorm, bool kRandomSign>
 __global__ void __launch_bounds__(kNormThreads) norm_rht_amax_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
                                                                      const float* __restrict__ weight,
                                                                      const float* __restrict__ bias,
                                                                      const float* __restrict__ mean,
                                                                      const float* __restrict__ rstd,
+                                                                     float* __restrict__ amax_plain,
                                                                      float* __restrict__ amax_rht) {
   __shared__ uint32_t scratch[32];
   const int64_t row_blocks = rows / kBlockSize, pairs = cols / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  uint32_t running = 0u;
+  uint32_t running_plain = 0u, running_rht = 0u;
   for (int64_t row_block = blockIdx.y; row_block < row_blocks; row_block += gridDim.y) {
     const int64_t first_row = row_block * kBlockSize;
     float row_mean[kBlockSize], row_rstd[kBlockSize];
@@ -282,22 +304,28 @@ __global__ void __launch_bounds__(kNormThreads) norm_rht_amax_kernel(const T* __
       for (int i = 0; i < kBlockSize; ++i) {
         column0[i] = rounded_to_bf16(norm_of<kLayerNorm>(both[i].x, row_mean[i], row_rstd[i], w0, b0));
         column1[i] = rounded_to_bf16(norm_of<kLayerNorm>(both[i].y, row_mean[i], row_rstd[i], w1, b1));
+        running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
       }
       float transformed0[kBlockSize], transformed1[kBlockSize];
       rht_chunk_odd_negated<kRandomSign>(column0, transformed0);  // odd lanes negated: the same |.|
       rht_chunk_odd_negated<kRandomSign>(column1, transformed1);
 #pragma unroll
       for (int j = 0; j < kBlockSize; ++j) {
-        running = max(running, max(abs_bits(rounded_to_bf16(transformed0[j])), abs_bits(rounded_to_bf16(transformed1[j]))));
+        running_rht = max(running_rht, max(abs_bits(transformed0[j]), abs_bits(transformed1[j])));
       }
     }
   }
-  running = block_max_bits(running, scratch);
-  if (threadIdx.x == 0) atomic_max_bits(amax_rht, running);
+  running_plain = block_max_bits(running_plain, scratch);
+  running_rht = block_max_bits(running_rht, scratch);
+  if (threadIdx.x == 0) {
+    if (amax_plain != nullptr) atomic_max_bits(amax_plain, running_plain);
+    atomic_max_bits(amax_rht, rounded_bf16_bits(running_rht));
+  }
 }
 
 template <typename T, bool kLayerNorm>
-cudaError_t launch_rht_amax(const RowPassArgs& args, float* amax_rht, bool rht_random_sign, cudaStream_t stream) {
+cudaError_t launch_rht_amax(const RowPassArgs& args, float* amax_plain, float* amax_rht, bool rht_random_sign,
+                            cudaStream_t stream) {
   const int64_t row_blocks = args.rows / kBlockSize, pairs = args.cols / 2;
   // x: enough CTAs for one pass over a row block's pairs, y: the rest of 8 CTAs per multiprocessor
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>((row_blocks * pairs + kNormThreads - 1) / kNormThreads,
@@ -308,19 +336,26 @@ cudaError_t launch_rht_amax(const RowPassArgs& args, float* amax_rht, bool rht_r
   const T* x = static_cast<const T*>(args.x);
   if (rht_random_sign) {
     norm_rht_amax_kernel<T, kLayerNorm, true><<<grid, kNormThreads, 0, stream>>>(
-        x, args.rows, args.cols, args.weight, args.bias, args.mean, args.rstd, amax_rht);
+        x, args.rows, args.cols, args.weight, args.bias, args.mean, args.rstd, amax_plain, amax_rht);
   } else {
     norm_rht_amax_kernel<T, kLayerNorm, false><<<grid, kNormThreads, 0, stream>>>(
-        x, args.rows, args.cols, args.weight, args.bias, args.mean, args.rstd, amax_rht);
+        x, args.rows, args.cols, args.weight, args.bias, args.mean, args.rstd, amax_plain, amax_rht);
   }
   return cudaGetLastError();
 }
 
+// With the RHT columnwise copy, the rows kernel takes the statistics alone (and the output, when asked), and the
+// RHT kernel both amaxes: the normalized values are formed once, where the transform needs them. (One kernel that
+// re-read each band of 16 rows for the amaxes right after its statistics measured no faster: both are bound by
+// their arithmetic and latencies, not by the second read of x.)
 template <typename T, bool kLayerNorm>
 cudaError_t launch_row_pass(const RowPassArgs& args, float* amax_rht, bool rht_random_sign, cudaStream_t stream) {
-  const cudaError_t status = launch_rows_for_width<T, kLayerNorm>(args, stream);
-  if (status != cudaSuccess || amax_rht == nullptr) return status;
-  return launch_rht_amax<T, kLayerNorm>(args, amax_rht, rht_random_sign, stream);
+  if (amax_rht == nullptr) return launch_rows_for_width<T, kLayerNorm>(args, stream);
+  RowPassArgs statistics = args;
+  statistics.amax_rowwise = nullptr;
+  const cudaError_t status = launch_rows_for_width<T, kLayerNorm>(statistics, stream);
+  if (status != cudaSuccess) return status;
+  return launch_rht_amax<T, kLayerNorm>(args, args.amax_rowwise, amax_rht, rht_random_sign, stream);
 }
 
 // The norm as the cast's producer: the tile's rows' statistics and columns' weight and bias staged in shared memory.
@@ -458,7 +493,7 @@ cudaError_t launch_norm_rows(const NormArgs& norm, void* y, InputType y_type, fl
   if (norm.cols <= 0 || norm.cols % kBlockSize != 0 || norm.cols > kNormThreads * kMaxBlocksPerThread * kBlockSize) {
     return cudaErrorInvalidValue;
   }
-  if (amax_rht != nullptr && norm.rows % kBandRows != 0) return cudaErrorInvalidValue;
+  if (amax_rht != nullptr && (norm.rows % kBandRows != 0 || row_scaled || y != nullptr)) return cudaErrorInvalidValue;
   if (norm.rows == 0) return cudaSuccess;
   if (amax_rowwise != nullptr && !row_scaled) {
     const cudaError_t status = cudaMemsetAsync(amax_rowwise, 0, sizeof(float), stream);

@@ -82,6 +82,10 @@ NVFP4_HD float rounded_to_bf16(float v) {
 #endif
 }
 
+// The bits of a non-negative float's BF16 rounding. Rounding is monotone, so the largest |BF16 value| of a set is
+// the largest |value| rounded once: the amax passes round the maximum, not every element.
+NVFP4_HD uint32_t rounded_bf16_bits(uint32_t bits) { return float_bits(rounded_to_bf16(bits_float(bits))); }
+
 // --- exp, erfc and the activations ---------------------------------------------------------------------------
 
 // exp: n = rint(x * log2(e)); r = (x - n * LN2_HI) - n * LN2_LO (LN2_HI has 14 significant bits: n * LN2_HI is

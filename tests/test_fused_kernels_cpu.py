@@ -112,7 +112,7 @@ void rstd_of_rows(const float* sums, long n, float cols, float eps, float* out) 
   for (long i = 0; i < n; ++i) out[i] = rstd_of_row(sums[i], cols, eps);
 }
 
-// kind 0: exp, 1: erfc, 2: SiLU, 3: GELU, 4: SwiGLU of (x, up), 5: BF16 rounding.
+// kind 0: exp, 1: erfc, 2: SiLU, 3: GELU, 4: SwiGLU of (x, up), 5: BF16 rounding, 6: rounded_bf16_bits of |x|.
 void elementwise(const float* x, const float* up, long n, int kind, float* out) {
   for (long i = 0; i < n; ++i) {
     switch (kind) {
@@ -121,6 +121,7 @@ void elementwise(const float* x, const float* up, long n, int kind, float* out) 
       case 2: out[i] = silu_of(x[i]); break;
       case 3: out[i] = gelu_of(x[i]); break;
       case 4: out[i] = swiglu_of(x[i], up[i]); break;
+      case 6: out[i] = bits_float(rounded_bf16_bits(float_bits(x[i]) & 0x7FFFFFFFu)); break;
       default: out[i] = rounded_to_bf16(x[i]); break;
     }
   }
@@ -297,6 +298,25 @@ def test_swiglu_and_bf16_rounding_match_reference(numerics):
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), generator=torch.Generator().manual_seed(4),
                          dtype=torch.int64).to(torch.int32).view(torch.float32)
     assert_bits_equal(elementwise(numerics, 5, bits), bits.to(torch.bfloat16).float(), "bf16 rounding")
+
+
+@needs_nvcc
+def test_amax_rounded_once_equals_the_largest_rounded_value(numerics):
+    """The amax passes keep the largest |value| by its bits and round it to BF16 once (rounded_bf16_bits); the
+    reference rounds every value, then takes the largest. Groups of 16 values: random bit patterns (NaNs among
+    them), values between two BF16 neighbours, values that round up to the next octave or to infinity."""
+    generator = torch.Generator().manual_seed(6)
+    patterns = torch.randint(-2 ** 31, 2 ** 31 - 1, (16 * 20000,), generator=generator,
+                             dtype=torch.int64).to(torch.int32).view(torch.float32)
+    bf16 = torch.randn(16 * 20000, generator=generator).to(torch.bfloat16).float()
+    between = bf16 * (1 + torch.rand(bf16.shape, generator=generator) * 2 ** -8)
+    edges = torch.tensor([3.3895e38, 3.3961e38, 3.4e38, 1.99609375, 1.998, 255.9, 0.0, -0.0, 1e-40,
+                          float("inf")]).repeat(16 * 100)[: 16 * 1000]
+    for values in (patterns, between, edges[torch.randperm(edges.numel(), generator=generator)]):
+        groups = values.reshape(-1, 16)
+        want = groups.to(torch.bfloat16).float().abs().amax(dim=1)  # NaN where a group holds one
+        largest_bits = (groups.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)
+        assert_bits_equal(elementwise(numerics, 6, largest_bits.view(torch.float32)), want, "amax rounded once")
 
 
 def every_bf16_value() -> torch.Tensor:
