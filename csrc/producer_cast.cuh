@@ -4,7 +4,7 @@
 // - norms and GELU of 16-bit inputs: quantize_tile.cuh's tile cast (the unfused cast's kernel, csrc/quantize.cu)
 //   copies the input's 128 x 128 tile and a TileProducer forms the produced tile from it in place
 //   (launch_produced_tile_cast).
-// - SwiGLU and FP32 inputs: one pass over a 64 x 128 tile forms the produced values in registers and writes the rowwise copy
+// - SwiGLU and FP32 inputs: one pass over a 64 x 128 tile (in TileOrder's bands) forms the produced values in registers and writes the rowwise copy
 //   and the columnwise copy (after the RHT when on) with their E4M3 scales (launch_produce_and_cast). A Producer
 //   gives, for one tile:
 //     struct Tile;                                                           // its staged data, in shared memory
@@ -89,22 +89,23 @@ __device__ __forceinline__ float bf16_amax(const float (&values)[kBlockSize]) {
   return __uint_as_float(running);
 }
 
-// A grid-stride loop over the tiles; kRHT: the columnwise copy of x^T . H (docs/numerics.md §5).
+// A grid-stride loop over the tiles in `order`; kRHT: the columnwise copy of x^T . H (docs/numerics.md §5).
 template <typename Producer, bool kRHT, bool kRandomSign>
-__global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Producer producer, const ProducerCastArgs args) {
+__global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Producer producer, const ProducerCastArgs args,
+                                                                        const TileOrder order) {
   __shared__ __align__(128) uint8_t tile[kCastTileRows * kCastRowBytes];
   __shared__ typename Producer::Tile staged;
   extern __shared__ __align__(128) uint8_t source_slots[];  // kSourceBytes > 0: two, the launch's dynamic bytes
   constexpr int kSourceBytes = Producer::kSourceBytes;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t column_tiles = (args.cols + kCastTileCols - 1) / kCastTileCols;
-  const int64_t tiles = (args.rows + kCastTileRows - 1) / kCastTileRows * column_tiles;
+  const int64_t tiles = (args.rows + kCastTileRows - 1) / kCastTileRows * ((args.cols + kCastTileCols - 1) / kCastTileCols);
   struct Extent {
     int64_t m0, k0;
     int rows_in_tile, cols_in_tile;
   };
   const auto extent_of = [&](int64_t tile_index) {
-    const int64_t m0 = tile_index / column_tiles * kCastTileRows, k0 = tile_index % column_tiles * kCastTileCols;
+    const int2 row_and_column = order.row_and_column(static_cast<int>(tile_index));
+    const int64_t m0 = int64_t{row_and_column.x} * kCastTileRows, k0 = int64_t{row_and_column.y} * kCastTileCols;
     return Extent{m0, k0, args.rows - m0 < kCastTileRows ? static_cast<int>(args.rows - m0) : kCastTileRows,
                   args.cols - k0 < kCastTileCols ? static_cast<int>(args.cols - k0) : kCastTileCols};
   };
@@ -247,13 +248,19 @@ unsigned produce_and_cast_grid(int64_t tiles) {
   return static_cast<unsigned>(tiles < ctas ? tiles : ctas);
 }
 
+// Tiles in bands of 16 tile rows, column-major within a band (TileOrder): the tiles in flight write whole 32-byte
+// sectors of each column's columnwise scales and 512 contiguous bytes of its codes. Row-major tiles of a wide output
+// wrote 4 bytes of every column's scales at a time, and took longer per tile the more rows the output had.
 template <typename Producer>
 cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCastArgs& args, cudaStream_t stream) {
   if (!valid_cast(args)) return cudaErrorInvalidValue;
   const bool columnwise = args.columnwise_data != nullptr;
-  const int64_t tiles = ((args.rows + kCastTileRows - 1) / kCastTileRows) * ((args.cols + kCastTileCols - 1) / kCastTileCols);
+  const int64_t tile_rows = (args.rows + kCastTileRows - 1) / kCastTileRows;
+  const int64_t column_tiles = (args.cols + kCastTileCols - 1) / kCastTileCols;
+  const int64_t tiles = tile_rows * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
+  const TileOrder order(tile_rows, column_tiles, 4);
   const cudaError_t allowed = args.rht && columnwise
                                   ? (args.rht_random_sign ? allow_source_slots<Producer, true, true>()
                                                           : allow_source_slots<Producer, true, false>())
@@ -262,14 +269,14 @@ cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCast
   if (args.rht && columnwise) {
     if (args.rht_random_sign) {
       produce_and_cast_kernel<Producer, true, true>
-          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args);
+          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args, order);
     } else {
       produce_and_cast_kernel<Producer, true, false>
-          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args);
+          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args, order);
     }
   } else {
     produce_and_cast_kernel<Producer, false, false>
-        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args);
+        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args, order);
   }
   return cudaGetLastError();
 }
