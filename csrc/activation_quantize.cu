@@ -178,8 +178,7 @@ __device__ __forceinline__ float2 load_pair(const T* address) {
 
 // Item: two adjacent columns of one 16-row block. The amax of the BF16 output (plain) and of the BF16-rounded
 // RHT of each column's 16 values (the columnwise copy's source; its largest magnitude rounded once,
-// rounded_bf16_bits). A 2D grid-stride loop: y over the row blocks,
-// x over the column pairs.
+// rounded_bf16_bits). A 2D grid-stride loop: y over the row blocks, x over the column pairs.
 template <typename T, bool kSwiglu, bool kRandomSign, bool kLookup>
 __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* __restrict__ h, int64_t rows, int64_t cols,
                                                                        float* __restrict__ amax_plain,
