@@ -114,12 +114,20 @@ def linear_command(record: dict) -> str:
 
 
 def fused_producers_summary(record: dict) -> list[str]:
-    """Fused chain time / unfused chain time per producer, copies and width (the range over the token counts)."""
+    """Fused chain time / unfused chain time per producer, copies and width (the range over the token counts), and
+    the ratio of the bytes the two chains move: the speedup of chains equally close to copy bandwidth."""
     groups: dict = {}
     for r in record["speedups"]:
         groups.setdefault((r["producer"], r["copies"], r["width"]), []).append(r["speedup"])
-    return [f"{producer}, width {width}, {copies}: fused {times(min(v))}-{times(max(v))} the speed of unfused"
-            for (producer, copies, width), v in groups.items()]
+    moved = {(r["producer"], r["copies"], r["width"], r["chain"]): r["bytes_moved"] for r in record["results"]}
+    lines = []
+    for (producer, copies, width), v in groups.items():
+        line = f"{producer}, width {width}, {copies}: fused {times(min(v))}-{times(max(v))} the speed of unfused"
+        unfused, fused = (moved.get((producer, copies, width, chain)) for chain in ("unfused", "fused"))
+        if unfused and fused:
+            line += f" (bytes moved, unfused / fused: {times(unfused / fused)})"
+        lines.append(line)
+    return lines
 
 
 def fused_producers_command(record: dict) -> str:
