@@ -346,8 +346,8 @@ cudaError_t launch_rht_amax(const RowPassArgs& args, float* amax_plain, float* a
 
 // With the RHT columnwise copy, the rows kernel takes the statistics alone (and the output, when asked), and the
 // RHT kernel both amaxes: the normalized values are formed once, where the transform needs them. (One kernel that
-// re-read each band of 16 rows for the amaxes right after its statistics measured no faster: both are bound by
-// their arithmetic and latencies, not by the second read of x.)
+// re-read each band of 16 rows for the amaxes right after its statistics gained little: the passes are bound
+// mostly by their arithmetic and latencies, not by the second read of x.)
 template <typename T, bool kLayerNorm>
 cudaError_t launch_row_pass(const RowPassArgs& args, float* amax_rht, bool rht_random_sign, cudaStream_t stream) {
   if (amax_rht == nullptr) return launch_rows_for_width<T, kLayerNorm>(args, stream);
