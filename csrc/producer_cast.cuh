@@ -4,9 +4,9 @@
 // - norms and GELU of 16-bit inputs: quantize_tile.cuh's tile cast (the unfused cast's kernel, csrc/quantize.cu)
 //   copies the input's 128 x 128 tile and a TileProducer forms the produced tile from it in place
 //   (launch_produced_tile_cast).
-// - SwiGLU and FP32 inputs: one pass over a 64 x 128 tile (in TileOrder's bands) forms the produced values in registers and writes the rowwise copy
-//   and the columnwise copy (after the RHT when on) with their E4M3 scales (launch_produce_and_cast). A Producer
-//   gives, for one tile:
+// - SwiGLU and FP32 inputs: one pass over a 64 x 128 tile (the tiles in TileOrder's bands) forms the produced values
+//   in registers and writes the rowwise copy and the columnwise copy (after the RHT when on) with their E4M3 scales
+//   (launch_produce_and_cast). A Producer gives, for one tile:
 //     struct Tile;                                                           // its staged data, in shared memory
 //     static constexpr int kSourceBytes;                                     // see copy_source; 0: none
 //     void prepare(Tile&, int tid) const;                                    // once per CTA, before its tiles
