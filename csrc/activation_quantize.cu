@@ -37,22 +37,45 @@ __device__ __forceinline__ void load8(const T* address, float (&out)[kVector]) {
 template <bool kSwiglu>
 constexpr int kTableBytes = kSwiglu ? kSiluTableBytes : kGeluTableBytes;
 
-// The activation of one output from fc1's values: by the formulas, or (kLookup, BF16 h) from the activation's
-// table in shared memory. Either is the formula's FP32 value, except that the looked-up GELU is already rounded to
-// BF16, as every caller rounds it.
+// GELU of the BF16 pairs in `words` (two BF16 values a word), rounded to BF16, in place, from the GELU table in
+// shared memory: the common path for every word, then, if any word asks, the exact path for all of them (one branch
+// per call, rarely taken).
+template <int kWords>
+__device__ __forceinline__ void gelu_words_by_table(uint32_t (&words)[kWords], const uint32_t* table) {
+  uint32_t redo = 0u, common[kWords];
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) common[w] = gelu_bf16_pair_common(words[w], table, redo);
+  if (gelu_pair_redo(redo)) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) words[w] = gelu_bf16_pair_exact(words[w], table);
+  } else {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) words[w] = common[w];
+  }
+}
+
+// The two BF16 values of a word as FP32: the low half, the high half.
+__device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
+__device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xFFFF0000u); }
+
+// The activation of one output from fc1's values, by the formulas, or (kLookup, BF16 h) from the activation's table
+// in shared memory: SiLU's FP32 value, or GELU's already rounded to BF16 (kGeluPairs: looked up two a word,
+// gelu_words_by_table), as every caller rounds it.
 template <typename T, bool kSwiglu, bool kLookup>
 struct Activate {
   static_assert(!kLookup || std::is_same_v<T, __nv_bfloat16>, "the tables take BF16 inputs");
+  static constexpr bool kGeluPairs = kLookup && !kSwiglu;
   const void* table;  // kLookup: shared memory
 
-  __device__ __forceinline__ float operator()(float x) const {  // GELU
-    if constexpr (kLookup) return gelu_bf16_by_table(x, static_cast<const uint16_t*>(table));
-    else return gelu_of(x);
+  __device__ __forceinline__ float operator()(float x) const {  // GELU by the formula
+    static_assert(!kGeluPairs, "GELU by table: gelu_words_by_table");
+    return gelu_of(x);
   }
   __device__ __forceinline__ float operator()(float gate, float up) const {  // SwiGLU
     if constexpr (kLookup) return silu_by_table(gate, static_cast<const float*>(table)) * up;
     else return swiglu_of(gate, up);
   }
+  __device__ __forceinline__ const uint32_t* gelu_table_words() const { return static_cast<const uint32_t*>(table); }
 };
 
 // The activation's table (kTableBytes<kSwiglu> at `global`) copied into `shared` by the CTA's threads; the caller's
@@ -87,14 +110,24 @@ template <typename T, bool kSwiglu, typename Act>
 __device__ __forceinline__ void activation8(const Act& act, const T* h, int64_t cols, int64_t row, int64_t c,
                                             float (&out)[kVector]) {
   const int64_t in_cols = kSwiglu ? 2 * cols : cols;
-  float first[kVector];
-  load8<T>(h + row * in_cols + c, first);
-  if constexpr (kSwiglu) {
-    float up[kVector];
+  if constexpr (Act::kGeluPairs) {
+    const uint4 raw = load_streaming(reinterpret_cast<const uint4*>(h + row * in_cols + c));
+    uint32_t words[kVector / 2] = {raw.x, raw.y, raw.z, raw.w};
+    gelu_words_by_table(words, act.gelu_table_words());
+#pragma unroll
+    for (int w = 0; w < kVector / 2; ++w) {
+      out[2 * w] = low_bf16(words[w]);
+      out[2 * w + 1] = high_bf16(words[w]);
+    }
+  } else if constexpr (kSwiglu) {
+    float first[kVector], up[kVector];
+    load8<T>(h + row * in_cols + c, first);
     load8<T>(h + row * in_cols + cols + c, up);
 #pragma unroll
     for (int e = 0; e < kVector; ++e) out[e] = act(first[e], up[e]);
   } else {
+    float first[kVector];
+    load8<T>(h + row * in_cols + c, first);
 #pragma unroll
     for (int e = 0; e < kVector; ++e) out[e] = act(first[e]);
   }
@@ -190,26 +223,42 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
   const int64_t row_blocks = rows / kBlockSize, pairs = cols / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running_plain = 0u, running_rht = 0u;
+  uint32_t running_halves = 0u;  // kGeluPairs: the largest BF16 magnitude bits of the low and the high halves
   for (int64_t row_block = blockIdx.y; row_block < row_blocks; row_block += gridDim.y) {
     for (int64_t pair = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; pair < pairs; pair += stride) {
-      float2 inputs[kBlockSize], ups[kSwiglu ? kBlockSize : 1];  // every load in flight before the arithmetic
-#pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) {
-        const int64_t row = row_block * kBlockSize + i;
-        inputs[i] = load_pair<T>(h + row * (kSwiglu ? 2 * cols : cols) + 2 * pair);
-        if constexpr (kSwiglu) ups[i] = load_pair<T>(h + row * 2 * cols + cols + 2 * pair);
-      }
       float column0[kBlockSize], column1[kBlockSize];
+      if constexpr (decltype(act)::kGeluPairs) {  // a word of two BF16 values a row, looked up two at once
+        uint32_t words[kBlockSize];  // every load in flight before the arithmetic
 #pragma unroll
-      for (int i = 0; i < kBlockSize; ++i) {
-        if constexpr (kSwiglu) {
-          column0[i] = rounded_to_bf16(act(inputs[i].x, ups[i].x));
-          column1[i] = rounded_to_bf16(act(inputs[i].y, ups[i].y));
-        } else {
-          column0[i] = rounded_to_bf16(act(inputs[i].x));
-          column1[i] = rounded_to_bf16(act(inputs[i].y));
+        for (int i = 0; i < kBlockSize; ++i) {
+          words[i] = __ldcs(reinterpret_cast<const unsigned int*>(h + (row_block * kBlockSize + i) * cols + 2 * pair));
         }
-        running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
+        gelu_words_by_table(words, act.gelu_table_words());
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) {
+          column0[i] = low_bf16(words[i]);
+          column1[i] = high_bf16(words[i]);
+          running_halves = max_u16x2(running_halves, words[i] & 0x7FFF7FFFu);
+        }
+      } else {
+        float2 inputs[kBlockSize], ups[kSwiglu ? kBlockSize : 1];  // every load in flight before the arithmetic
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) {
+          const int64_t row = row_block * kBlockSize + i;
+          inputs[i] = load_pair<T>(h + row * (kSwiglu ? 2 * cols : cols) + 2 * pair);
+          if constexpr (kSwiglu) ups[i] = load_pair<T>(h + row * 2 * cols + cols + 2 * pair);
+        }
+#pragma unroll
+        for (int i = 0; i < kBlockSize; ++i) {
+          if constexpr (kSwiglu) {
+            column0[i] = rounded_to_bf16(act(inputs[i].x, ups[i].x));
+            column1[i] = rounded_to_bf16(act(inputs[i].y, ups[i].y));
+          } else {
+            column0[i] = rounded_to_bf16(act(inputs[i].x));
+            column1[i] = rounded_to_bf16(act(inputs[i].y));
+          }
+          running_plain = max(running_plain, max(abs_bits(column0[i]), abs_bits(column1[i])));
+        }
       }
       float transformed0[kBlockSize], transformed1[kBlockSize];
       rht_chunk_odd_negated<kRandomSign>(column0, transformed0);  // odd lanes negated: the same |.|
@@ -220,6 +269,7 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
       }
     }
   }
+  running_plain = max(running_plain, max(running_halves << 16, running_halves & 0xFFFF0000u));
   running_plain = block_max_bits(running_plain, scratch);
   running_rht = block_max_bits(running_rht, scratch);
   if (threadIdx.x == 0) {
@@ -309,14 +359,9 @@ struct GeluTileProducer {
       if (r >= rows_in_tile) continue;  // the zeros outside h stay
       uint4 produced;
       if constexpr (kLookup) {  // on the BF16 bits, two a word
-        const uint16_t* const entries = reinterpret_cast<const uint16_t*>(staged.bytes);
-        uint32_t* const words = reinterpret_cast<uint32_t*>(&raw[u]);
-        uint32_t* const out = reinterpret_cast<uint32_t*>(&produced);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          out[w] = gelu_bf16_bits_by_table(words[w] & 0xFFFFu, entries) |
-                   (gelu_bf16_bits_by_table(words[w] >> 16, entries) << 16);
-        }
+        uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+        gelu_words_by_table(words, reinterpret_cast<const uint32_t*>(staged.bytes));
+        produced = make_uint4(words[0], words[1], words[2], words[3]);
       } else {
         float values[8];
         unpack_vector<T>(raw[u], values);
@@ -350,13 +395,13 @@ cudaError_t with_lookup(const ActivationArgs& args, Fn&& fn) {
   return fn(std::false_type{});
 }
 
-// Entry i of the GELU table (BF16 bits) or of the SiLU one (FP32), zeros in the padding to 16 bytes.
+// Word i of the GELU table, or entry i of the SiLU one (FP32, zeros in the padding to 16 bytes).
 __global__ void __launch_bounds__(kThreads) activation_table_kernel(bool swiglu, void* table) {
   const int i = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
   if (swiglu) {
     if (i < kSiluTableBytes / 4) static_cast<float*>(table)[i] = i < silu_table().entries() ? silu_table_entry(i) : 0.0f;
-  } else if (i < kGeluTableBytes / 2) {
-    static_cast<uint16_t*>(table)[i] = i < gelu_table().entries() ? gelu_table_entry(i) : uint16_t{0};
+  } else if (i < kGeluWindow) {
+    static_cast<uint32_t*>(table)[i] = gelu_table_word(i);
   }
 }
 
@@ -461,7 +506,7 @@ int activation_table_bytes(Activation activation) {
 cudaError_t launch_activation_table(Activation activation, void* table, cudaStream_t stream) {
   if (table == nullptr || reinterpret_cast<uintptr_t>(table) % kActivationTableAlignment != 0) return cudaErrorInvalidValue;
   const bool swiglu = activation == Activation::kSwiglu;
-  const int slots = swiglu ? kSiluTableBytes / 4 : kGeluTableBytes / 2;
+  const int slots = swiglu ? kSiluTableBytes / 4 : kGeluWindow;
   activation_table_kernel<<<(slots + kThreads - 1) / kThreads, kThreads, 0, stream>>>(swiglu, table);
   return cudaGetLastError();
 }

@@ -90,6 +90,14 @@ __device__ __forceinline__ uint4 load_streaming(const void* address) {
 // NaN input is detected, as torch.amax propagates it) unsigned order is float order.
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(fabsf(v)); }
 
+// The unsigned maximum of a's and b's low halves, and of their high halves (one VIMNMX): the amax of two BF16
+// magnitudes (bits, sign cleared) a word.
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // Block-wide max of `v`; every thread gets the result. `scratch` holds one word per warp.
 __device__ __forceinline__ uint32_t block_max_bits(uint32_t v, uint32_t* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;

@@ -224,16 +224,26 @@ NVFP4_HD uint32_t pack_eight_top_byte_codes(const uint32_t* words) {
 #endif
 }
 
-#ifdef __CUDA_ARCH__
-// PTX prmt.b32 with an immediate selector; a selector nibble with bit 3 set fills its byte with the sign
-// (bit 7) of the source byte it names.
+// PTX prmt.b32 with an immediate selector: byte i of the result is byte (nibble i & 7) of b:a; a nibble with bit 3
+// set fills its byte with the sign (bit 7) of the byte it names.
 template <uint32_t kSelector>
-__device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b) {
+NVFP4_HD uint32_t byte_permute(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "n"(kSelector));
   return d;
-}
+#else
+  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (kSelector >> (4 * i)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7u))) & 0xFFu;
+    if (nibble & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    d |= byte << (8 * i);
+  }
+  return d;
 #endif
+}
 
 // The FP4 sign bits of eight values whose sign bit is set only where v < 0 (no -0.0): element i's
 // sign bit in bit 4i + 3. Three sign-filling byte permutes gather the even elements' signs as bytes

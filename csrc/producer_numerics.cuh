@@ -152,11 +152,16 @@ struct ActivationTable {
   NVFP4_HD constexpr int entries() const { return 2 * per_sign(); }
 };
 // (functions: device code reads them by value)
-NVFP4_HD constexpr ActivationTable gelu_table() { return {0x3B4Bu, 0x4158u}; }  // |x| 0.0031 .. 13.5
+NVFP4_HD constexpr ActivationTable gelu_table() { return {0x3B4Bu, 0x434Au}; }  // |x| 0.0031 .. 202
 NVFP4_HD constexpr ActivationTable silu_table() { return {0x33C1u, 0x42B1u}; }  // |x| 9.0e-8 .. 88.5
+// GELU's table is one 32-bit word per magnitude: GELU of +x (BF16 bits) in its low half, of -x in its high half,
+// 2048 magnitudes from first, so that the kernels look up both BF16 values of a word of h by word arithmetic
+// (gelu_bf16_pair_by_table). SiLU's holds FP32 values, the positive magnitudes first.
+constexpr int kGeluWindow = 2048;
+static_assert(gelu_table().per_sign() == kGeluWindow, "the GELU table is a window of 2048 magnitudes");
 // sizes rounded up to 16 bytes: the kernels copy the tables in 16-byte words
-constexpr int kGeluTableBytes = (gelu_table().entries() * 2 + 15) / 16 * 16;  // BF16 entries
-constexpr int kSiluTableBytes = (silu_table().entries() * 4 + 15) / 16 * 16;  // FP32 entries
+constexpr int kGeluTableBytes = kGeluWindow * 4;
+constexpr int kSiluTableBytes = (silu_table().entries() * 4 + 15) / 16 * 16;
 
 // Whether the table holds the BF16 value with bits p (low 16 bits), and its entry there: positives first, then
 // negatives. Both on unsigned offsets (the magnitude's offset wraps around below first), which the callers share.
@@ -173,9 +178,13 @@ NVFP4_HD float activation_table_input(int index, ActivationTable table) {
   return bits_float((sign | (table.first + static_cast<uint32_t>(index % table.per_sign()))) << 16);
 }
 
-// Entry `index` of the GELU table (BF16 bits) and of the SiLU table.
-NVFP4_HD uint16_t gelu_table_entry(int index) {
-  return static_cast<uint16_t>(float_bits(rounded_to_bf16(gelu_of(activation_table_input(index, gelu_table())))) >> 16);
+// GELU of x rounded to BF16, as BF16 bits.
+NVFP4_HD uint32_t gelu_bf16_bits_of(float x) { return float_bits(rounded_to_bf16(gelu_of(x))) >> 16; }
+
+// Word `index` of the GELU table, and entry `index` of the SiLU table.
+NVFP4_HD uint32_t gelu_table_word(int index) {
+  return gelu_bf16_bits_of(activation_table_input(index, gelu_table())) |
+         (gelu_bf16_bits_of(activation_table_input(index + kGeluWindow, gelu_table())) << 16);
 }
 NVFP4_HD float silu_table_entry(int index) { return silu_of(activation_table_input(index, silu_table())); }
 
@@ -186,16 +195,44 @@ NVFP4_HD float activation_outside_table(float x, ActivationTable table) {
   return magnitude < table.first ? x * 0.5f : (x > 0.0f ? x : x * 0.0f);
 }
 
-// The BF16 bits of GELU of the BF16 bits p (low 16 bits), rounded to BF16, from the GELU table: on the bits (no
-// conversions), the rules in a branch that the lanes rarely take.
-NVFP4_HD uint32_t gelu_bf16_bits_by_table(uint32_t p, const uint16_t* table) {
-  if (activation_table_holds(p, gelu_table())) return table[activation_table_slot(p, gelu_table())];
+// The BF16 bits of GELU of the BF16 bits p (low 16 bits), rounded to BF16, from the GELU table: any input.
+NVFP4_HD uint32_t gelu_bf16_bits_by_table(uint32_t p, const uint32_t* table) {
+  const uint32_t slot = (p & 0x7FFFu) - gelu_table().first;
+  if (slot < static_cast<uint32_t>(kGeluWindow)) return (table[slot] >> ((p >> 11) & 16u)) & 0xFFFFu;  // sign: the half
   return float_bits(rounded_to_bf16(activation_outside_table(bits_float(p << 16), gelu_table()))) >> 16;
 }
 
-// GELU of a BF16 x, rounded to BF16: rounded_to_bf16(gelu_of(x)), from the GELU table.
-NVFP4_HD float gelu_bf16_by_table(float x, const uint16_t* table) {
-  return bits_float(gelu_bf16_bits_by_table(float_bits(x) >> 16, table) << 16);
+// GELU of both BF16 values of the word w (low and high half), rounded to BF16, by word arithmetic on both halves at
+// once, for the magnitudes m that activations take: those in the table's window, and those in [0x0100, first), where
+// GELU's BF16 value is x * 0.5, x's exponent less one (the bits less 0x80; no borrow crosses the halves). Other
+// halves (zeros and subnormals, magnitudes above the window, infinities, NaNs) set bit 15 or 31 of `redo`, and the
+// caller redoes such a word with gelu_bf16_pair_exact. Per half, v = m + 0x4000 - first is 0x4000 + the slot in the
+// window, below 0x4000 under it (no carry crosses the halves: m < 0x8000).
+NVFP4_HD uint32_t gelu_bf16_pair_common(uint32_t w, const uint32_t* table, uint32_t& redo) {
+  constexpr uint32_t kWindowOffset = (0x4000u - gelu_table().first) * 0x10001u;
+  const uint32_t m = w & 0x7FFF7FFFu;
+  const uint32_t v = m + kWindowOffset;
+  redo |= (v + 0x38003800u) | ~(m + 0x7F007F00u);  // bit 15 of a half: v >= 0x4800 (above), or m < 0x0100
+  const uint32_t low = table[v & 0x7FFu], high = table[(v >> 16) & 0x7FFu];
+  const uint32_t negative = byte_permute<0xBB99u>(w, 0u);  // per half: 0xFFFF where x < 0
+  const uint32_t looked_up =
+      (byte_permute<0x5410u>(low, high) & ~negative) | (byte_permute<0x7632u>(low, high) & negative);
+  const uint32_t in_window = byte_permute<0xBB99u>(v << 1, 0u);  // per half: 0xFFFF where v >= 0x4000
+  return (looked_up & in_window) | ((w - 0x00800080u) & ~in_window);
+}
+
+// Whether a word's (or several words', OR-ed) redo bits ask for gelu_bf16_pair_exact.
+NVFP4_HD bool gelu_pair_redo(uint32_t redo) { return (redo & 0x80008000u) != 0u; }
+
+NVFP4_HD uint32_t gelu_bf16_pair_exact(uint32_t w, const uint32_t* table) {
+  return gelu_bf16_bits_by_table(w & 0xFFFFu, table) | (gelu_bf16_bits_by_table(w >> 16, table) << 16);
+}
+
+// GELU of both BF16 values of w, rounded to BF16: any input.
+NVFP4_HD uint32_t gelu_bf16_pair_by_table(uint32_t w, const uint32_t* table) {
+  uint32_t redo = 0u;
+  const uint32_t common = gelu_bf16_pair_common(w, table, redo);
+  return gelu_pair_redo(redo) ? gelu_bf16_pair_exact(w, table) : common;
 }
 
 // SiLU of a BF16 x: silu_of(x), from the SiLU table.

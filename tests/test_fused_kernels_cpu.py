@@ -129,12 +129,32 @@ void elementwise(const float* x, const float* up, long n, int kind, float* out) 
 
 // kind 0: GELU rounded to BF16, 1: SiLU, of BF16 values x as the kernels look them up, from tables built here
 // by the kernels' table entries (activation_table_kernel).
+std::vector<uint32_t> gelu_table_words() {
+  std::vector<uint32_t> gelu(kGeluWindow);
+  for (int i = 0; i < kGeluWindow; ++i) gelu[i] = gelu_table_word(i);
+  return gelu;
+}
+
 void activation_by_table(const float* x, long n, int kind, float* out) {
-  std::vector<uint16_t> gelu(gelu_table().entries());
+  const std::vector<uint32_t> gelu = gelu_table_words();
   std::vector<float> silu(silu_table().entries());
-  for (int i = 0; i < gelu_table().entries(); ++i) gelu[i] = gelu_table_entry(i);
   for (int i = 0; i < silu_table().entries(); ++i) silu[i] = silu_table_entry(i);
-  for (long i = 0; i < n; ++i) out[i] = kind == 0 ? gelu_bf16_by_table(x[i], gelu.data()) : silu_by_table(x[i], silu.data());
+  for (long i = 0; i < n; ++i) {
+    out[i] = kind == 0 ? bits_float(gelu_bf16_bits_by_table(float_bits(x[i]) >> 16, gelu.data()) << 16)
+                       : silu_by_table(x[i], silu.data());
+  }
+}
+
+// GELU of the BF16 pairs in words (gelu_bf16_pair_by_table), and the common path alone (gelu_bf16_pair_common)
+// with its redo bits (1: redo).
+void gelu_pairs_by_table(const uint32_t* words, long n, uint32_t* out, uint32_t* common, uint8_t* redo) {
+  const std::vector<uint32_t> gelu = gelu_table_words();
+  for (long i = 0; i < n; ++i) {
+    out[i] = gelu_bf16_pair_by_table(words[i], gelu.data());
+    uint32_t bits = 0u;
+    common[i] = gelu_bf16_pair_common(words[i], gelu.data(), bits);
+    redo[i] = gelu_pair_redo(bits) ? 1 : 0;
+  }
 }
 
 // The tables' entries and bytes: GELU, SiLU.
@@ -334,6 +354,47 @@ def test_activation_tables_equal_the_formulas_on_every_bf16_input(numerics, kind
     numerics.activation_by_table(pointer(x_np), ctypes.c_long(x_np.size), ctypes.c_int(kind), pointer(out))
     want = R.gelu(x).to(torch.bfloat16).float() if name == "gelu" else R.silu(x)
     assert_bits_equal(out, want, f"{name} by table")
+
+
+def gelu_bf16_bits(halves: torch.Tensor) -> torch.Tensor:
+    """The reference's GELU rounded to BF16, as BF16 bits (int64), of BF16 bit patterns."""
+    x = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    return R.gelu(x).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def assert_halves_equal(got: torch.Tensor, want: torch.Tensor, what: str):
+    """BF16 bit patterns equal, a NaN matching any NaN."""
+    nan_got, nan_want = (got & 0x7FFF) > 0x7F80, (want & 0x7FFF) > 0x7F80
+    differ = (nan_got != nan_want) | (~nan_want & (got != want))
+    assert not differ.any(), f"{what}: {int(differ.sum())} differ, at {differ.nonzero()[:5].flatten().tolist()}"
+
+
+@needs_nvcc
+def test_gelu_pairs_by_word_arithmetic_equal_the_formula(numerics):
+    """Both BF16 values of a word of h looked up at once (gelu_bf16_pair_by_table) equal the reference's GELU rounded
+    to BF16: every BF16 value in the low and in the high half, beside a random partner and beside 1.0. The common
+    path is right wherever it asks no redo, and asks none for magnitudes from 0x0100 to the table's end."""
+    every = torch.arange(2 ** 16, dtype=torch.int64)
+    partner = torch.randperm(2 ** 16, generator=torch.Generator().manual_seed(7))
+    one = torch.full_like(every, 0x3F80)
+    low = torch.cat([every, partner, every, one])
+    high = torch.cat([partner, every, one, every])
+    words = np.ascontiguousarray((low | (high << 16)).to(torch.int64).numpy().astype(np.uint32))
+    out, common = np.zeros_like(words), np.zeros_like(words)
+    redo = np.zeros(words.size, dtype=np.uint8)
+    numerics.gelu_pairs_by_table(pointer(words), ctypes.c_long(words.size), pointer(out), pointer(common),
+                                 pointer(redo))
+    want_low, want_high = gelu_bf16_bits(low), gelu_bf16_bits(high)
+    out_t, common_t = torch.from_numpy(out.astype(np.int64)), torch.from_numpy(common.astype(np.int64))
+    assert_halves_equal(out_t & 0xFFFF, want_low, "low halves")
+    assert_halves_equal(out_t >> 16, want_high, "high halves")
+    fast = torch.from_numpy(redo) == 0
+    assert_halves_equal(common_t[fast] & 0xFFFF, want_low[fast], "low halves, common path")
+    assert_halves_equal(common_t[fast] >> 16, want_high[fast], "high halves, common path")
+    usual = ((low & 0x7FFF) >= 0x0100) & ((low & 0x7FFF) <= 0x434A) & ((high & 0x7FFF) >= 0x0100) & \
+        ((high & 0x7FFF) <= 0x434A)
+    assert torch.equal(fast[usual], torch.ones_like(fast[usual])), "the common path redoes usual magnitudes"
+    assert not fast[~usual].any(), "the common path keeps a pair it cannot look up"
 
 
 @needs_nvcc
