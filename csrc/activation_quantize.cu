@@ -54,28 +54,65 @@ __device__ __forceinline__ void gelu_words_by_table(uint32_t (&words)[kWords], c
   }
 }
 
+// SiLU of the BF16 pairs in `words` (low half first), FP32, into `out`, from the SiLU table in shared memory: the
+// common path for every word, then, if any word asks, silu_by_table for all of them.
+template <int kWords>
+__device__ __forceinline__ void silu_words_by_table(const uint32_t (&words)[kWords], const float* table,
+                                                    float (&out)[2 * kWords]) {
+  uint32_t redo = 0u;
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) silu_pair_common(words[w], table, out[2 * w], out[2 * w + 1], redo);
+  if (silu_pair_redo(redo)) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      out[2 * w] = silu_by_table(__uint_as_float(words[w] << 16), table);
+      out[2 * w + 1] = silu_by_table(__uint_as_float(words[w] & 0xFFFF0000u), table);
+    }
+  }
+}
+
+// SwiGLU of 2 kWords outputs from the BF16 pairs of gate and up, from the SiLU table: silu(gate) * up in FP32.
+template <int kWords>
+__device__ __forceinline__ void swiglu_words_by_table(const uint32_t (&gate)[kWords], const uint32_t (&up)[kWords],
+                                                      const float* table, float (&out)[2 * kWords]) {
+  silu_words_by_table(gate, table, out);
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) {
+    out[2 * w] = out[2 * w] * __uint_as_float(up[w] << 16);
+    out[2 * w + 1] = out[2 * w + 1] * __uint_as_float(up[w] & 0xFFFF0000u);
+  }
+}
+
 // The two BF16 values of a word as FP32: the low half, the high half.
 __device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
 __device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xFFFF0000u); }
 
-// The activation of one output from fc1's values, by the formulas, or (kLookup, BF16 h) from the activation's table
-// in shared memory: SiLU's FP32 value, or GELU's already rounded to BF16 (kGeluPairs: looked up two a word,
-// gelu_words_by_table), as every caller rounds it.
+// The activation of one output from fc1's values by the formulas, or (kLookup, BF16 h) of pairs of outputs from words
+// of h by the activation's table in shared memory (gelu_words_by_table: GELU already rounded to BF16, as every caller
+// rounds it; swiglu_words_by_table).
 template <typename T, bool kSwiglu, bool kLookup>
 struct Activate {
   static_assert(!kLookup || std::is_same_v<T, __nv_bfloat16>, "the tables take BF16 inputs");
-  static constexpr bool kGeluPairs = kLookup && !kSwiglu;
   const void* table;  // kLookup: shared memory
 
-  __device__ __forceinline__ float operator()(float x) const {  // GELU by the formula
-    static_assert(!kGeluPairs, "GELU by table: gelu_words_by_table");
+  __device__ __forceinline__ float operator()(float x) const {  // GELU
+    static_assert(!kLookup, "by table: gelu_words_by_table");
     return gelu_of(x);
   }
   __device__ __forceinline__ float operator()(float gate, float up) const {  // SwiGLU
-    if constexpr (kLookup) return silu_by_table(gate, static_cast<const float*>(table)) * up;
-    else return swiglu_of(gate, up);
+    static_assert(!kLookup, "by table: swiglu_words_by_table");
+    return swiglu_of(gate, up);
   }
-  __device__ __forceinline__ const uint32_t* gelu_table_words() const { return static_cast<const uint32_t*>(table); }
+  // GELU of the pairs in words, in place, or SwiGLU of (gate, up) pairs into out
+  template <int kWords>
+  __device__ __forceinline__ void gelu_words(uint32_t (&words)[kWords]) const {
+    gelu_words_by_table(words, static_cast<const uint32_t*>(table));
+  }
+  template <int kWords>
+  __device__ __forceinline__ void swiglu_words(const uint32_t (&gate)[kWords], const uint32_t (&up)[kWords],
+                                               float (&out)[2 * kWords]) const {
+    swiglu_words_by_table(gate, up, static_cast<const float*>(table), out);
+  }
 };
 
 // The activation's table (kTableBytes<kSwiglu> at `global`) copied into `shared` by the CTA's threads; the caller's
@@ -106,18 +143,24 @@ __device__ __forceinline__ Activate<T, kSwiglu, kLookup> activation_with_table(S
 }
 
 // The activation of outputs (row, c .. c + 7) in FP32 (before any rounding).
-template <typename T, bool kSwiglu, typename Act>
-__device__ __forceinline__ void activation8(const Act& act, const T* h, int64_t cols, int64_t row, int64_t c,
-                                            float (&out)[kVector]) {
+template <typename T, bool kSwiglu, bool kLookup>
+__device__ __forceinline__ void activation8(const Activate<T, kSwiglu, kLookup>& act, const T* h, int64_t cols,
+                                            int64_t row, int64_t c, float (&out)[kVector]) {
   const int64_t in_cols = kSwiglu ? 2 * cols : cols;
-  if constexpr (Act::kGeluPairs) {
+  if constexpr (kLookup) {
     const uint4 raw = load_streaming(reinterpret_cast<const uint4*>(h + row * in_cols + c));
     uint32_t words[kVector / 2] = {raw.x, raw.y, raw.z, raw.w};
-    gelu_words_by_table(words, act.gelu_table_words());
+    if constexpr (kSwiglu) {
+      const uint4 raw_up = load_streaming(reinterpret_cast<const uint4*>(h + row * in_cols + cols + c));
+      const uint32_t up[kVector / 2] = {raw_up.x, raw_up.y, raw_up.z, raw_up.w};
+      act.swiglu_words(words, up, out);
+    } else {
+      act.gelu_words(words);
 #pragma unroll
-    for (int w = 0; w < kVector / 2; ++w) {
-      out[2 * w] = low_bf16(words[w]);
-      out[2 * w + 1] = high_bf16(words[w]);
+      for (int w = 0; w < kVector / 2; ++w) {
+        out[2 * w] = low_bf16(words[w]);
+        out[2 * w + 1] = high_bf16(words[w]);
+      }
     }
   } else if constexpr (kSwiglu) {
     float first[kVector], up[kVector];
@@ -223,22 +266,41 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
   const int64_t row_blocks = rows / kBlockSize, pairs = cols / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t running_plain = 0u, running_rht = 0u;
-  uint32_t running_halves = 0u;  // kGeluPairs: the largest BF16 magnitude bits of the low and the high halves
+  uint32_t running_halves = 0u;  // GELU by table: the largest BF16 magnitude bits of the low and the high halves
   for (int64_t row_block = blockIdx.y; row_block < row_blocks; row_block += gridDim.y) {
     for (int64_t pair = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; pair < pairs; pair += stride) {
       float column0[kBlockSize], column1[kBlockSize];
-      if constexpr (decltype(act)::kGeluPairs) {  // a word of two BF16 values a row, looked up two at once
-        uint32_t words[kBlockSize];  // every load in flight before the arithmetic
+      if constexpr (kLookup) {  // a word of h (two BF16 values) a row, looked up two at once
+        const int64_t in_cols = kSwiglu ? 2 * cols : cols;
+        uint32_t words[kBlockSize], ups[kSwiglu ? kBlockSize : 1];  // every load in flight before the arithmetic
 #pragma unroll
         for (int i = 0; i < kBlockSize; ++i) {
-          words[i] = __ldcs(reinterpret_cast<const unsigned int*>(h + (row_block * kBlockSize + i) * cols + 2 * pair));
+          const T* const address = h + (row_block * kBlockSize + i) * in_cols + 2 * pair;
+          words[i] = __ldcs(reinterpret_cast<const unsigned int*>(address));
+          if constexpr (kSwiglu) ups[i] = __ldcs(reinterpret_cast<const unsigned int*>(address + cols));
         }
-        gelu_words_by_table(words, act.gelu_table_words());
+        if constexpr (kSwiglu) {  // 4 rows at a time: their words die before the next 4 rows' are looked up
 #pragma unroll
-        for (int i = 0; i < kBlockSize; ++i) {
-          column0[i] = low_bf16(words[i]);
-          column1[i] = high_bf16(words[i]);
-          running_halves = max_u16x2(running_halves, words[i] & 0x7FFF7FFFu);
+          for (int i0 = 0; i0 < kBlockSize; i0 += 4) {
+            const uint32_t gate4[4] = {words[i0], words[i0 + 1], words[i0 + 2], words[i0 + 3]};
+            const uint32_t up4[4] = {ups[i0], ups[i0 + 1], ups[i0 + 2], ups[i0 + 3]};
+            float produced[8];
+            act.swiglu_words(gate4, up4, produced);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              column0[i0 + i] = rounded_to_bf16(produced[2 * i]);
+              column1[i0 + i] = rounded_to_bf16(produced[2 * i + 1]);
+              running_plain = max(running_plain, max(abs_bits(column0[i0 + i]), abs_bits(column1[i0 + i])));
+            }
+          }
+        } else {
+          act.gelu_words(words);
+#pragma unroll
+          for (int i = 0; i < kBlockSize; ++i) {
+            column0[i] = low_bf16(words[i]);
+            column1[i] = high_bf16(words[i]);
+            running_halves = max_u16x2(running_halves, words[i] & 0x7FFF7FFFu);
+          }
         }
       } else {
         float2 inputs[kBlockSize], ups[kSwiglu ? kBlockSize : 1];  // every load in flight before the arithmetic
@@ -317,11 +379,19 @@ struct ActivationProducer {
     const Activate<T, kSwiglu, kLookup> act{tile.bytes};
     if constexpr (kCopied) {
       const int offset = 16 * producer::CastVector::index_of(r, c / 8);
-      float gate[8], up[8];
-      unpack_vector<T>(*reinterpret_cast<const uint4*>(slot + offset), gate);
-      unpack_vector<T>(*reinterpret_cast<const uint4*>(slot + kGateBytes + offset), up);
+      const uint4 gate_raw = *reinterpret_cast<const uint4*>(slot + offset);
+      const uint4 up_raw = *reinterpret_cast<const uint4*>(slot + kGateBytes + offset);
+      if constexpr (kLookup) {
+        const uint32_t gate[4] = {gate_raw.x, gate_raw.y, gate_raw.z, gate_raw.w};
+        const uint32_t up[4] = {up_raw.x, up_raw.y, up_raw.z, up_raw.w};
+        act.swiglu_words(gate, up, out);
+      } else {
+        float gate[8], up[8];
+        unpack_vector<T>(gate_raw, gate);
+        unpack_vector<T>(up_raw, up);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = act(gate[e], up[e]);
+        for (int e = 0; e < 8; ++e) out[e] = act(gate[e], up[e]);
+      }
     } else {
       activation8<T, kSwiglu>(act, h, cols, m0 + r, k0 + c, out);
     }

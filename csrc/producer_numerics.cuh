@@ -153,15 +153,16 @@ struct ActivationTable {
 };
 // (functions: device code reads them by value)
 NVFP4_HD constexpr ActivationTable gelu_table() { return {0x3B4Bu, 0x434Au}; }  // |x| 0.0031 .. 202
-NVFP4_HD constexpr ActivationTable silu_table() { return {0x33C1u, 0x42B1u}; }  // |x| 9.0e-8 .. 88.5
+NVFP4_HD constexpr ActivationTable silu_table() { return {0x33C1u, 0x43C0u}; }  // |x| 9.0e-8 .. 384
 // GELU's table is one 32-bit word per magnitude: GELU of +x (BF16 bits) in its low half, of -x in its high half,
-// 2048 magnitudes from first, so that the kernels look up both BF16 values of a word of h by word arithmetic
-// (gelu_bf16_pair_by_table). SiLU's holds FP32 values, the positive magnitudes first.
-constexpr int kGeluWindow = 2048;
+// 2048 magnitudes from first. SiLU's holds FP32 values, the 4096 positive magnitudes first. Both windows are powers
+// of two, so that the kernels look up both BF16 values of a word of h by word arithmetic (gelu_bf16_pair_common,
+// silu_pair_common). The kernels copy the tables in 16-byte words.
+constexpr int kGeluWindow = 2048, kSiluWindow = 4096;
 static_assert(gelu_table().per_sign() == kGeluWindow, "the GELU table is a window of 2048 magnitudes");
-// sizes rounded up to 16 bytes: the kernels copy the tables in 16-byte words
+static_assert(silu_table().per_sign() == kSiluWindow, "the SiLU table is a window of 4096 magnitudes");
 constexpr int kGeluTableBytes = kGeluWindow * 4;
-constexpr int kSiluTableBytes = (silu_table().entries() * 4 + 15) / 16 * 16;
+constexpr int kSiluTableBytes = 2 * kSiluWindow * 4;
 
 // Whether the table holds the BF16 value with bits p (low 16 bits), and its entry there: positives first, then
 // negatives. Both on unsigned offsets (the magnitude's offset wraps around below first), which the callers share.
@@ -241,5 +242,21 @@ NVFP4_HD float silu_by_table(float x, const float* table) {
   return activation_table_holds(p, silu_table()) ? table[activation_table_slot(p, silu_table())]
                                                  : activation_outside_table(x, silu_table());
 }
+
+// SiLU of both BF16 values of the word w (low and high half, FP32) by word arithmetic, for magnitudes in the table's
+// window; any other half (zeros, magnitudes below 9e-8 or above 384, infinities, NaNs; rare in activations) sets
+// bits of `redo` in 0xF000F000, and the caller redoes the word with silu_by_table. Per half, v = m + 0x4000 - first
+// is 0x4000 + the slot in the window (no carry crosses the halves: m < 0x8000); the sign bit picks the half of the
+// table.
+NVFP4_HD void silu_pair_common(uint32_t w, const float* table, float& low, float& high, uint32_t& redo) {
+  constexpr uint32_t kWindowOffset = (0x4000u - silu_table().first) * 0x10001u;
+  const uint32_t v = (w & 0x7FFF7FFFu) + kWindowOffset;
+  redo |= v ^ 0x40004000u;
+  low = table[(v & 0xFFFu) | ((w >> 3) & 0x1000u)];
+  high = table[((v >> 16) & 0xFFFu) | ((w >> 19) & 0x1000u)];
+}
+
+// Whether a word's (or several words', OR-ed) redo bits ask for silu_by_table.
+NVFP4_HD bool silu_pair_redo(uint32_t redo) { return (redo & 0xF000F000u) != 0u; }
 
 }  // namespace nvfp4
