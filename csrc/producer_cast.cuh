@@ -45,6 +45,7 @@ constexpr int kCastVectorsPerThread = kCastTileRows * kCastChunksPerRow / kCastT
 constexpr int kCastRowBlocks = kCastTileRows / kBlockSize;
 constexpr int kCastRowwiseRowStep = kCastThreads / (kCastTileCols / kBlockSize);  // 8 threads per tile row
 constexpr int kCastRowwiseItemsPerThread = kCastTileRows / kCastRowwiseRowStep;
+constexpr int kEncodeTablesBytes = 2 * tile_cast::kPositiveScales * sizeof(float);  // e_b per scale byte, both copies
 static_assert(kCastThreads / 32 * 8 * 2 == kCastTileCols, "columnwise items: a warp takes 8 column pairs x 4 row blocks");
 static_assert(kCastRowBlocks == 4, "columnwise items: 4 row blocks per tile");
 
@@ -72,14 +73,24 @@ __device__ __forceinline__ int tile_chunk_offset(int row, int chunk) {
   return row * kCastRowBytes + ((chunk ^ key) << 4);
 }
 
+// e_b (encode_block's factor) of scale byte `scale` under the tensor scale s_enc.
+__device__ __forceinline__ float encode_of_scale_byte(uint32_t scale, float s_enc) {
+  return encode_block_factor<false>(block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc)));
+}
+
 // Packed codes of one 16-value block (BF16 numbers as FP32) with the scale for `s_enc` (docs/numerics.md §2.3-2.5),
-// round to nearest.
+// round to nearest: e_b computed (row-scaled copies), or looked up in `encode_of_scale` (0x00..0x7F, for s_enc).
 __device__ __forceinline__ uint2 encode_bf16_block(const float (&values)[kBlockSize], float block_amax, float s_enc,
                                                    uint32_t& scale) {
   scale = block_scale_e4m3_of_nonnegative(block_amax, s_enc * kOneSixth);
-  const float encode = encode_block_factor<false>(block_encode_factor(static_cast<uint8_t>(scale), decode_scale(s_enc)));
-  return encode_block<false, true>(values, encode, block_amax, StochasticRoundingKeys{}, true, PhiloxGroupPrefix{}, 0u,
-                                   0u, 0u);
+  return encode_block<false, true>(values, encode_of_scale_byte(scale, s_enc), block_amax, StochasticRoundingKeys{},
+                                   true, PhiloxGroupPrefix{}, 0u, 0u, 0u);
+}
+__device__ __forceinline__ uint2 encode_bf16_block(const float (&values)[kBlockSize], float block_amax, float s_enc,
+                                                   const float* encode_of_scale, uint32_t& scale) {
+  scale = block_scale_e4m3_of_nonnegative(block_amax, s_enc * kOneSixth);
+  return encode_block<false, true>(values, encode_of_scale[scale], block_amax, StochasticRoundingKeys{}, true,
+                                   PhiloxGroupPrefix{}, 0u, 0u, 0u);
 }
 
 __device__ __forceinline__ float bf16_amax(const float (&values)[kBlockSize]) {
@@ -95,7 +106,11 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
                                                                         const TileOrder order) {
   __shared__ __align__(128) uint8_t tile[kCastTileRows * kCastRowBytes];
   __shared__ typename Producer::Tile staged;
-  extern __shared__ __align__(128) uint8_t source_slots[];  // kSourceBytes > 0: two, the launch's dynamic bytes
+  // the launch's dynamic bytes (dynamic_shared_bytes): the e_b tables, then (kSourceBytes > 0) two source slots
+  extern __shared__ __align__(128) uint8_t dynamic_shared[];
+  float(*const encode_of_scale)[tile_cast::kPositiveScales] =
+      reinterpret_cast<float(*)[tile_cast::kPositiveScales]>(dynamic_shared);
+  uint8_t* const source_slots = dynamic_shared + kEncodeTablesBytes;
   constexpr int kSourceBytes = Producer::kSourceBytes;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t tiles = (args.rows + kCastTileRows - 1) / kCastTileRows * ((args.cols + kCastTileCols - 1) / kCastTileCols);
@@ -118,6 +133,17 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   };
   if constexpr (kSourceBytes > 0) copy_source_of(blockIdx.x, source_slots);
   producer.prepare(staged, tid);
+  // the tensor scales, and e_b of each scale byte under them (rowwise and columnwise), once per CTA: the first
+  // tile's barrier publishes the tables
+  const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
+  const float rowwise_s_enc = rowwise_tensor_scaled ? encode_scale(args.amax_rowwise[0]) : 0.0f;
+  const float columnwise_s_enc = args.columnwise_data != nullptr ? encode_scale(args.amax_columnwise[0]) : 0.0f;
+  static_assert(kCastThreads == 2 * tile_cast::kPositiveScales, "a thread per scale byte of each copy");
+  {
+    const int copy = tid / tile_cast::kPositiveScales;
+    encode_of_scale[copy][tid % tile_cast::kPositiveScales] =
+        encode_of_scale_byte(tid % tile_cast::kPositiveScales, copy == 0 ? rowwise_s_enc : columnwise_s_enc);
+  }
   // no barrier at the end of an iteration: the next one's writes to staged and tile follow barriers that every
   // thread reaches only after its reads of this one (and a thread reads only the source it copied itself)
   for (int64_t tile_index = blockIdx.x, slot = 0; tile_index < tiles; tile_index += gridDim.x, slot ^= 1) {
@@ -153,7 +179,6 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
 
     // 2. Rowwise copy: item (row, 16-column block); 8 consecutive threads write 64 bytes of a row.
     if (args.rowwise_data != nullptr) {
-      const float tensor_s_enc = args.row_scaled ? 0.0f : encode_scale(args.amax_rowwise[0]);
       const int block = tid & 7;
 #pragma unroll
       for (int u = 0; u < kCastRowwiseItemsPerThread; ++u) {
@@ -168,9 +193,11 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
 #pragma unroll
           for (int e = 0; e < 8; ++e) values[8 * q + e] = part[e];
         }
-        const float s_enc = args.row_scaled ? encode_scale(args.amax_rowwise[m0 + r]) : tensor_s_enc;
         uint32_t scale;
-        const uint2 packed = encode_bf16_block(values, bf16_amax(values), s_enc, scale);
+        const uint2 packed =
+            rowwise_tensor_scaled
+                ? encode_bf16_block(values, bf16_amax(values), rowwise_s_enc, encode_of_scale[0], scale)
+                : encode_bf16_block(values, bf16_amax(values), encode_scale(args.amax_rowwise[m0 + r]), scale);
         const int64_t row = m0 + r;
         *reinterpret_cast<uint2*>(args.rowwise_data + row * (args.cols / 2) + k0 / 2 + block * (kBlockSize / 2)) = packed;
         args.rowwise_scale[row * (args.cols / kBlockSize) + k0 / kBlockSize + block] = static_cast<uint8_t>(scale);
@@ -182,7 +209,6 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
     if (args.columnwise_data != nullptr) {
       const int row_block = lane & 3, pair = warp * 8 + (lane >> 2), column = 2 * pair;
       if (row_block * kBlockSize < rows_in_tile && column < cols_in_tile) {
-        const float s_enc = encode_scale(args.amax_columnwise[0]);
         float columns[2][kBlockSize];
 #pragma unroll
         for (int i = 0; i < kBlockSize; ++i) {
@@ -205,7 +231,8 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
             }
           }
           uint32_t scale;
-          const uint2 packed = encode_bf16_block(columns[j], bf16_amax(columns[j]), s_enc, scale);
+          const uint2 packed =
+              encode_bf16_block(columns[j], bf16_amax(columns[j]), columnwise_s_enc, encode_of_scale[1], scale);
           const int64_t col = k0 + column + j;
           *reinterpret_cast<uint2*>(args.columnwise_data + col * (args.rows / 2) + m0 / 2 + row_block * (kBlockSize / 2)) =
               packed;
@@ -216,29 +243,25 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   }
 }
 
-// The dynamic shared memory of produce_and_cast_kernel<Producer, ...>: its two source slots.
+// The dynamic shared memory of produce_and_cast_kernel<Producer, ...>: its e_b tables and two source slots.
 template <typename Producer>
-constexpr int source_slot_bytes() { return 2 * Producer::kSourceBytes; }
+constexpr int dynamic_shared_bytes() { return kEncodeTablesBytes + 2 * Producer::kSourceBytes; }
 
-// The kernel allowed its source slots (over 48 KiB of shared memory with its static arrays), on the current device.
+// The kernel allowed its dynamic shared memory (over 48 KiB with its static arrays), on the current device.
 template <typename Producer, bool kRHT, bool kRandomSign>
-cudaError_t allow_source_slots() {
-  if constexpr (source_slot_bytes<Producer>() == 0) {
-    return cudaSuccess;
-  } else {
-    return cudaFuncSetAttribute(produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, source_slot_bytes<Producer>());
-  }
+cudaError_t allow_dynamic_shared() {
+  return cudaFuncSetAttribute(produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_shared_bytes<Producer>());
 }
 
 // CTAs of produce_and_cast_kernel<Producer, kRHT, kRandomSign> for `tiles` tiles: as many as fit on the device at
-// once (its source slots allowed), at most one per tile.
+// once (its dynamic shared memory allowed), at most one per tile.
 template <typename Producer, bool kRHT, bool kRandomSign>
 unsigned produce_and_cast_grid(int64_t tiles) {
   static const int resident = [] {
     int per_multiprocessor = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
-                                                      kCastThreads, source_slot_bytes<Producer>()) != cudaSuccess) {
+                                                      kCastThreads, dynamic_shared_bytes<Producer>()) != cudaSuccess) {
       (void)cudaGetLastError();
       per_multiprocessor = 1;
     }
@@ -262,21 +285,21 @@ cudaError_t launch_produce_and_cast(const Producer& producer, const ProducerCast
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
   const TileOrder order(tile_rows, column_tiles, 4);
   const cudaError_t allowed = args.rht && columnwise
-                                  ? (args.rht_random_sign ? allow_source_slots<Producer, true, true>()
-                                                          : allow_source_slots<Producer, true, false>())
-                                  : allow_source_slots<Producer, false, false>();
+                                  ? (args.rht_random_sign ? allow_dynamic_shared<Producer, true, true>()
+                                                          : allow_dynamic_shared<Producer, true, false>())
+                                  : allow_dynamic_shared<Producer, false, false>();
   if (allowed != cudaSuccess) return allowed;
   if (args.rht && columnwise) {
     if (args.rht_random_sign) {
       produce_and_cast_kernel<Producer, true, true>
-          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args, order);
+          <<<produce_and_cast_grid<Producer, true, true>(tiles), kCastThreads, dynamic_shared_bytes<Producer>(), stream>>>(producer, args, order);
     } else {
       produce_and_cast_kernel<Producer, true, false>
-          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args, order);
+          <<<produce_and_cast_grid<Producer, true, false>(tiles), kCastThreads, dynamic_shared_bytes<Producer>(), stream>>>(producer, args, order);
     }
   } else {
     produce_and_cast_kernel<Producer, false, false>
-        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, source_slot_bytes<Producer>(), stream>>>(producer, args, order);
+        <<<produce_and_cast_grid<Producer, false, false>(tiles), kCastThreads, dynamic_shared_bytes<Producer>(), stream>>>(producer, args, order);
   }
   return cudaGetLastError();
 }
