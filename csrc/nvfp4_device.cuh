@@ -90,6 +90,19 @@ __device__ __forceinline__ uint4 load_streaming(const void* address) {
 // NaN input is detected, as torch.amax propagates it) unsigned order is float order.
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(fabsf(v)); }
 
+// An L2 cache policy that keeps the lines it writes (evict_last): for scale bytes, whose 32-byte sectors the stores of
+// several tiles complete; a sector evicted before that costs DRAM a read-modify-write.
+__device__ __forceinline__ uint64_t l2_keep_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ void store_byte(uint8_t* address, uint32_t value, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.b8 [%0], %1, %2;" ::"l"(address), "h"(static_cast<uint16_t>(value)), "l"(policy)
+               : "memory");
+}
+
 // The unsigned maximum of a's and b's low halves, and of their high halves (one VIMNMX): the amax of two BF16
 // magnitudes (bits, sign cleared) a word.
 __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {

@@ -135,6 +135,9 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   producer.prepare(staged, tid);
   // the tensor scales, and e_b of each scale byte under them (rowwise and columnwise), once per CTA: the first
   // tile's barrier publishes the tables
+  // the codes leave L2 first (streaming stores of whole sectors); the scale bytes stay (l2_keep_policy) until the
+  // tiles after complete their sectors, sparing DRAM the read-modify-writes of partial sectors
+  const uint64_t keep_in_l2 = l2_keep_policy();
   const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
   const float rowwise_s_enc = rowwise_tensor_scaled ? encode_scale(args.amax_rowwise[0]) : 0.0f;
   const float columnwise_s_enc = args.columnwise_data != nullptr ? encode_scale(args.amax_columnwise[0]) : 0.0f;
@@ -199,8 +202,9 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
                 ? encode_bf16_block(values, bf16_amax(values), rowwise_s_enc, encode_of_scale[0], scale)
                 : encode_bf16_block(values, bf16_amax(values), encode_scale(args.amax_rowwise[m0 + r]), scale);
         const int64_t row = m0 + r;
-        *reinterpret_cast<uint2*>(args.rowwise_data + row * (args.cols / 2) + k0 / 2 + block * (kBlockSize / 2)) = packed;
-        args.rowwise_scale[row * (args.cols / kBlockSize) + k0 / kBlockSize + block] = static_cast<uint8_t>(scale);
+        __stcs(reinterpret_cast<uint2*>(args.rowwise_data + row * (args.cols / 2) + k0 / 2 + block * (kBlockSize / 2)),
+               packed);
+        store_byte(args.rowwise_scale + row * (args.cols / kBlockSize) + k0 / kBlockSize + block, scale, keep_in_l2);
       }
     }
 
@@ -234,9 +238,11 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
           const uint2 packed =
               encode_bf16_block(columns[j], bf16_amax(columns[j]), columnwise_s_enc, encode_of_scale[1], scale);
           const int64_t col = k0 + column + j;
-          *reinterpret_cast<uint2*>(args.columnwise_data + col * (args.rows / 2) + m0 / 2 + row_block * (kBlockSize / 2)) =
-              packed;
-          args.columnwise_scale[col * (args.rows / kBlockSize) + m0 / kBlockSize + row_block] = static_cast<uint8_t>(scale);
+          __stcs(reinterpret_cast<uint2*>(args.columnwise_data + col * (args.rows / 2) + m0 / 2 +
+                                          row_block * (kBlockSize / 2)),
+                 packed);
+          store_byte(args.columnwise_scale + col * (args.rows / kBlockSize) + m0 / kBlockSize + row_block, scale,
+                     keep_in_l2);
         }
       }
     }

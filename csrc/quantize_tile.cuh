@@ -358,6 +358,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
     }
   }
   const RowwiseItems<T> rowwise(tid);
+  // the codes leave L2 first (streaming stores of whole sectors); the scale bytes stay (l2_keep_policy) until the
+  // tiles after complete their sectors, sparing DRAM the read-modify-writes of partial sectors
+  const uint64_t keep_in_l2 = l2_keep_policy();
   // 2D casts of both copies under one tensor scale, round to nearest: an element gets the same 16x16 block
   // scale and so the same code in both copies (docs/numerics.md §4), and the columnwise copy is the rowwise codes
   // transposed, read back from shared memory instead of encoded again.
@@ -447,8 +450,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               encode_block<kSR, sizeof(T) == 2, kRHT>(values, encode, amax_of_block, sr_keys, true, sr_group,
                                                       kRowwiseStream, m0 + row + args.sr_row_offset,
                                                       k0 + block * kBlockSize);
-          *reinterpret_cast<uint2*>(data) = packed;
-          *scales = scale;
+          __stcs(reinterpret_cast<uint2*>(data), packed);
+          store_byte(scales, scale, keep_in_l2);
           if constexpr (k2D && !kSR) {
             if (transpose_codes) *reinterpret_cast<uint2*>(codes_2d + CodeTile::block_offset(row, block)) = packed;
           }
@@ -504,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               *reinterpret_cast<uint2*>(column_data + j * data_stride) =
                   make_uint2(nibbles_of_byte_values((words[0] >> shift) & kLow, (words[1] >> shift) & kLow),
                              nibbles_of_byte_values((words[2] >> shift) & kLow, (words[3] >> shift) & kLow));
-              column_scales[j * scale_stride] = scale;
+              store_byte(column_scales + j * scale_stride, scale, keep_in_l2);
             }
           }
         } else {
@@ -561,8 +564,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               const uint2 packed =
                   encode_block<kSR, sizeof(T) == 2, kRHT>(pair[j], encode, amax_of_block, sr_keys, sr_one_group,
                                                           sr_group, kColumnwiseStream, k0 + column + j, sr_column);
-              *reinterpret_cast<uint2*>(data + j * data_stride) = packed;
-              scales[j * scale_stride] = scale;
+              __stcs(reinterpret_cast<uint2*>(data + j * data_stride), packed);
+              store_byte(scales + j * scale_stride, scale, keep_in_l2);
             }
           }
         }
