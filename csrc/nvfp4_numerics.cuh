@@ -722,8 +722,9 @@ NVFP4_HD uint32_t fp4_index_rne_below_4_5_in_low_half(float a) {
 
 // One candidate in the common case (four_over_six_common_case): the packed magnitudes (no sign bits) and the error.
 // magnitudes[i] = |x_i|, targets[i] = |x_i| * S_enc (fast-math); kBelowFourAndAHalf: the scaled magnitudes are below
-// kMapToFourLimit.
-template <bool kMSE, bool kFastMath, bool kBelowFourAndAHalf>
+// kMapToFourLimit. kEstimate (exact error mode): the error estimated, d_i as one FMA of fp4value_i by
+// fp32(s_c * fp32(A * fp32(1 / (6 B)))) less |x_i|, within four_over_six_error_slack of the exact error.
+template <bool kMSE, bool kFastMath, bool kBelowFourAndAHalf, bool kEstimate = false>
 NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSize], const float (&targets)[kBlockSize],
                                               float encode, float scale_value, const FourOverSixScale& global,
                                               uint2& packed) {
@@ -734,23 +735,26 @@ NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSi
     indices[i] = kBelowFourAndAHalf ? fp4_index_rne_below_4_5_in_low_half(scaled) : fp4_index_rne_below_7_in_low_half(scaled);
   }
   packed = make_uint2(pack_eight_codes(indices), pack_eight_codes(indices + 8));
-  // fast-math: the magnitudes times 2^-14 (times s = 1), then one FMA; exact: the products times 2^-14
-  const uint32_t s_pair = half_pair_bits(kFastMath ? 1.0f : scale_value);
+  // fast-math and estimate: the magnitudes times 2^-14 (times s = 1), then one FMA; exact: the products times 2^-14
+  constexpr bool kOneFma = kFastMath || kEstimate;
+  const uint32_t s_pair = half_pair_bits(kOneFma ? 1.0f : scale_value);
   const float scale_scaled = scale_value * 16384.0f;  // s * 2^14, exact
   const float amax_scaled = global.amax * 16384.0f;   // A * 2^14, exact (A <= 2^113)
+  const float estimate_factor = scale_scaled * (global.amax * global.reciprocal);  // s * 2^14 * A / (6 B), rounded
   float error = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlockSize; i += 2) {
-    float products[2];  // fp4value * 2^-14 (fast-math), fp4value * s * 2^-14 (exact)
-    fp4_magnitude_products_scaled<!kFastMath>(indices[i], indices[i + 1], s_pair, products[0], products[1]);
+    float products[2];  // fp4value * 2^-14 (fast-math, estimate), fp4value * s * 2^-14 (exact)
+    fp4_magnitude_products_scaled<!kOneFma>(indices[i], indices[i + 1], s_pair, products[0], products[1]);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       // fast-math: fp4value * s - |x| * S_enc, the exact product less the target, rounded once;
       // exact: ((fp4value * s) * A) / (6 B) - |x|, with (fp4value * s * 2^-14) * (A * 2^14) the same product
       const float difference =
-          kFastMath ? fmaf(products[j], scale_scaled, -targets[i + j])
-                    : divide_by_exact_constant(products[j] * amax_scaled, global.denominator, global.reciprocal) -
-                          magnitudes[i + j];
+          kFastMath   ? fmaf(products[j], scale_scaled, -targets[i + j])
+          : kEstimate ? fmaf(products[j], estimate_factor, -magnitudes[i + j])
+                      : divide_by_exact_constant(products[j] * amax_scaled, global.denominator, global.reciprocal) -
+                            magnitudes[i + j];
       error = error + (kMSE ? difference * difference : fabsf(difference));
     }
   }
@@ -765,10 +769,13 @@ struct BlockEncodeFactor {
 
 // Both candidates of a block; encode_of(scale byte) gives e_b under global's S_dec (BlockEncodeFactor, or a table of
 // its values). A candidate's d_i has the sign of x_i (or is -x_i where the code is 0), so the common case takes the
-// error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for both.
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues, typename EncodeOf>
+// error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for both. kEstimate (exact error mode):
+// the common case's errors estimated (four_over_six_common_candidate), each within four_over_six_error_slack of the
+// exact one; the kernels take the choice from them where four_over_six_settled, else from the exact errors.
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, typename EncodeOf>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
                                                         const FourOverSixScale& global, const EncodeOf& encode_of) {
+  static_assert(!(kEstimate && kFastMath), "fast-math errors take one FMA already");
   FourOverSixCandidates c;
   const float base = four_over_six_base_scale(block_amax, global.s_enc);
   // e4m3(clamp(base * f, +-448)): SATFINITE clamps (base >= 0, or NaN, which stays NaN)
@@ -792,10 +799,10 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
         signed_values[i] = values[i] + 0.0f;
       }
       const uint2 signs = make_uint2(sign_bits_of_eight(signed_values), sign_bits_of_eight(signed_values + 8));
-      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true>(magnitudes, targets, encode[0], scale_value[0],
-                                                                         global, c.packed[0]);
-      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false>(magnitudes, targets, encode[1],
-                                                                          scale_value[1], global, c.packed[1]);
+      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true, kEstimate>(magnitudes, targets, encode[0],
+                                                                                    scale_value[0], global, c.packed[0]);
+      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false, kEstimate>(magnitudes, targets, encode[1],
+                                                                                     scale_value[1], global, c.packed[1]);
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         c.packed[k].x |= signs.x;
@@ -814,11 +821,39 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
   return c;
 }
 
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
                                                         const FourOverSixScale& global) {
-  return four_over_six_candidates<kMSE, kFastMath, kSixteenBitValues>(values, block_amax, global,
-                                                                      BlockEncodeFactor{global.s_dec});
+  return four_over_six_candidates<kMSE, kFastMath, kSixteenBitValues, kEstimate>(values, block_amax, global,
+                                                                                 BlockEncodeFactor{global.s_dec});
+}
+
+// How far an estimated error (kEstimate) may lie from the exact one: `error` is the estimate, of one block or (kTile)
+// the tree sum of a 16x16 tile's 16 rows, whose magnitudes are at most block_amax = a; infinite (no estimate settles)
+// for a outside 2^-40 .. 2^60, where squares could leave FP32's normal range. With u = 2^-24 and, in the common case,
+// t_i = fp4value_i s_c A / (6 B) <= |x_i| + |d_i|: the exact d_i rounds t_i twice (the product, the division), the
+// estimate three times (1 / (6 B), A / (6 B), s_c A / (6 B)); each rounds its difference once, so they differ by at most
+// 5u t_i + 2u |d_i| <= 5u |x_i| + 7u |d_i|. MAE, one block: with sum |x_i| <= 16a and both sums of 16 terms rounded
+// (15u each), |estimate - exact| <= u (80a + 38 E). MSE: |d~^2 - d^2| <= (5u |x_i| + 7u |d_i|) 2 |d_i|, and
+// sum |x_i| |d_i| <= 4a sqrt(E) (Cauchy-Schwarz), plus the squares' and sums' roundings: u (40a sqrt(E) + 46 E). A
+// tile adds 16 rows (sum sqrt(E_r) <= 4 sqrt(E)) and its tree rounds 4 times: u (1280a + 46 E) and
+// u (160a sqrt(E) + 54 E). The slack is twice those, with the estimate for E, plus 2^-34 a^2 per block for MSE
+// (the estimate's own error inside the square root).
+template <bool kMSE, bool kTile>
+NVFP4_HD float four_over_six_error_slack(float block_amax, float error) {
+  if (!(block_amax >= 9.094947017729282e-13f && block_amax <= 1.152921504606847e+18f)) return INFINITY;  // 2^-40, 2^60
+  constexpr float k2u = 1.1920928955078125e-07f;  // 2^-23
+  if constexpr (kMSE) {
+    const float floor = block_amax * block_amax * (kTile ? 9.313225746154785e-10f : 5.820766091346741e-11f);  // 2^-30, 2^-34
+    return k2u * ((kTile ? 160.0f : 40.0f) * block_amax * sqrtf(error) + (kTile ? 60.0f : 50.0f) * error) + floor;
+  } else {
+    return k2u * ((kTile ? 1280.0f : 80.0f) * block_amax + (kTile ? 60.0f : 40.0f) * error);
+  }
+}
+
+// Whether estimated errors settle the choice: they differ by more than the sum of their slacks (false for NaN).
+NVFP4_HD bool four_over_six_settled(float error_map_to_4, float error_map_to_6, float slack_4, float slack_6) {
+  return fabsf(error_map_to_4 - error_map_to_6) > slack_4 + slack_6;
 }
 
 // The kept candidate's index: map-to-4 (0) only where its error is smaller; ties (and NaN) keep map-to-6 (1).

@@ -93,6 +93,9 @@ __device__ __forceinline__ float tile_error_across_16_lanes(float error) {
 // One block (16 values along the quantized dimension): both candidates, the choice, and the kept one's codes and
 // scale into `codes` and `scale`. Every lane of the warp takes part (the 16x16 sums shuffle).
 // encode_of: e_b of a scale byte under global's S_dec (a shared-memory table, or BlockEncodeFactor).
+// The exact error mode estimates the errors first (four_over_six_candidates' kEstimate: one FMA a value instead of a
+// product and a division) and takes the exact ones only where the estimates do not settle the choice (near ties:
+// rare), for a 16x16 tile where any tile of the warp asks (the shuffles need every lane).
 template <typename T, bool k2D, bool kMSE, bool kFastMath, typename EncodeOf>
 __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlockSize], const FourOverSixScale& global,
                                                     const EncodeOf& encode_of, uint2& codes, uint8_t& scale) {
@@ -100,12 +103,26 @@ __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlock
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) amax = fmaxf(amax, fabsf(values[i]));
   if constexpr (k2D) amax = max_across_16_lanes(amax);
-  const FourOverSixCandidates c =
-      four_over_six_candidates<kMSE, kFastMath, sizeof(T) == 2>(values, amax, global, encode_of);
+  constexpr bool kEstimate = !kFastMath;
+  FourOverSixCandidates c = four_over_six_candidates<kMSE, kFastMath, sizeof(T) == 2, kEstimate>(values, amax, global,
+                                                                                               encode_of);
   float error4 = c.error[0], error6 = c.error[1];
   if constexpr (k2D) {
     error4 = tile_error_across_16_lanes(error4);
     error6 = tile_error_across_16_lanes(error6);
+  }
+  if constexpr (kEstimate) {
+    const bool settled = four_over_six_settled(error4, error6, four_over_six_error_slack<kMSE, k2D>(amax, error4),
+                                               four_over_six_error_slack<kMSE, k2D>(amax, error6));
+    if (k2D ? __any_sync(0xFFFFFFFFu, !settled) : !settled) {
+      c = four_over_six_candidates<kMSE, false, sizeof(T) == 2>(values, amax, global, encode_of);
+      error4 = c.error[0];
+      error6 = c.error[1];
+      if constexpr (k2D) {
+        error4 = tile_error_across_16_lanes(error4);
+        error6 = tile_error_across_16_lanes(error6);
+      }
+    }
   }
   const bool map_to_4 = four_over_six_choice(error4, error6) == 0;
   codes = map_to_4 ? c.packed[0] : c.packed[1];
