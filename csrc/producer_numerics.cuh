@@ -164,8 +164,8 @@ static_assert(silu_table().per_sign() == kSiluWindow, "the SiLU table is a windo
 constexpr int kGeluTableBytes = kGeluWindow * 4;
 constexpr int kSiluTableBytes = 2 * kSiluWindow * 4;
 
-// Whether the table holds the BF16 value with bits p (low 16 bits), and its entry there: positives first, then
-// negatives. Both on unsigned offsets (the magnitude's offset wraps around below first), which the callers share.
+// Whether the table holds the BF16 value with bits p (low 16 bits), and its entry there in SiLU's layout: positives
+// first, then negatives. Both on unsigned offsets (the magnitude's offset wraps around below first).
 NVFP4_HD bool activation_table_holds(uint32_t p, ActivationTable table) {
   return (p & 0x7FFFu) - table.first < static_cast<uint32_t>(table.per_sign());
 }
