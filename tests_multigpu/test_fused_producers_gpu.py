@@ -283,6 +283,34 @@ def test_activation_passes_match_reference(shape, activation, recipe_name):
 
 
 @pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
+@pytest.mark.parametrize("activation", R.ACTIVATIONS)
+def test_activation_passes_on_values_outside_the_tables(activation, recipe_name):
+    """The kernels look two BF16 values a word up and redo a group on the exact path where a value lies outside the
+    tables' common range: zeros and -0.0, BF16 subnormals, values below and far above the tables, of both signs,
+    scattered and in whole rows. Both passes against the reference."""
+    options = cast_options(RECIPES[recipe_name])
+    h = activation_input((256, 2048 * (2 if activation == "swiglu" else 1)), seed=31).float()
+    generator = torch.Generator(device="cuda").manual_seed(32)
+    special = torch.tensor([0.0, -0.0, 1e-39, -1e-39, 2e-8, -2e-8, 1e-3, -1e-3, 300.0, -300.0, 5e4, -5e4],
+                           device="cuda")
+    picks = torch.randint(0, special.numel(), h.shape, generator=generator, device="cuda")
+    scattered = torch.rand(h.shape, generator=generator, device="cuda") < 0.02
+    h = torch.where(scattered, special[picks], h)
+    h[5] = 0.0
+    h[6, ::2] = -0.0
+    h = h.bfloat16()
+    got = fused_kernels.activation_amaxes(h, activation=activation, **options)
+    want = R.activation_amaxes(h.cpu(), activation=activation, **options)
+    for name, g, w in zip(("amax_rowwise", "amax_columnwise"), got, want):
+        assert_bits(g, w, name)
+    quantize = dict(amax_rowwise=got[0], amax_columnwise=got[1], **options)
+    q = fused_kernels.activation_quantize(h, activation=activation, **quantize)
+    r = R.activation_quantize(h.cpu(), activation=activation,
+                              **{k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in quantize.items()})
+    assert_same_copies(q, r)
+
+
+@pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_swiglu_cast_of_many_partial_tiles_per_cta(dtype, recipe_name):
     """More 64 x 128 tiles than CTAs, partial ones among them (1040 x 4112: the last row of tiles has 16 rows, the
