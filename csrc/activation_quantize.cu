@@ -65,8 +65,9 @@ __device__ __forceinline__ void silu_words_by_table(const uint32_t (&words)[kWor
   if (silu_pair_redo(redo)) {
 #pragma unroll
     for (int w = 0; w < kWords; ++w) {
-      out[2 * w] = silu_by_table(__uint_as_float(words[w] << 16), table);
-      out[2 * w + 1] = silu_by_table(__uint_as_float(words[w] & 0xFFFF0000u), table);
+      const float2 gate = bf16_pair_to_float2(words[w]);
+      out[2 * w] = silu_by_table(gate.x, table);
+      out[2 * w + 1] = silu_by_table(gate.y, table);
     }
   }
 }
@@ -78,14 +79,11 @@ __device__ __forceinline__ void swiglu_words_by_table(const uint32_t (&gate)[kWo
   silu_words_by_table(gate, table, out);
 #pragma unroll
   for (int w = 0; w < kWords; ++w) {
-    out[2 * w] = out[2 * w] * __uint_as_float(up[w] << 16);
-    out[2 * w + 1] = out[2 * w + 1] * __uint_as_float(up[w] & 0xFFFF0000u);
+    const float2 factor = bf16_pair_to_float2(up[w]);
+    out[2 * w] = out[2 * w] * factor.x;
+    out[2 * w + 1] = out[2 * w + 1] * factor.y;
   }
 }
-
-// The two BF16 values of a word as FP32: the low half, the high half.
-__device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
-__device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xFFFF0000u); }
 
 // The activation of one output from fc1's values by the formulas, or (kLookup, BF16 h) of pairs of outputs from words
 // of h by the activation's table in shared memory (gelu_words_by_table: GELU already rounded to BF16, as every caller
@@ -158,8 +156,9 @@ __device__ __forceinline__ void activation8(const Activate<T, kSwiglu, kLookup>&
       act.gelu_words(words);
 #pragma unroll
       for (int w = 0; w < kVector / 2; ++w) {
-        out[2 * w] = low_bf16(words[w]);
-        out[2 * w + 1] = high_bf16(words[w]);
+        const float2 both = bf16_pair_to_float2(words[w]);
+        out[2 * w] = both.x;
+        out[2 * w + 1] = both.y;
       }
     }
   } else if constexpr (kSwiglu) {
@@ -297,8 +296,9 @@ __global__ void __launch_bounds__(kThreads) activation_rht_amax_kernel(const T* 
           act.gelu_words(words);
 #pragma unroll
           for (int i = 0; i < kBlockSize; ++i) {
-            column0[i] = low_bf16(words[i]);
-            column1[i] = high_bf16(words[i]);
+            const float2 both = bf16_pair_to_float2(words[i]);
+            column0[i] = both.x;
+            column1[i] = both.y;
             running_halves = max_u16x2(running_halves, words[i] & 0x7FFF7FFFu);
           }
         }
