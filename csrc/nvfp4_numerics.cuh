@@ -249,18 +249,12 @@ NVFP4_HD uint32_t byte_permute(uint32_t a, uint32_t b) {
 // sign bit in bit 4i + 3. Three sign-filling byte permutes gather the even elements' signs as bytes
 // 0xFF/0x00, three the odd elements', and two LOPs keep bit 3 and bit 7 of each byte.
 NVFP4_HD uint32_t sign_bits_of_eight(const float* v) {
-#ifdef __CUDA_ARCH__
   constexpr uint32_t kSignsOfTwo = 0xFB;  // byte 0: sign of a's byte 3, byte 1: sign of b's byte 3
   const uint32_t even = byte_permute<0x5410>(byte_permute<kSignsOfTwo>(float_bits(v[0]), float_bits(v[2])),
                                              byte_permute<kSignsOfTwo>(float_bits(v[4]), float_bits(v[6])));
   const uint32_t odd = byte_permute<0x5410>(byte_permute<kSignsOfTwo>(float_bits(v[1]), float_bits(v[3])),
                                             byte_permute<kSignsOfTwo>(float_bits(v[5]), float_bits(v[7])));
   return (even & 0x08080808u) | (odd & 0x80808080u);
-#else
-  uint32_t signs = 0;
-  for (int i = 0; i < 8; ++i) signs |= (float_bits(v[i]) >> 31) << (4 * i + 3);
-  return signs;
-#endif
 }
 
 // Philox4x32 with kRounds rounds; 10 rounds is curand's Philox4_32_10 (reference/philox.py).

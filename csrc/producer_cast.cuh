@@ -133,11 +133,11 @@ __global__ void __launch_bounds__(kCastThreads) produce_and_cast_kernel(const Pr
   };
   if constexpr (kSourceBytes > 0) copy_source_of(blockIdx.x, source_slots);
   producer.prepare(staged, tid);
-  // the tensor scales, and e_b of each scale byte under them (rowwise and columnwise), once per CTA: the first
-  // tile's barrier publishes the tables
   // the codes leave L2 first (streaming stores of whole sectors); the scale bytes stay (l2_keep_policy) until the
   // tiles after complete their sectors, sparing DRAM the read-modify-writes of partial sectors
   const uint64_t keep_in_l2 = l2_keep_policy();
+  // the tensor scales, and e_b of each scale byte under them (rowwise and columnwise), once per CTA: the first
+  // tile's barrier publishes the tables
   const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
   const float rowwise_s_enc = rowwise_tensor_scaled ? encode_scale(args.amax_rowwise[0]) : 0.0f;
   const float columnwise_s_enc = args.columnwise_data != nullptr ? encode_scale(args.amax_columnwise[0]) : 0.0f;
