@@ -82,6 +82,19 @@ def assert_same_copies(q, r):
         (tuple(r.shape), r.dtype, r.rht, r.rht_random_sign, r.row_scaled)
 
 
+def assert_activation_passes_match_reference(h, activation, options):
+    """Both fused activation passes on the GPU (amaxes, then the cast) against the reference on the CPU."""
+    got = fused_kernels.activation_amaxes(h, activation=activation, **options)
+    want = R.activation_amaxes(h.cpu(), activation=activation, **options)
+    for name, g, w in zip(("amax_rowwise", "amax_columnwise"), got, want):
+        assert_bits(g, w, name)
+    quantize = dict(amax_rowwise=got[0], amax_columnwise=got[1], **options)
+    q = fused_kernels.activation_quantize(h, activation=activation, **quantize)
+    r = R.activation_quantize(h.cpu(), activation=activation,
+                              **{k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in quantize.items()})
+    assert_same_copies(q, r)
+
+
 def cast_options(recipe, columnwise=True):
     options = ops.quantize_options("activation", recipe)
     return dict(columnwise=columnwise and not options["row_scaled"], rht=options["rht"],
@@ -271,15 +284,7 @@ def test_activation_passes_match_reference(shape, activation, recipe_name):
     options = cast_options(RECIPES[recipe_name])
     rows, cols = shape
     h = activation_input((rows, cols * (2 if activation == "swiglu" else 1)), seed=rows + cols)
-    got = fused_kernels.activation_amaxes(h, activation=activation, **options)
-    want = R.activation_amaxes(h.cpu(), activation=activation, **options)
-    for name, g, w in zip(("amax_rowwise", "amax_columnwise"), got, want):
-        assert_bits(g, w, name)
-    quantize = dict(amax_rowwise=got[0], amax_columnwise=got[1], **options)
-    q = fused_kernels.activation_quantize(h, activation=activation, **quantize)
-    r = R.activation_quantize(h.cpu(), activation=activation,
-                              **{k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in quantize.items()})
-    assert_same_copies(q, r)
+    assert_activation_passes_match_reference(h, activation, options)
 
 
 @pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
@@ -299,15 +304,7 @@ def test_activation_passes_on_values_outside_the_tables(activation, recipe_name)
     h[5] = 0.0
     h[6, ::2] = -0.0
     h = h.bfloat16()
-    got = fused_kernels.activation_amaxes(h, activation=activation, **options)
-    want = R.activation_amaxes(h.cpu(), activation=activation, **options)
-    for name, g, w in zip(("amax_rowwise", "amax_columnwise"), got, want):
-        assert_bits(g, w, name)
-    quantize = dict(amax_rowwise=got[0], amax_columnwise=got[1], **options)
-    q = fused_kernels.activation_quantize(h, activation=activation, **quantize)
-    r = R.activation_quantize(h.cpu(), activation=activation,
-                              **{k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in quantize.items()})
-    assert_same_copies(q, r)
+    assert_activation_passes_match_reference(h, activation, options)
 
 
 @pytest.mark.parametrize("recipe_name", ["rht", "row_scaled"])
@@ -318,12 +315,7 @@ def test_swiglu_cast_of_many_partial_tiles_per_cta(dtype, recipe_name):
     partial tiles. Against the reference."""
     options = cast_options(RECIPES[recipe_name])
     h = activation_input((1040, 2 * 4112), dtype, seed=21, offset=0.125)
-    got = fused_kernels.activation_amaxes(h, activation="swiglu", **options)
-    quantize = dict(amax_rowwise=got[0], amax_columnwise=got[1], **options)
-    q = fused_kernels.activation_quantize(h, activation="swiglu", **quantize)
-    r = R.activation_quantize(h.cpu(), activation="swiglu",
-                              **{k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in quantize.items()})
-    assert_same_copies(q, r)
+    assert_activation_passes_match_reference(h, "swiglu", options)
 
 
 def test_rowwise_only_casts_of_any_row_count():
