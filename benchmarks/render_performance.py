@@ -433,6 +433,48 @@ def chain_bytes_per_token(record: dict, producer: str, width: int) -> dict | Non
     return out if {"fused", "unfused"} <= out.keys() else None
 
 
+def chain_ns_per_token(record: dict, producer: str, width: int) -> dict | None:
+    """{'fused', 'unfused'}: measured time per token of a producer's chain (both copies), the mean over token counts."""
+    times = {}
+    for r in record["results"]:
+        if r["producer"] == producer and r["width"] == width and r["copies"] == BOTH_COPIES:
+            times.setdefault(r["chain"], []).append(1e6 * r["ms"] / r["tokens"])
+    return {chain: sum(t) / len(t) for chain, t in times.items()} if {"fused", "unfused"} <= times.keys() else None
+
+
+def measured_layer_chains(results: list[Result]) -> list[str]:
+    """Rows of the projection's layer chains as measured on each GPU that ran benchmarks/fused_producers.py."""
+    rows = []
+    for result in results:
+        if result.benchmark != "fused_producers":
+            continue
+        record = result.record
+        for norm_name in ("RMSNorm", "LayerNorm"):
+            norm_ns, norm_bytes = (chain_ns_per_token(record, norm_name, PROJECTION_HIDDEN),
+                                   chain_bytes_per_token(record, norm_name, PROJECTION_HIDDEN))
+            if norm_ns is not None:
+                break
+        swiglu_ns, swiglu_bytes = (chain_ns_per_token(record, "swiglu", PROJECTION_FFN),
+                                   chain_bytes_per_token(record, "swiglu", PROJECTION_FFN))
+        if norm_ns is None or swiglu_ns is None:
+            continue
+        copy_gbps = sum(r["copy_gbps"] for r in record["results"]) / len(record["results"])
+        ns = {chain: 2 * norm_ns[chain] + swiglu_ns[chain] for chain in ("unfused", "fused")}
+        moved = {chain: 2 * norm_bytes[chain] + swiglu_bytes[chain] for chain in ("unfused", "fused")}
+        share = {chain: percent(moved[chain] / (ns[chain] * copy_gbps)) for chain in ns}
+        rows.append(f"| {result.gpu} | {copy_gbps:.0f} GB/s | {ns['unfused']:.1f} ns | {ns['fused']:.1f} ns | "
+                    f"{ns['unfused'] / ns['fused']:.2f}x | {share['unfused']}, {share['fused']} |")
+    if not rows:
+        return []
+    return ["The same chains as measured on Hopper (`benchmarks/fused_producers.py`, the mean over its token counts); "
+            "the shares of copy bandwidth count the bytes each chain moves, as above. The fused chain does more "
+            "arithmetic per byte (it forms the producer's output twice, and the RHT twice, as the unfused chain does "
+            "too): where a GPU has more bandwidth per multiprocessor, it falls further below copy speed than the "
+            "unfused chain. So the byte times above are lower bounds, more so for the fused chain.", "",
+            "| GPU | copy bandwidth | unfused chain | fused chain | fused speedup | unfused, fused at share of copy |",
+            "| --- | --- | --- | --- | --- | --- |", *rows, ""]
+
+
 def b200_projection(results: list[Result]) -> list[str]:
     """The B200 projection section (empty without a fused-producer result holding the layer's widths)."""
     records = [r.record for r in results if r.benchmark == "fused_producers"]
@@ -463,7 +505,8 @@ def b200_projection(results: list[Result]) -> list[str]:
               f"{percent(cast_ns[chain] / fp4_ns)} | {percent(cast_ns[chain] / bf16_ns)} |"
               for chain in ("unfused", "fused")],
             f"| linear GEMMs, NVFP4 | {flop / 1e9:.2f} GFLOP | {fp4_ns:.1f} ns | | |",
-            f"| linear GEMMs, BF16 | {flop / 1e9:.2f} GFLOP | {bf16_ns:.1f} ns | | |", ""]
+            f"| linear GEMMs, BF16 | {flop / 1e9:.2f} GFLOP | {bf16_ns:.1f} ns | | |", "",
+            *measured_layer_chains(results)]
 
 
 # ---------------------------------------------------------------------------------------------------------

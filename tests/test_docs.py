@@ -100,6 +100,28 @@ def test_each_link_class_is_its_own_row(tmp_path):
                                                       "| communication/GEMM overlap (links two-node)"]
 
 
+def test_the_b200_projection_shows_the_layer_chains_as_measured(tmp_path):
+    """The measured row of a GPU: the layer's chains (2 norms + SwiGLU) per token, their speedup and their share of
+    the copy bandwidth on the bytes they move, from rows whose times and bytes are set by hand."""
+    record = json.loads((render_performance.RESULTS / "fused_producers_h100.json").read_text())
+    per_token = {  # (producer, width, chain): (ns, bytes moved) per token
+        ("RMSNorm", render_performance.PROJECTION_HIDDEN, "unfused"): (20, 40),
+        ("RMSNorm", render_performance.PROJECTION_HIDDEN, "fused"): (10, 20),
+        ("swiglu", render_performance.PROJECTION_FFN, "unfused"): (60, 120),
+        ("swiglu", render_performance.PROJECTION_FFN, "fused"): (40, 80),
+    }
+    template = next(r for r in record["results"] if r["copies"] == render_performance.BOTH_COPIES)
+    record["results"] = [
+        dict(template, producer=producer, width=width, chain=chain, tokens=tokens, ms=ns * tokens * 1e-6,
+             bytes_moved=moved * tokens, copy_gbps=2.0)
+        for (producer, width, chain), (ns, moved) in per_token.items() for tokens in (1000, 4000)]
+    (tmp_path / "fused_producers_h100.json").write_text(json.dumps(record))
+    page = render_performance.render(render_performance.load_results(tmp_path))
+    (row,) = [line for line in page.splitlines() if line.startswith(f"| {record['gpu']} | ")]
+    # unfused 2 * 20 + 60 = 100 ns for 200 bytes at 2 GB/s: 100%; fused 2 * 10 + 40 = 60 ns for 120 bytes: 100%
+    assert row == f"| {record['gpu']} | 2 GB/s | 100.0 ns | 60.0 ns | 1.67x | 100.0%, 100.0% |", row
+
+
 def test_an_overlap_result_with_split_collectives_shows_them(tmp_path):
     record = json.loads((render_performance.RESULTS / "overlap_h100_tp4_slow.json").read_text())
     for shape in record["shapes"]:
