@@ -257,6 +257,58 @@ NVFP4_HD uint32_t sign_bits_of_eight(const float* v) {
   return (even & 0x08080808u) | (odd & 0x80808080u);
 }
 
+// Blackwell's FP4 conversion: cvt.rn.satfinite.e2m1x2.f32 rounds two FP32 values to nearest even on the E2M1 grid,
+// saturating to +-6, and keeps each sign bit (a value of either sign that rounds to zero keeps its sign: code 8 for a
+// negative one and for -0.0; a NaN gives 7). On values that encode_block has scaled (and clamped where it may
+// overflow) that is its code, index | sign bit: one instruction for two codes where the emulation takes ten. The
+// instruction exists in the Blackwell targets' arch- and family-specific code (sm_100a, sm_103a, sm_110a, sm_120a,
+// their f variants), nowhere else; NVFP4_NATIVE_E2M1 is 1 while compiling for one of them.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && __CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000 && \
+    __CUDA_ARCH_FAMILY_SPECIFIC__ < 1300
+#define NVFP4_NATIVE_E2M1 1
+#else
+#define NVFP4_NATIVE_E2M1 0
+#endif
+
+// The E2M1 code of v as cvt.rn.satfinite.e2m1x2.f32 gives it (the instruction's documented rule, above), worked
+// out on the grid itself, independently of the emulation's rounding constants: the host's model of the
+// instruction, which the CPU tests compare with the emulation that Hopper runs.
+NVFP4_HD uint32_t fp4_code_by_conversion_rule(float v) {
+  if (v != v) return 7u;
+  constexpr float kGrid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float a = fabsf(v);
+  uint32_t index = 7u;  // above the midpoint of 4 and 6, 6 (and saturation above it)
+  for (uint32_t k = 0; k < 7u; ++k) {
+    const float midpoint = 0.5f * (kGrid[k] + kGrid[k + 1]);  // exact: grid values have one mantissa bit
+    if (a < midpoint || (a == midpoint && k % 2 == 0)) {  // a tie goes to the even index
+      index = k;
+      break;
+    }
+  }
+  return index | ((float_bits(v) >> 28) & 8u);
+}
+
+// Codes of eight values, element i in nibble i, as the conversion gives them: four cvt.rn.satfinite.e2m1x2.f32
+// (the first source in the high nibble) where NVFP4_NATIVE_E2M1, else fp4_code_by_conversion_rule.
+NVFP4_HD uint32_t fp4_codes_of_eight_by_conversion(const float* v) {
+#if NVFP4_NATIVE_E2M1
+  uint32_t word;
+  asm("{ .reg .b8 c0, c1, c2, c3;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c0, %2, %1;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c1, %4, %3;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c2, %6, %5;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c3, %8, %7;\n"
+      "  mov.b32 %0, {c0, c1, c2, c3}; }"
+      : "=r"(word)
+      : "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]), "f"(v[7]));
+  return word;
+#else
+  uint32_t word = 0u;
+  for (int i = 0; i < 8; ++i) word |= fp4_code_by_conversion_rule(v[i]) << (4 * i);
+  return word;
+#endif
+}
+
 // Philox4x32 with kRounds rounds; 10 rounds is curand's Philox4_32_10 (reference/philox.py).
 struct PhiloxWords {
   uint32_t w[4];
@@ -507,10 +559,14 @@ NVFP4_HD float encode_block_factor(float e_b) { return kSR ? e_b : underflow_mar
 // one Philox group, whose PhiloxGroupPrefix in `stream` is sr_group; otherwise each element takes its
 // own Philox call (a shard offset that is not a multiple of 16). A kernel passes a condition that is
 // the same in all its threads (a constant, or one of its arguments), so that the branch is uniform.
-template <bool kSR, bool kSixteenBitValues = false, bool kOneRareBranch = false>
+// Round to nearest takes its codes from Blackwell's FP4 conversion where the target has it (NVFP4_NATIVE_E2M1), else
+// from the emulation; kByConversion takes the conversion's codes on any target (its model on the host), which is how
+// the CPU tests check the Blackwell encoding.
+template <bool kSR, bool kSixteenBitValues = false, bool kOneRareBranch = false, bool kByConversion = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax,
                             const StochasticRoundingKeys& keys, bool sr_one_group, const PhiloxGroupPrefix& sr_group,
                             uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
+  constexpr bool kConversion = !kSR && (kByConversion || NVFP4_NATIVE_E2M1);
   const float magnitude = kSR ? encode : fabsf(encode);
   float scaled[kBlockSize];
 #pragma unroll
@@ -540,7 +596,9 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     }
   }
   uint2 packed;
-  if constexpr (!kSR) {
+  if constexpr (kConversion) {  // the conversion's codes carry the sign bits
+    packed = make_uint2(fp4_codes_of_eight_by_conversion(scaled), fp4_codes_of_eight_by_conversion(scaled + 8));
+  } else if constexpr (!kSR) {
     uint32_t indices[kBlockSize];  // the index of |scaled| in the low 16 bits
 #pragma unroll
     for (int i = 0; i < kBlockSize; ++i) indices[i] = fp4_index_rne_below_7_in_low_half(scaled[i]);
@@ -566,19 +624,21 @@ NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, flo
     packed = make_uint2(saturate_stochastic_codes(pack_eight_top_byte_codes(words)),
                         saturate_stochastic_codes(pack_eight_top_byte_codes(words + 8)));
   }
-  packed.x |= sign_bits_of_eight(scaled);
-  packed.y |= sign_bits_of_eight(scaled + 8);
+  if constexpr (!kConversion) {
+    packed.x |= sign_bits_of_eight(scaled);
+    packed.y |= sign_bits_of_eight(scaled + 8);
+  }
   return packed;
 }
 
 // encode_block with the stochastic rounding seed (the keys computed here).
-template <bool kSR, bool kSixteenBitValues = false>
+template <bool kSR, bool kSixteenBitValues = false, bool kByConversion = false>
 NVFP4_HD uint2 encode_block(const float (&values)[kBlockSize], float encode, float block_amax, uint64_t seed,
                             uint32_t stream, uint64_t sr_row, uint64_t sr_column) {
   const StochasticRoundingKeys keys = stochastic_rounding_keys(seed);
-  return encode_block<kSR, kSixteenBitValues>(values, encode, block_amax, keys, sr_column % kColumnsPerPhiloxCall == 0,
-                           stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, stream, keys), stream,
-                           sr_row, sr_column);
+  return encode_block<kSR, kSixteenBitValues, false, kByConversion>(
+      values, encode, block_amax, keys, sr_column % kColumnsPerPhiloxCall == 0,
+      stochastic_rounding_group_prefix(sr_column / kColumnsPerPhiloxCall, stream, keys), stream, sr_row, sr_column);
 }
 
 // 4over6 adaptive block scaling (docs/numerics.md §12) ----------------------------------------------------------

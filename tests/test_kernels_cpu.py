@@ -43,10 +43,11 @@ void fast_quotients(const int* n, const int* d, long count, int* out) {
   for (long i = 0; i < count; ++i) out[i] = FastDivisor(d[i]).quotient(n[i]);
 }
 // Rows of 16-element blocks along the last dim; amax per tensor (amax_count 1) or per row. sixteen_bit: the
-// values are BF16 or FP16 numbers, encoded as the kernels encode 16-bit inputs.
+// values are BF16 or FP16 numbers, encoded as the kernels encode 16-bit inputs. by_conversion: round to nearest
+// with the codes of Blackwell's FP4 conversion (its model on the host), as the kernels encode on Blackwell.
 void quantize_rows(const float* x, long rows, long cols, const float* amax, long amax_count, int stochastic,
                    unsigned long long seed, long row_offset, long col_offset, unsigned stream, int sixteen_bit,
-                   unsigned char* codes, unsigned char* scales) {
+                   int by_conversion, unsigned char* codes, unsigned char* scales) {
   for (long r = 0; r < rows; ++r) {
     const float s_enc = encode_scale(amax[amax_count == 1 ? 0 : r]);
     const float s_dec = decode_scale(s_enc);
@@ -61,11 +62,17 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
       float block[kBlockSize];
       for (int i = 0; i < kBlockSize; ++i) block[i] = v[i];
       const long row = row_offset + r, column = col_offset + b * kBlockSize;
-      const uint2 packed =
-          sixteen_bit ? (stochastic ? encode_block<true, true>(block, encode, block_amax, seed, stream, row, column)
-                                    : encode_block<false, true>(block, encode, block_amax, seed, stream, row, column))
-                      : (stochastic ? encode_block<true>(block, encode, block_amax, seed, stream, row, column)
-                                    : encode_block<false>(block, encode, block_amax, seed, stream, row, column));
+      uint2 packed;
+      if (stochastic) {
+        packed = sixteen_bit ? encode_block<true, true>(block, encode, block_amax, seed, stream, row, column)
+                             : encode_block<true>(block, encode, block_amax, seed, stream, row, column);
+      } else if (by_conversion) {
+        packed = sixteen_bit ? encode_block<false, true, true>(block, encode, block_amax, seed, stream, row, column)
+                             : encode_block<false, false, true>(block, encode, block_amax, seed, stream, row, column);
+      } else {
+        packed = sixteen_bit ? encode_block<false, true>(block, encode, block_amax, seed, stream, row, column)
+                             : encode_block<false>(block, encode, block_amax, seed, stream, row, column);
+      }
       std::memcpy(codes + r * (cols / 2) + b * (kBlockSize / 2), &packed, sizeof(packed));
     }
   }
@@ -73,6 +80,9 @@ void quantize_rows(const float* x, long rows, long cols, const float* amax, long
 void fp4_codes(const float* v, long n, const unsigned* bits, int stochastic, unsigned char* out) {
   for (long i = 0; i < n; ++i)
     out[i] = static_cast<unsigned char>(stochastic ? fp4_code_stochastic(clamp_fp4(v[i]), bits[i]) : fp4_code_rne(v[i]));
+}
+void conversion_codes(const float* v, long n, unsigned char* out) {
+  for (long i = 0; i < n; ++i) out[i] = static_cast<unsigned char>(fp4_code_by_conversion_rule(v[i]));
 }
 void philox(const unsigned* counters, long n, unsigned k0, unsigned k1, int rounds, unsigned* out) {
   for (long i = 0; i < n; ++i) {
@@ -108,8 +118,9 @@ def numerics(tmp_path_factory):
     return compile_harness(tmp_path_factory.mktemp("numerics"), HARNESS)
 
 
-def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset=(0, 0), stream=0):
-    """The kernels' block encoding on the host; BF16 or FP16 x takes the kernels' 16-bit path."""
+def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset=(0, 0), stream=0, encoding="emulated"):
+    """The kernels' block encoding on the host; BF16 or FP16 x takes the kernels' 16-bit path. encoding: round to
+    nearest by Hopper's emulation, or by Blackwell's FP4 conversion ("conversion", its model on the host)."""
     sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     x_np = np.ascontiguousarray(x.to(torch.float32).numpy())
     rows, cols = x_np.shape
@@ -119,7 +130,7 @@ def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset
     lib.quantize_rows(pointer(x_np), ctypes.c_long(rows), ctypes.c_long(cols), pointer(amax_np),
                       ctypes.c_long(amax_np.size), ctypes.c_int(sr_seed is not None), ctypes.c_ulonglong(sr_seed or 0),
                       ctypes.c_long(offset[0]), ctypes.c_long(offset[1]), ctypes.c_uint(stream),
-                      ctypes.c_int(sixteen_bit), pointer(codes), pointer(scales))
+                      ctypes.c_int(sixteen_bit), ctypes.c_int(encoding == "conversion"), pointer(codes), pointer(scales))
     return torch.from_numpy(codes), torch.from_numpy(scales)
 
 
@@ -189,34 +200,39 @@ def wide_range(rows, cols, seed, low=-20, high=20):
     return x * torch.exp2(torch.randint(low, high, (rows, cols // 16, 1), generator=generator).float()).repeat_interleave(16, 1).reshape(rows, cols)
 
 
+ENCODINGS = pytest.mark.parametrize("encoding", ["emulated", "conversion"])  # Hopper's, Blackwell's (modelled)
+
+
 @needs_nvcc
+@ENCODINGS
 @pytest.mark.parametrize("row_scaled", [False, True])
-def test_block_numerics_match_reference(numerics, row_scaled):
+def test_block_numerics_match_reference(numerics, row_scaled, encoding):
     x = wide_range(256, 512, seed=1)
     x[3] = 0.0
     x[4, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.1, 6.0, -6.0, 1e-30, -1e-30, 3.0, 4.0, 0.5])
     amax = reference.compute_row_amax(x) if row_scaled else reference.compute_amax(x)
     data, scale = reference.quantize_blocks(x, amax)
-    host_data, host_scale = host_quantize(numerics, x, amax)
+    host_data, host_scale = host_quantize(numerics, x, amax, encoding=encoding)
     assert torch.equal(host_scale, scale.view(torch.uint8))
     assert torch.equal(host_data, data)
 
 
 @needs_nvcc
-def test_bin_edges_and_extremes_match_reference(numerics):
+@ENCODINGS
+def test_bin_edges_and_extremes_match_reference(numerics, encoding):
     edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
     x = edges.repeat(64, 4)
     amax = torch.tensor([2688.0])
     for candidate in (amax, torch.tensor([0.0]), torch.tensor([float("inf")]), torch.tensor([3.4e38]), torch.tensor([1e-30])):
         data, scale = reference.quantize_blocks(x, candidate)
-        host_data, host_scale = host_quantize(numerics, x, candidate)
+        host_data, host_scale = host_quantize(numerics, x, candidate, encoding=encoding)
         assert torch.equal(host_scale, scale.view(torch.uint8)), candidate
         assert torch.equal(host_data, data), candidate
 
 
 @needs_nvcc
-@pytest.mark.parametrize("stochastic", [False, True])
-def test_sixteen_bit_rare_blocks_match_reference(numerics, stochastic):
+@pytest.mark.parametrize("stochastic,encoding", [(False, "emulated"), (False, "conversion"), (True, "emulated")])
+def test_sixteen_bit_rare_blocks_match_reference(numerics, stochastic, encoding):
     """The kernels' 16-bit path finds its rare blocks (e_b below 2^-16, products that underflow to -0.0,
     saturation) by one compare of an underflow-marked e_b; the codes must still equal the reference's."""
     x = wide_range(128, 256, seed=3, low=-12, high=20)
@@ -226,7 +242,7 @@ def test_sixteen_bit_rare_blocks_match_reference(numerics, stochastic):
     amax = reference.compute_amax(x.float())
     seed = 0x0123456789ABCDEF if stochastic else None
     data, scale = reference.quantize_blocks(x.float(), amax, sr_seed=seed, sr_stream=0)
-    host_data, host_scale = host_quantize(numerics, x, amax, sr_seed=seed)
+    host_data, host_scale = host_quantize(numerics, x, amax, sr_seed=seed, encoding=encoding)
     assert torch.equal(host_scale, scale.view(torch.uint8))
     assert torch.equal(host_data, data)
 
@@ -279,6 +295,27 @@ def test_fp4_rounding_matches_reference(numerics, stochastic):
     got = torch.from_numpy(out)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} differ, e.g. v={v_np[bad[:5].numpy()]} got {got[bad[:5]]} want {want[bad[:5]]}"
+
+
+@needs_nvcc
+def test_conversion_rule_rounds_as_the_reference(numerics):
+    """The model of Blackwell's cvt.rn.satfinite.e2m1x2.f32 (csrc/nvfp4_numerics.cuh) on every E2M1 grid point and
+    midpoint with its neighbouring floats, a dense sweep and values far beyond 6: the reference's codes wherever
+    encode_block can pass the value (no -0.0: its + 0 makes +0.0; above 6 in magnitude saturated to 6, as its clamp
+    does); -0.0 keeps its sign bit (code 8) and a NaN gives 7, as the instruction documents."""
+    from nvfp4_dist.formats import fp4_round_to_nearest_even
+    v = rounding_probe_values()
+    v = v[~((v == 0) & torch.signbit(v))]
+    v_np = np.ascontiguousarray(v.numpy())
+    out = np.zeros(v_np.size, dtype=np.uint8)
+    numerics.conversion_codes(pointer(v_np), ctypes.c_long(v_np.size), pointer(out))
+    want = fp4_round_to_nearest_even(v.clamp(-6, 6))
+    bad = (torch.from_numpy(out) != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} differ, e.g. v={v_np[bad[:5].numpy()]} got {out[bad[:5].numpy()]}"
+    special = np.array([-0.0, float("nan"), -float("nan"), float("-inf")], dtype=np.float32)
+    out = np.zeros(special.size, dtype=np.uint8)
+    numerics.conversion_codes(pointer(special), ctypes.c_long(special.size), pointer(out))
+    assert out.tolist() == [8, 7, 7, 15]
 
 
 @needs_nvcc
