@@ -468,9 +468,12 @@ def measured_layer_chains(results: list[Result]) -> list[str]:
         return []
     return ["The same chains as measured on Hopper (`benchmarks/fused_producers.py`, the mean over its token counts); "
             "the shares of copy bandwidth count the bytes each chain moves, as above. The fused chain does more "
-            "arithmetic per byte (it forms the producer's output twice, and the RHT twice, as the unfused chain does "
-            "too): where a GPU has more bandwidth per multiprocessor, it falls further below copy speed than the "
-            "unfused chain. So the byte times above are lower bounds, more so for the fused chain.", "",
+            "arithmetic per byte: it forms the producer's output in both of its passes, the unfused chain once (both "
+            "transform the columnwise copy twice, for its amax and for its cast). Where a GPU has more bandwidth per "
+            "multiprocessor, the fused chain falls further below copy speed than the unfused one, so the byte times "
+            "above are lower bounds, more so for the fused chain. On Blackwell the casts round to FP4 with the GPU's "
+            "conversion instruction, two values per instruction (docs/numerics.md §2.5), which Hopper emulates with "
+            "about ten; that part of the arithmetic shrinks there.", "",
             "| GPU | copy bandwidth | unfused chain | fused chain | fused speedup | unfused, fused at share of copy |",
             "| --- | --- | --- | --- | --- | --- |", *rows, ""]
 
