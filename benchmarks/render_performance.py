@@ -424,22 +424,35 @@ def layer_gemm_flop_per_token(hidden: int, ffn: int) -> float:
     return 3 * forward
 
 
+def both_copies_rows(record: dict, producer: str, width: int) -> list[dict]:
+    """The record's rows of a producer at a width, with both copies."""
+    return [r for r in record["results"]
+            if r["producer"] == producer and r["width"] == width and r["copies"] == BOTH_COPIES]
+
+
 def chain_bytes_per_token(record: dict, producer: str, width: int) -> dict | None:
     """{'fused', 'unfused'}: bytes per token of a producer's chain (both copies), from the record's byte counts."""
-    out = {}
-    for r in record["results"]:
-        if r["producer"] == producer and r["width"] == width and r["copies"] == BOTH_COPIES:
-            out[r["chain"]] = r["bytes_moved"] / r["tokens"]
+    out = {r["chain"]: r["bytes_moved"] / r["tokens"] for r in both_copies_rows(record, producer, width)}
     return out if {"fused", "unfused"} <= out.keys() else None
 
 
 def chain_ns_per_token(record: dict, producer: str, width: int) -> dict | None:
     """{'fused', 'unfused'}: measured time per token of a producer's chain (both copies), the mean over token counts."""
     times = {}
-    for r in record["results"]:
-        if r["producer"] == producer and r["width"] == width and r["copies"] == BOTH_COPIES:
-            times.setdefault(r["chain"], []).append(1e6 * r["ms"] / r["tokens"])
+    for r in both_copies_rows(record, producer, width):
+        times.setdefault(r["chain"], []).append(1e6 * r["ms"] / r["tokens"])
     return {chain: sum(t) / len(t) for chain, t in times.items()} if {"fused", "unfused"} <= times.keys() else None
+
+
+def layer_chains(record: dict, per_token) -> dict | None:
+    """{'fused', 'unfused'}: per_token (chain_bytes_per_token or chain_ns_per_token) of the producer chains of one
+    projection layer, the norms before QKV and before fc1 (RMSNorm, else LayerNorm) and SwiGLU before fc2."""
+    norms = [per_token(record, norm, PROJECTION_HIDDEN) for norm in ("RMSNorm", "LayerNorm")]
+    norm = next((n for n in norms if n is not None), None)
+    swiglu = per_token(record, "swiglu", PROJECTION_FFN)
+    if norm is None or swiglu is None:
+        return None
+    return {chain: 2 * norm[chain] + swiglu[chain] for chain in ("unfused", "fused")}
 
 
 def measured_layer_chains(results: list[Result]) -> list[str]:
@@ -449,18 +462,10 @@ def measured_layer_chains(results: list[Result]) -> list[str]:
         if result.benchmark != "fused_producers":
             continue
         record = result.record
-        for norm_name in ("RMSNorm", "LayerNorm"):
-            norm_ns, norm_bytes = (chain_ns_per_token(record, norm_name, PROJECTION_HIDDEN),
-                                   chain_bytes_per_token(record, norm_name, PROJECTION_HIDDEN))
-            if norm_ns is not None:
-                break
-        swiglu_ns, swiglu_bytes = (chain_ns_per_token(record, "swiglu", PROJECTION_FFN),
-                                   chain_bytes_per_token(record, "swiglu", PROJECTION_FFN))
-        if norm_ns is None or swiglu_ns is None:
+        ns, moved = layer_chains(record, chain_ns_per_token), layer_chains(record, chain_bytes_per_token)
+        if ns is None or moved is None:
             continue
         copy_gbps = sum(r["copy_gbps"] for r in record["results"]) / len(record["results"])
-        ns = {chain: 2 * norm_ns[chain] + swiglu_ns[chain] for chain in ("unfused", "fused")}
-        moved = {chain: 2 * norm_bytes[chain] + swiglu_bytes[chain] for chain in ("unfused", "fused")}
         share = {chain: percent(moved[chain] / (ns[chain] * copy_gbps)) for chain in ns}
         rows.append(f"| {result.gpu} | {copy_gbps:.0f} GB/s | {ns['unfused']:.1f} ns | {ns['fused']:.1f} ns | "
                     f"{ns['unfused'] / ns['fused']:.2f}x | {share['unfused']}, {share['fused']} |")
@@ -481,16 +486,9 @@ def measured_layer_chains(results: list[Result]) -> list[str]:
 def b200_projection(results: list[Result]) -> list[str]:
     """The B200 projection section (empty without a fused-producer result holding the layer's widths)."""
     records = [r.record for r in results if r.benchmark == "fused_producers"]
-    for record in records:
-        norms = [chain_bytes_per_token(record, norm, PROJECTION_HIDDEN) for norm in ("RMSNorm", "LayerNorm")]
-        norm = next((n for n in norms if n is not None), None)
-        swiglu = chain_bytes_per_token(record, "swiglu", PROJECTION_FFN)
-        if norm is not None and swiglu is not None:
-            break
-    else:
+    chains = next((c for c in (layer_chains(record, chain_bytes_per_token) for record in records) if c is not None), None)
+    if chains is None:
         return []
-    # the producer chains of one layer: the norms before QKV and before fc1, SwiGLU before fc2
-    chains = {chain: 2 * norm[chain] + swiglu[chain] for chain in ("unfused", "fused")}
     cast_ns = {chain: 1e9 * b / B200_HBM_BYTES_PER_S for chain, b in chains.items()}
     flop = layer_gemm_flop_per_token(PROJECTION_HIDDEN, PROJECTION_FFN)
     fp4_ns, bf16_ns = 1e9 * flop / B200_DENSE_FP4_FLOP_PER_S, 1e9 * flop / B200_DENSE_BF16_FLOP_PER_S
