@@ -722,16 +722,34 @@ struct FourOverSixCandidates {
 // (A * 2^14 finite) keeps them there. Only the lower end binds: encode >= 2^-16 already means s_c A <= 6 B 2^16 and,
 // for s_c > 0, A <= 6 B 2^25; with s_c = 0 both candidates are the same block and an overflowing A * 2^14 changes no
 // byte. The upper bounds stay as the statement of the range.
-// limit: 7, or for the map-to-4 candidate kMapToFourLimit.
+// All but the limit depend on the scale byte and the tensor alone: four_over_six_byte folds them into its
+// common_encode, and a block is in the common case where block_amax * common_encode < limit (7, or for the map-to-4
+// candidate kMapToFourLimit).
+
+// What a candidate needs of its scale byte under one tensor scale: the byte's value, and its e_b where the byte admits
+// the common case (else NaN, which fails every limit). The kernels keep these per byte in shared memory.
+struct FourOverSixByte {
+  float value;
+  float common_encode;
+};
+
 template <bool kFastMath>
-NVFP4_HD bool four_over_six_common_case(float block_amax, float encode, float scale_value, const FourOverSixScale& global,
-                                        float limit) {
-  if (!(encode >= kEncodeKeepingSixteenBitProductsNonzero && block_amax * encode < limit)) return false;
-  if (kFastMath) return true;
-  const float product = scale_value * global.amax;
-  return global.amax <= 1.0384593717069655e+34f &&  // 2^113
-         (scale_value == 0.0f || (product >= 8.271806125530277e-25f && product <= 1.298074214633707e+33f));  // 2^-80, 2^110
+NVFP4_HD FourOverSixByte four_over_six_byte(uint32_t scale, const FourOverSixScale& global) {
+  const float value = e4m3_to_float(static_cast<uint8_t>(scale));
+  const float encode = block_encode_factor(static_cast<uint8_t>(scale), global.s_dec);
+  const float product = value * global.amax;
+  const bool in_range = kFastMath || (global.amax <= 1.0384593717069655e+34f &&  // 2^113
+                                      (value == 0.0f || (product >= 8.271806125530277e-25f &&
+                                                         product <= 1.298074214633707e+33f)));  // 2^-80, 2^110
+  return FourOverSixByte{value, encode >= kEncodeKeepingSixteenBitProductsNonzero && in_range ? encode : NAN};
 }
+
+// four_over_six_byte of every scale byte, computed (the kernels look them up in a table of these values).
+template <bool kFastMath>
+struct FourOverSixBytes {
+  FourOverSixScale global;
+  NVFP4_HD FourOverSixByte operator()(uint32_t scale) const { return four_over_six_byte<kFastMath>(scale, global); }
+};
 
 // fp4value(index_even) * s and fp4value(index_odd) * s, both times 2^-14, as FP32 (indices in the low halves of their
 // words, s_pair: the FP16 bits of s in both halves). An index's E2M1 bits placed in an FP16 (bits 9..11) are its
@@ -774,7 +792,7 @@ NVFP4_HD uint32_t fp4_index_rne_below_4_5_in_low_half(float a) {
   return min_of_low_halves(fine, middle, middle);
 }
 
-// One candidate in the common case (four_over_six_common_case): the packed magnitudes (no sign bits) and the error.
+// One candidate in the common case (four_over_six_byte's comment): the packed magnitudes (no sign bits) and the error.
 // magnitudes[i] = |x_i|, targets[i] = |x_i| * S_enc (fast-math); kBelowFourAndAHalf: the scaled magnitudes are below
 // kMapToFourLimit. kEstimate (exact error mode): the error estimated, d_i as one FMA of fp4value_i by
 // fp32(s_c * fp32(A * fp32(1 / (6 B)))) less |x_i|, within four_over_six_error_slack of the exact error.
@@ -815,20 +833,14 @@ NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSi
   return error;
 }
 
-// e_b of a scale byte under one tensor scale, computed (the kernels look it up in a table of these values).
-struct BlockEncodeFactor {
-  float s_dec;
-  NVFP4_HD float operator()(uint32_t scale) const { return block_encode_factor(static_cast<uint8_t>(scale), s_dec); }
-};
-
-// Both candidates of a block; encode_of(scale byte) gives e_b under global's S_dec (BlockEncodeFactor, or a table of
-// its values). A candidate's d_i has the sign of x_i (or is -x_i where the code is 0), so the common case takes the
-// error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for both. kEstimate (exact error mode):
-// the common case's errors estimated (four_over_six_common_candidate), each within four_over_six_error_slack of the
+// Both candidates of a block; byte_of(scale byte) gives four_over_six_byte<kFastMath> of the byte under global
+// (FourOverSixBytes, or a table of its values). A candidate's d_i has the sign of x_i (or is -x_i where the code is
+// 0), so the common case takes the error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for
+// both. kEstimate (exact error mode): the common case's errors estimated (four_over_six_common_candidate), each within four_over_six_error_slack of the
 // exact one; the kernels take the choice from them where four_over_six_settled, else from the exact errors.
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, typename EncodeOf>
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, typename ByteOf>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
-                                                        const FourOverSixScale& global, const EncodeOf& encode_of) {
+                                                        const FourOverSixScale& global, const ByteOf& byte_of) {
   static_assert(!(kEstimate && kFastMath), "fast-math errors take one FMA already");
   FourOverSixCandidates c;
   const float base = four_over_six_base_scale(block_amax, global.s_enc);
@@ -837,14 +849,10 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
   c.scale[1] = block_scale_e4m3_of_nonnegative(base, 1.0f);
   float targets[kBlockSize];
   if constexpr (kSixteenBitValues) {
-    float scale_value[2], encode[2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      scale_value[k] = e4m3_to_float(static_cast<uint8_t>(c.scale[k]));
-      encode[k] = encode_of(c.scale[k]);
-    }
-    if (four_over_six_common_case<kFastMath>(block_amax, encode[0], scale_value[0], global, kMapToFourLimit) &&
-        four_over_six_common_case<kFastMath>(block_amax, encode[1], scale_value[1], global, 7.0f)) {
+    const FourOverSixByte bytes[2] = {byte_of(c.scale[0]), byte_of(c.scale[1])};
+    const float scale_value[2] = {bytes[0].value, bytes[1].value}, encode[2] = {bytes[0].common_encode,
+                                                                               bytes[1].common_encode};
+    if (block_amax * encode[0] < kMapToFourLimit && block_amax * encode[1] < 7.0f) {
       float magnitudes[kBlockSize], signed_values[kBlockSize];
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
@@ -879,7 +887,7 @@ template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = fa
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
                                                         const FourOverSixScale& global) {
   return four_over_six_candidates<kMSE, kFastMath, kSixteenBitValues, kEstimate>(values, block_amax, global,
-                                                                                 BlockEncodeFactor{global.s_dec});
+                                                                                 FourOverSixBytes<kFastMath>{global});
 }
 
 // How far an estimated error (kEstimate) may lie from the exact one: `error` is the estimate, of one block or (kTile)

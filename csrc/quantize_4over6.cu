@@ -22,7 +22,7 @@ constexpr int kTile = 64;                 // a tile: 64 x 64 elements of x
 constexpr int kThreads = 256;
 constexpr int kBlocksPerTileRow = kTile / kBlockSize;
 static_assert(kThreads == kTile * kBlocksPerTileRow, "one rowwise and one columnwise block per thread");
-// Consecutive tiles (row-major over the tiles of x) per CTA: the per-CTA setup (global scales, e_b tables) is paid
+// Consecutive tiles (row-major over the tiles of x) per CTA: the per-CTA setup (global scales, byte tables) is paid
 // once for them, and each tile's copy into shared memory overlaps the previous tile's encoding.
 constexpr int kTilesPerCta = 4;
 
@@ -92,20 +92,20 @@ __device__ __forceinline__ float tile_error_across_16_lanes(float error) {
 
 // One block (16 values along the quantized dimension): both candidates, the choice, and the kept one's codes and
 // scale into `codes` and `scale`. Every lane of the warp takes part (the 16x16 sums shuffle).
-// encode_of: e_b of a scale byte under global's S_dec (a shared-memory table, or BlockEncodeFactor).
+// byte_of: four_over_six_byte of a scale byte under global (a shared-memory table, or FourOverSixBytes).
 // The exact error mode estimates the errors first (four_over_six_candidates' kEstimate: one FMA a value instead of a
 // product and a division) and takes the exact ones only where the estimates do not settle the choice (near ties:
 // rare), for a 16x16 tile where any tile of the warp asks (the shuffles need every lane).
-template <typename T, bool k2D, bool kMSE, bool kFastMath, typename EncodeOf>
+template <typename T, bool k2D, bool kMSE, bool kFastMath, typename ByteOf>
 __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlockSize], const FourOverSixScale& global,
-                                                    const EncodeOf& encode_of, uint2& codes, uint8_t& scale) {
+                                                    const ByteOf& byte_of, uint2& codes, uint8_t& scale) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlockSize; ++i) amax = fmaxf(amax, fabsf(values[i]));
   if constexpr (k2D) amax = max_across_16_lanes(amax);
   constexpr bool kEstimate = !kFastMath;
   FourOverSixCandidates c = four_over_six_candidates<kMSE, kFastMath, sizeof(T) == 2, kEstimate>(values, amax, global,
-                                                                                               encode_of);
+                                                                                               byte_of);
   float error4 = c.error[0], error6 = c.error[1];
   if constexpr (k2D) {
     error4 = tile_error_across_16_lanes(error4);
@@ -115,7 +115,7 @@ __device__ __forceinline__ void encode_4over6_block(const float (&values)[kBlock
     const bool settled = four_over_six_settled(error4, error6, four_over_six_error_slack<kMSE, k2D>(amax, error4),
                                                four_over_six_error_slack<kMSE, k2D>(amax, error6));
     if (k2D ? __any_sync(0xFFFFFFFFu, !settled) : !settled) {
-      c = four_over_six_candidates<kMSE, false, sizeof(T) == 2>(values, amax, global, encode_of);
+      c = four_over_six_candidates<kMSE, false, sizeof(T) == 2>(values, amax, global, byte_of);
       error4 = c.error[0];
       error6 = c.error[1];
       if constexpr (k2D) {
@@ -191,13 +191,33 @@ __device__ __forceinline__ void write_staged_tile(const StagedCopy (&staged)[2],
   }
 }
 
-// e_b of each scale byte a non-negative block amax gives (0x00..0x7F) under one tensor scale, in shared memory.
-struct EncodeTable {
-  const float* encode;
-  __device__ float operator()(uint32_t scale) const { return encode[scale]; }
+// four_over_six_byte of each scale byte a non-negative block amax gives (0x00..0x7F) under one tensor scale, in
+// shared memory: the bytes' values (the same for every tensor) and their common-case e_b.
+struct ByteTable {
+  const float* value;
+  const float* common_encode;
+  __device__ FourOverSixByte operator()(uint32_t scale) const {
+    return FourOverSixByte{value[scale], common_encode[scale]};
+  }
 };
 constexpr int kPositiveScales = 128;
-static_assert(kThreads == 2 * kPositiveScales, "one thread per scale byte of each copy fills the e_b tables");
+static_assert(kThreads == 2 * kPositiveScales, "one thread per scale byte of each copy fills the byte tables");
+
+// The origin (m0, k0) of a tile of x and of the tiles after it in row-major order, stepped without a division.
+struct TileCursor {
+  int64_t m0, k0;
+  __device__ TileCursor(int64_t tile, int64_t column_tiles)
+      : m0(tile / column_tiles * kTile), k0(tile % column_tiles * kTile) {}
+  __device__ TileCursor next(int64_t cols) const {
+    TileCursor after = *this;
+    after.k0 += kTile;
+    if (after.k0 >= cols) {
+      after.k0 = 0;
+      after.m0 += kTile;
+    }
+    return after;
+  }
+};
 
 // Each CTA encodes up to kTilesPerCta consecutive 64 x 64 tiles, two tile buffers in shared memory: the next tile's
 // copy is in flight while one is encoded. Thread t encodes the rowwise block (row t % 64, 16-column block t / 64) and
@@ -208,38 +228,41 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
                                                                    int64_t tiles) {
   using Tile = RawTile<T>;
   __shared__ __align__(128) uint8_t tile_buffers[2][Tile::kBytes];
-  __shared__ float encode_of_scale[2][kPositiveScales];  // rowwise (tensor-scaled), columnwise
+  __shared__ float byte_value[kPositiveScales];
+  __shared__ float common_encode[2][kPositiveScales];  // rowwise (tensor-scaled), columnwise
   // per tile buffer: its rowwise and columnwise outputs, written out at the start of the next tile (or at the end)
   __shared__ __align__(16) StagedCopy staged[2][2];
   const int tid = threadIdx.x;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerCta;
   const int64_t end_tile = first_tile + kTilesPerCta < tiles ? first_tile + kTilesPerCta : tiles;
-  Tile::copy_async(tile_buffers[0], args, first_tile / column_tiles * kTile, first_tile % column_tiles * kTile, tid);
+  TileCursor cursor(first_tile, column_tiles);
+  Tile::copy_async(tile_buffers[0], args, cursor.m0, cursor.k0, tid);
   const float bound = static_cast<float>(args.e4m3_bound);
   const bool rowwise_tensor_scaled = args.rowwise_data != nullptr && !args.row_scaled;
   const FourOverSixScale rowwise_global = four_over_six_scale(rowwise_tensor_scaled ? args.amax_rowwise[0] : 1.0f, bound);
   const FourOverSixScale columnwise_global =
       four_over_six_scale(args.columnwise_data != nullptr ? args.amax_columnwise[0] : 1.0f, bound);
   {
-    const int copy = tid / kPositiveScales;
-    encode_of_scale[copy][tid % kPositiveScales] =
-        block_encode_factor(static_cast<uint8_t>(tid % kPositiveScales),
-                            copy == 0 ? rowwise_global.s_dec : columnwise_global.s_dec);
+    const int copy = tid / kPositiveScales, byte = tid % kPositiveScales;
+    const FourOverSixByte entry = copy == 0 ? four_over_six_byte<kFastMath>(byte, rowwise_global)  // warp-uniform
+                                            : four_over_six_byte<kFastMath>(byte, columnwise_global);
+    common_encode[copy][byte] = entry.common_encode;
+    if (copy == 0) byte_value[byte] = entry.value;
   }
   const int lane_index = tid % kTile, block = tid / kTile;
   int64_t staged_m0 = -1, staged_k0 = 0;  // the origin of the tile staged in the other buffer (-1: none)
 
 #pragma unroll 1
   for (int64_t tile_index = first_tile, buffer = 0; tile_index < end_tile; ++tile_index, buffer ^= 1) {
-    const int64_t m0 = tile_index / column_tiles * kTile, k0 = tile_index % column_tiles * kTile;
+    const int64_t m0 = cursor.m0, k0 = cursor.k0;
+    cursor = cursor.next(args.cols);
     if (tile_index + 1 < end_tile) {  // the other buffer's readers passed the barrier at the end of the last tile
-      Tile::copy_async(tile_buffers[buffer ^ 1], args, (tile_index + 1) / column_tiles * kTile,
-                       (tile_index + 1) % column_tiles * kTile, tid);
+      Tile::copy_async(tile_buffers[buffer ^ 1], args, cursor.m0, cursor.k0, tid);
       asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
-    __syncthreads();  // every thread's copies of this tile (and, once, the e_b tables) are in
+    __syncthreads();  // every thread's copies of this tile (and, once, the byte tables) are in
     const uint8_t* const tile = tile_buffers[buffer];
     if (staged_m0 >= 0) write_staged_tile(staged[buffer ^ 1], args, staged_m0, staged_k0, tid);  // the last tile's
 
@@ -252,16 +275,17 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
       uint8_t& scale = out[0].scales[lane_index][block];
       if (args.row_scaled) {  // 1D blocks only: S_enc per row
         const FourOverSixScale global = four_over_six_scale(m < args.rows ? args.amax_rowwise[m] : 0.0f, bound);
-        encode_4over6_block<T, false, kMSE, kFastMath>(values, global, BlockEncodeFactor{global.s_dec}, codes, scale);
+        encode_4over6_block<T, false, kMSE, kFastMath>(values, global, FourOverSixBytes<kFastMath>{global}, codes,
+                                                       scale);
       } else {
-        encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, EncodeTable{encode_of_scale[0]}, codes,
-                                                     scale);
+        encode_4over6_block<T, k2D, kMSE, kFastMath>(values, rowwise_global, ByteTable{byte_value, common_encode[0]},
+                                                     codes, scale);
       }
     }
     if (args.columnwise_data != nullptr) {  // rows % 16 == 0
       float values[kBlockSize];
       Tile::read_column_block(tile, lane_index, block, values);
-      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, EncodeTable{encode_of_scale[1]},
+      encode_4over6_block<T, k2D, kMSE, kFastMath>(values, columnwise_global, ByteTable{byte_value, common_encode[1]},
                                                    out[1].codes[lane_index][block], out[1].scales[lane_index][block]);
     }
     staged_m0 = m0;
