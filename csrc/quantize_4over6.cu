@@ -10,6 +10,7 @@
 // with packed FP16 products and no IEEE division; every other block the general one. The cast is bound by arithmetic
 // (two candidates per block and copy), not by memory; its outputs are staged per tile in shared memory and leave in
 // whole lines (StagedCopy), which spares L2 the four partial writes per line that direct stores made.
+#include <algorithm>
 #include <cstdint>
 
 #include "nvfp4_device.cuh"
@@ -23,8 +24,11 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerTileRow = kTile / kBlockSize;
 static_assert(kThreads == kTile * kBlocksPerTileRow, "one rowwise and one columnwise block per thread");
 // Consecutive tiles (row-major over the tiles of x) per CTA: the per-CTA setup (global scales, byte tables) is paid
-// once for them, and each tile's copy into shared memory overlaps the previous tile's encoding.
-constexpr int kTilesPerCta = 4;
+// once for them, and each tile's copy into shared memory overlaps the previous tile's encoding. Up to this many, as
+// long as the grid keeps kMinWaves waves of the CTAs the multiprocessors hold at once (tiles_per_cta).
+constexpr int kMaxTilesPerCta = 8;
+constexpr int kCtasPerMultiprocessor = 2;  // by registers (__launch_bounds__(kThreads), about 100 a thread)
+constexpr int kMinWaves = 4;
 
 // A tile of x as it is in memory (T), in shared memory, each row padded by 16 bytes: the rowwise reads (16-byte
 // loads, a quarter warp on 8 consecutive rows) and the columnwise ones (a warp on 32 consecutive columns of a row)
@@ -219,13 +223,13 @@ struct TileCursor {
   }
 };
 
-// Each CTA encodes up to kTilesPerCta consecutive 64 x 64 tiles, two tile buffers in shared memory: the next tile's
+// Each CTA encodes up to tiles_per_cta consecutive 64 x 64 tiles, two tile buffers in shared memory: the next tile's
 // copy is in flight while one is encoded. Thread t encodes the rowwise block (row t % 64, 16-column block t / 64) and
 // the columnwise block (column t % 64, 16-row block t / 64) of each: lanes 16j .. 16j + 15 hold the 16 rows (or
 // columns) of one 16x16 block.
 template <typename T, bool k2D, bool kMSE, bool kFastMath>
 __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles,
-                                                                   int64_t tiles) {
+                                                                   int64_t tiles, int tiles_per_cta) {
   using Tile = RawTile<T>;
   __shared__ __align__(128) uint8_t tile_buffers[2][Tile::kBytes];
   __shared__ float byte_value[kPositiveScales];
@@ -233,8 +237,8 @@ __global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const Quantiz
   // per tile buffer: its rowwise and columnwise outputs, written out at the start of the next tile (or at the end)
   __shared__ __align__(16) StagedCopy staged[2][2];
   const int tid = threadIdx.x;
-  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerCta;
-  const int64_t end_tile = first_tile + kTilesPerCta < tiles ? first_tile + kTilesPerCta : tiles;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * tiles_per_cta;
+  const int64_t end_tile = first_tile + tiles_per_cta < tiles ? first_tile + tiles_per_cta : tiles;
   TileCursor cursor(first_tile, column_tiles);
   Tile::copy_async(tile_buffers[0], args, cursor.m0, cursor.k0, tid);
   const float bound = static_cast<float>(args.e4m3_bound);
@@ -302,11 +306,14 @@ cudaError_t launch_with_error(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t tiles = (args.rows + kTile - 1) / kTile * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned int>((tiles + kTilesPerCta - 1) / kTilesPerCta));
+  const int tiles_per_cta = static_cast<int>(std::clamp<int64_t>(
+      tiles / (static_cast<int64_t>(device_multiprocessors()) * kCtasPerMultiprocessor * kMinWaves), 1,
+      kMaxTilesPerCta));
+  const dim3 grid(static_cast<unsigned int>((tiles + tiles_per_cta - 1) / tiles_per_cta));
   if (args.four_over_six_fast_math) {
-    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles);
+    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles, tiles_per_cta);
   } else {
-    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles);
+    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles, tiles_per_cta);
   }
   return cudaGetLastError();
 }
