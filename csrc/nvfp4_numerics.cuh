@@ -792,7 +792,7 @@ NVFP4_HD uint32_t fp4_index_rne_below_4_5_in_low_half(float a) {
   return min_of_low_halves(fine, middle, middle);
 }
 
-// One candidate in the common case (four_over_six_byte's comment): the packed magnitudes (no sign bits) and the error.
+// One candidate in the common case (see FourOverSixByte): the packed magnitudes (no sign bits) and the error.
 // magnitudes[i] = |x_i|, targets[i] = |x_i| * S_enc (fast-math); kBelowFourAndAHalf: the scaled magnitudes are below
 // kMapToFourLimit. kEstimate (exact error mode): the error estimated, d_i as one FMA of fp4value_i by
 // fp32(s_c * fp32(A * fp32(1 / (6 B)))) less |x_i|, within four_over_six_error_slack of the exact error.
@@ -836,8 +836,9 @@ NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSi
 // Both candidates of a block; byte_of(scale byte) gives four_over_six_byte<kFastMath> of the byte under global
 // (FourOverSixBytes, or a table of its values). A candidate's d_i has the sign of x_i (or is -x_i where the code is
 // 0), so the common case takes the error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for
-// both. kEstimate (exact error mode): the common case's errors estimated (four_over_six_common_candidate), each within four_over_six_error_slack of the
-// exact one; the kernels take the choice from them where four_over_six_settled, else from the exact errors.
+// both. kEstimate (exact error mode): the common case's errors estimated (four_over_six_common_candidate), each
+// within four_over_six_error_slack of the exact one; the kernels take the choice from them where
+// four_over_six_settled, else from the exact errors.
 template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, typename ByteOf>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
                                                         const FourOverSixScale& global, const ByteOf& byte_of) {
@@ -850,8 +851,8 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
   float targets[kBlockSize];
   if constexpr (kSixteenBitValues) {
     const FourOverSixByte bytes[2] = {byte_of(c.scale[0]), byte_of(c.scale[1])};
-    const float scale_value[2] = {bytes[0].value, bytes[1].value}, encode[2] = {bytes[0].common_encode,
-                                                                               bytes[1].common_encode};
+    const float scale_value[2] = {bytes[0].value, bytes[1].value};
+    const float encode[2] = {bytes[0].common_encode, bytes[1].common_encode};
     if (block_amax * encode[0] < kMapToFourLimit && block_amax * encode[1] < 7.0f) {
       float magnitudes[kBlockSize], signed_values[kBlockSize];
 #pragma unroll

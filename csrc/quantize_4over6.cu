@@ -311,9 +311,11 @@ cudaError_t launch_with_error(const QuantizeArgs& args, cudaStream_t stream) {
       kMaxTilesPerCta));
   const dim3 grid(static_cast<unsigned int>((tiles + tiles_per_cta - 1) / tiles_per_cta));
   if (args.four_over_six_fast_math) {
-    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles, tiles_per_cta);
+    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles,
+                                                                               tiles_per_cta);
   } else {
-    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles, tiles_per_cta);
+    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles,
+                                                                                tiles_per_cta);
   }
   return cudaGetLastError();
 }
