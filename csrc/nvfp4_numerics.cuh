@@ -851,9 +851,7 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
   float targets[kBlockSize];
   if constexpr (kSixteenBitValues) {
     const FourOverSixByte bytes[2] = {byte_of(c.scale[0]), byte_of(c.scale[1])};
-    const float scale_value[2] = {bytes[0].value, bytes[1].value};
-    const float encode[2] = {bytes[0].common_encode, bytes[1].common_encode};
-    if (block_amax * encode[0] < kMapToFourLimit && block_amax * encode[1] < 7.0f) {
+    if (block_amax * bytes[0].common_encode < kMapToFourLimit && block_amax * bytes[1].common_encode < 7.0f) {
       float magnitudes[kBlockSize], signed_values[kBlockSize];
 #pragma unroll
       for (int i = 0; i < kBlockSize; ++i) {
@@ -862,10 +860,10 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
         signed_values[i] = values[i] + 0.0f;
       }
       const uint2 signs = make_uint2(sign_bits_of_eight(signed_values), sign_bits_of_eight(signed_values + 8));
-      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true, kEstimate>(magnitudes, targets, encode[0],
-                                                                                    scale_value[0], global, c.packed[0]);
-      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false, kEstimate>(magnitudes, targets, encode[1],
-                                                                                     scale_value[1], global, c.packed[1]);
+      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true, kEstimate>(
+          magnitudes, targets, bytes[0].common_encode, bytes[0].value, global, c.packed[0]);
+      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false, kEstimate>(
+          magnitudes, targets, bytes[1].common_encode, bytes[1].value, global, c.packed[1]);
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         c.packed[k].x |= signs.x;
