@@ -27,7 +27,9 @@ static_assert(kThreads == kTile * kBlocksPerTileRow, "one rowwise and one column
 // once for them, and each tile's copy into shared memory overlaps the previous tile's encoding. Up to this many, as
 // long as the grid keeps kMinWaves waves of the CTAs the multiprocessors hold at once (tiles_per_cta).
 constexpr int kMaxTilesPerCta = 8;
-constexpr int kCtasPerMultiprocessor = 2;  // by registers (__launch_bounds__(kThreads), about 100 a thread)
+// CTAs each multiprocessor holds at once: __launch_bounds__ caps the registers at 80 a thread to fit them. Unbounded
+// (about 100 a thread) only 2 fit, too few warps to keep the schedulers issuing in this arithmetic-bound loop.
+constexpr int kCtasPerMultiprocessor = 3;
 constexpr int kMinWaves = 4;
 
 // A tile of x as it is in memory (T), in shared memory, each row padded by 16 bytes: the rowwise reads (16-byte
@@ -228,8 +230,8 @@ struct TileCursor {
 // the columnwise block (column t % 64, 16-row block t / 64) of each: lanes 16j .. 16j + 15 hold the 16 rows (or
 // columns) of one 16x16 block.
 template <typename T, bool k2D, bool kMSE, bool kFastMath>
-__global__ void __launch_bounds__(kThreads) quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles,
-                                                                   int64_t tiles, int tiles_per_cta) {
+__global__ void __launch_bounds__(kThreads, kCtasPerMultiprocessor)
+    quantize_4over6_kernel(const QuantizeArgs args, int64_t column_tiles, int64_t tiles, int tiles_per_cta) {
   using Tile = RawTile<T>;
   __shared__ __align__(128) uint8_t tile_buffers[2][Tile::kBytes];
   __shared__ float byte_value[kPositiveScales];
