@@ -6,7 +6,8 @@ for the forward and for forward+backward:
   comm        the pair's communication alone, as the plain layers issue it (amax all-reduces, NVFP4 all-gathers,
               BF16 reduce-scatters) on tensors of the layer's sizes
   ring comm   the same transfers as the overlapped layers issue them (P2P rings with no GEMM in them)
-  split comm  the same transfers as split collectives issue them (row pieces, no GEMM in them)
+  split comm  the same transfers as split collectives issue them (row pieces, no GEMM in them; the JSON's
+              "split_pieces" are the pieces' row counts)
   GEMMs       the pair's NVFP4 GEMM kernels alone, on pre-quantized operands
   no-comm     the pair on a one-rank group with this rank's shard shapes and all tokens: every GEMM and
               quantization of a TP rank, no communication
@@ -148,6 +149,18 @@ class Pair:
         step size; the row layer's may differ only where the measured links make the choice)."""
         return getattr(self.column.comm, "path", "plain")
 
+    def split_pieces(self) -> dict:
+        """The row pieces of the pair's split collectives ("fwd gather", "fwd scatter", "bwd gather", "bwd scatter")
+        as its layers size them (on the group's link speed where it is known), from one forward on that path."""
+        self.use_overlap(True, transport="collectives")
+        self.forward()
+        column, row = self.column.comm, self.row.comm
+        rows = self.x.shape[0]
+        return {"fwd gather": column.split_pieces("all_gather", rows),
+                "fwd scatter": row.split_pieces("reduce_scatter", rows),
+                "bwd gather": row.split_pieces("all_gather", rows),
+                "bwd scatter": column.split_pieces("reduce_scatter", rows)}
+
     def forward(self):
         return self.row(self.column(self.x)[0])[0]
 
@@ -157,8 +170,9 @@ class Pair:
         self.forward().backward(self.dy)
 
 
-def comm_steps(tokens, hidden, ffn, group, recipe):
-    """(forward, forward+backward) callables issuing the pair's communication alone: plain, ring and split."""
+def comm_steps(tokens, hidden, ffn, group, recipe, pieces):
+    """(forward, forward+backward) callables issuing the pair's communication alone: plain, ring and split (in the
+    row pieces of split_pieces(pair))."""
     from nvfp4_dist import ops
     from nvfp4_dist.parallel import collectives
     from nvfp4_dist.parallel import overlap as O
@@ -198,36 +212,37 @@ def comm_steps(tokens, hidden, ffn, group, recipe):
         finish_x()
 
     rows = tokens // world_size
-    pieces = O.collective_pieces(rows)
-    piece_rows = rows // pieces
 
-    def split_gather(q):
-        finishes = O.start_piece_gathers(q, pieces, group)
+    def split_gather(q, counts):
+        finishes = O.start_piece_gathers(q, counts, group)
         return lambda: [finish() for finish in finishes]
 
-    # piece j: rows [c*rows + j*piece_rows, ...) of every destination c, contiguous as the GEMMs write them
-    scatter_pieces = [piece.reshape(world_size * piece_rows, hidden)
-                      for piece in partial.view(world_size, pieces, piece_rows, hidden).unbind(1)]
+    def scatter_pieces(counts):
+        """Each piece's rows [c*rows + start, c*rows + stop) of every destination c, contiguous as the GEMMs write
+        them, and where its sums land."""
+        by_destination = partial.view(world_size, rows, hidden)
+        return [(by_destination[:, start:stop].reshape(world_size * (stop - start), hidden), start, stop)
+                for start, stop in O.piece_bounds(rows, counts)]
+    forward_scatter, backward_scatter = scatter_pieces(pieces["fwd scatter"]), scatter_pieces(pieces["bwd scatter"])
 
-    def split_scatter():
+    def split_scatter(scatter):
         out = torch.empty_like(chunk)
-        finishes = [collectives.reduce_scatter_bf16(piece, group, async_op=True,
-                                                    out=out[j * piece_rows:(j + 1) * piece_rows])[1]
-                    for j, piece in enumerate(scatter_pieces)]
+        finishes = [collectives.reduce_scatter_bf16(piece, group, async_op=True, out=out[start:stop])[1]
+                    for piece, start, stop in scatter]
         return lambda: [finish() for finish in finishes]
 
     def split_forward():
         collectives.all_reduce_amax(amaxes, group)
-        split_gather(xq)()
-        split_scatter()()
+        split_gather(xq, pieces["fwd gather"])()
+        split_scatter(forward_scatter)()
 
     def split_backward():  # as ring_backward, on split collectives (the carried copy in one more collective)
         collectives.all_reduce_amax(amaxes, group)
-        finish_dy = split_gather(dyq)
+        finish_dy = split_gather(dyq, pieces["bwd gather"])
         carried = collectives.all_gather_nvfp4(dyq.columnwise_only(), group, async_op=True, peer_memory=False)[1]
         finish_dy(), carried()
         finish_x = collectives.all_gather_nvfp4(xq.columnwise_only(), group, async_op=True)[1]
-        split_scatter()()
+        split_scatter(backward_scatter)()
         finish_x()
 
     return {"plain": (plain_forward, lambda: (plain_forward(), plain_backward())),
@@ -265,10 +280,11 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup,
     """Every time of one shape; profile_dir: also the cProfile of the overlapped fwd+bwd host-time steps."""
     world_size = dist.get_world_size(group)
     result = dict(tokens=tokens, hidden=hidden, ffn=ffn, tp=world_size)
-    comm = comm_steps(tokens, hidden, ffn, group, recipe)
+    pair = Pair(tokens, hidden, ffn, group, recipe)
+    result["split_pieces"] = pair.split_pieces()
+    comm = comm_steps(tokens, hidden, ffn, group, recipe, result["split_pieces"])
     gemms = gemm_steps(tokens, hidden, ffn // world_size, recipe)
     no_comm = Pair(tokens, hidden, ffn // world_size, self_group, recipe)
-    pair = Pair(tokens, hidden, ffn, group, recipe)
     for phase, index in (("fwd", 0), ("fwd+bwd", 1)):
         times = {"comm": time_ms(comm["plain"][index], iters, warmup),
                  "ring_comm": time_ms(comm["ring"][index], iters, warmup),

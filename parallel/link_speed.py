@@ -17,6 +17,9 @@ one piece's transfer or GEMMs stay in the open:
 
     split  max(C, G) + min(C, G) / k                                  saving = (k-1)/k min(C, G)
 
+with k equal pieces. The layers grow or shrink their pieces geometrically (LinkSpeed.split_piece_ratio) so that
+the piece left in the open is the smallest; the choice of path counts equal pieces, a saving the sizing exceeds.
+
 LinkSpeed holds c, r (per MB of a ring step, for all-gathers and reduce-scatters) and g (per GFLOP), measured
 once per group (parallel/overlap.py: measure_link_speed) and agreed over the ranks, so that every rank takes
 the same path.
@@ -93,8 +96,24 @@ class LinkSpeed:
         return sum((world_size - 1) * collective + world_size * gemm
                    for collective, _, gemm in map(self.step_ms, loads))
 
+    def split_piece_ratio(self, load: RingLoad, world_size: int) -> float:
+        """How split collectives of `load` size their row pieces: piece j+1 = ratio x piece j (piece_fractions).
+
+        The all-gather leaves its last piece's GEMMs in the open: its pieces shrink as far as each piece's GEMMs
+        (the W-1 other ranks' rows, (W-1) g per unit) still end before the next piece arrives ((W-1) c): g / c.
+        The reduce-scatter leaves its first piece's GEMMs in the open where the transfers outlast the GEMMs (its
+        pieces grow, as far as each piece's transfer still covers the next piece's GEMMs: C / G) and its last
+        transfer where they do not (they shrink, as far as each GEMM still covers the transfer before it: C / G
+        again). Within SPLIT_PIECE_RATIOS: tiny pieces cost a collective's latency for little data."""
+        collective, _, gemm = self.step_ms(load)
+        low, high = SPLIT_PIECE_RATIOS
+        if load.kind == "all_gather":
+            return min(max(gemm / collective, low), 1.0)
+        return min(max((world_size - 1) * collective / (world_size * gemm), low), high)
+
     def split_saving_ms(self, loads: Sequence[RingLoad], world_size: int, pieces: int) -> float:
-        """Expected ms that split collectives of `pieces` row pieces save over the plain path for `loads`."""
+        """Expected ms that split collectives of `pieces` row pieces save over the plain path for `loads`, counted
+        with equal pieces: the layers size theirs by split_piece_ratio, which leaves a smaller end in the open."""
         saving = 0.0
         for load in loads:
             collective, _, gemm = self.step_ms(load)
@@ -118,6 +137,18 @@ class LinkSpeed:
         return (f"all-gather {self.all_gather_ms_per_mb:.4f} ms/MB (ring {self.ring_all_gather_ms_per_mb:.4f}), "
                 f"reduce-scatter {self.reduce_scatter_ms_per_mb:.4f} ms/MB (ring "
                 f"{self.ring_reduce_scatter_ms_per_mb:.4f}), GEMM {self.gemm_ms_per_gflop:.4f} ms/GFLOP")
+
+
+# The ratios between consecutive split-collective pieces that LinkSpeed.split_piece_ratio chooses from.
+SPLIT_PIECE_RATIOS = (0.5, 2.0)
+
+
+def piece_fractions(pieces: int, ratio: float) -> list:
+    """The shares of `pieces` consecutive pieces in geometric proportion: piece j+1 = ratio x piece j."""
+    if pieces < 1 or not ratio > 0:
+        raise ValueError(f"pieces={pieces}, ratio={ratio}: need pieces >= 1 and ratio > 0")
+    weights = [ratio ** j for j in range(pieces)]
+    return [weight / sum(weights) for weight in weights]
 
 
 _speeds: dict = {}

@@ -57,7 +57,8 @@ from nvfp4_dist.tensor import NVFP4Tensor
 from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import symmetric
 from nvfp4_dist.parallel.layer_comm import ColumnParallelComm, RowParallelComm
-from nvfp4_dist.parallel.link_speed import LinkSpeed, RingLoad, known_link_speed, nvfp4_bytes, set_link_speed
+from nvfp4_dist.parallel.link_speed import (LinkSpeed, RingLoad, known_link_speed, nvfp4_bytes, piece_fractions,
+                                            set_link_speed)
 
 log = logging.getLogger("nvfp4_dist")
 
@@ -266,41 +267,71 @@ def collective_pieces(rows: int, most: int = COLLECTIVE_PIECES) -> int:
     return next(pieces for pieces in range(most, 0, -1) if pieces == 1 or rows % (16 * pieces) == 0)
 
 
-def start_piece_gathers(a: NVFP4Tensor, pieces: int, group=None) -> list:
-    """Start the asynchronous all-gathers (NCCL or gloo) of a's rowwise copy in `pieces` row pieces, in order; returns
-    each piece's finish() (the gathered rows [j*P, (j+1)*P) of every rank, P = a.rows / pieces)."""
-    piece_rows = a.rows // pieces
-    return [collectives.all_gather_nvfp4(a.rowwise_rows(j * piece_rows, (j + 1) * piece_rows), group, async_op=True,
-                                         peer_memory=False)[1] for j in range(pieces)]
+def split_pieces(rows: int, ratio: float = 1.0, most: int = COLLECTIVE_PIECES) -> list:
+    """Row counts of the collective_pieces(rows, most) pieces of `rows` rows, in the proportions
+    piece_fractions(pieces, ratio) (piece j+1 = ratio x piece j; 1: equal pieces), each a whole number (at least
+    one) of 16-row blocks, the blocks that rounding leaves handed out by largest remainder."""
+    pieces = collective_pieces(rows, most)
+    if pieces == 1:
+        return [rows]
+    blocks = rows // 16
+    shares = [fraction * blocks for fraction in piece_fractions(pieces, ratio)]
+    counts = [max(1, int(share)) for share in shares]
+    while sum(counts) < blocks:
+        counts[max(range(pieces), key=lambda j: shares[j] - counts[j])] += 1
+    while sum(counts) > blocks:
+        counts[max((j for j in range(pieces) if counts[j] > 1), key=lambda j: counts[j] - shares[j])] -= 1
+    return [16 * count for count in counts]
+
+
+def piece_bounds(rows: int, pieces) -> list:
+    """[start, stop) of each row piece: `pieces` equal pieces (an int, default collective_pieces(rows)) or pieces
+    of the given row counts (a sequence adding up to `rows`)."""
+    if pieces is None:
+        pieces = collective_pieces(rows)
+    if isinstance(pieces, int):
+        if pieces < 1 or rows % pieces:
+            raise ValueError(f"pieces={pieces}: {rows} rows must split into a whole number of rows per piece")
+        pieces = [rows // pieces] * pieces
+    counts = list(pieces)
+    if not counts or any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != rows:
+        raise ValueError(f"pieces={counts}: row counts must be positive integers adding up to {rows}")
+    starts = [sum(counts[:j]) for j in range(len(counts))]
+    return [(start, start + count) for start, count in zip(starts, counts)]
+
+
+def start_piece_gathers(a: NVFP4Tensor, pieces=None, group=None) -> list:
+    """Start the asynchronous all-gathers (NCCL or gloo) of a's rowwise copy in row pieces (piece_bounds(a.rows,
+    pieces)), in order; returns each piece's finish() (the gathered rows [start, stop) of every rank)."""
+    return [collectives.all_gather_nvfp4(a.rowwise_rows(start, stop), group, async_op=True, peer_memory=False)[1]
+            for start, stop in piece_bounds(a.rows, pieces)]
 
 
 def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
                         bias: torch.Tensor | None = None, recipe=None, group=None,
                         carry: ColumnwiseCarry | None = None, pieces: int | None = None) -> torch.Tensor:
-    """ring_gathered_gemm's result on split collectives: all-gathers of row pieces (rows [j*P, (j+1)*P) of every
-    rank, P = M / pieces), all issued before the first GEMM. This rank's own rows go through one GEMM while the
-    first piece travels; then each piece's GEMMs (one per other source rank, into its rows of the output) run as
-    soon as it has arrived, while later pieces travel.
+    """ring_gathered_gemm's result on split collectives: all-gathers of row pieces (rows [start, stop) of every
+    rank), all issued before the first GEMM. This rank's own rows go through one GEMM while the first piece
+    travels; then each piece's GEMMs (one per other source rank, into its rows of the output) run as soon as it
+    has arrived, while later pieces travel.
 
-    pieces: default collective_pieces(M). carry: a columnwise copy gathered in one more collective after them.
+    pieces: an int (equal pieces; default collective_pieces(M)) or the pieces' row counts (split_pieces).
+    carry: a columnwise copy gathered in one more collective after them.
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     n = operand(b, b_copy, "b")[0].shape[0]
     rows = a.rows
-    pieces = collective_pieces(rows) if pieces is None else pieces
-    if pieces < 1 or rows % pieces:
-        raise ValueError(f"pieces={pieces}: a's {rows} rows must split into a whole number of rows per piece")
-    piece_rows = rows // pieces
+    bounds = piece_bounds(rows, pieces)
     out = torch.empty((world_size * rows, n), dtype=out_dtype, device=a.device)
-    arriving = start_piece_gathers(a, pieces, group)
+    arriving = start_piece_gathers(a, [stop - start for start, stop in bounds], group)
     if carry is not None:
         carry.start_collective()
     gemm(a, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe,
          out=out[rank * rows:(rank + 1) * rows])
-    for j, finish in enumerate(arriving):
-        gathered = finish()
+    for (start, stop), finish in zip(bounds, arriving):
+        gathered, piece_rows = finish(), stop - start
         for source in (source for source in range(world_size) if source != rank):
-            first = source * rows + j * piece_rows
+            first = source * rows + start
             gemm(gathered.rowwise_rows(source * piece_rows, (source + 1) * piece_rows), b, a_copy="rowwise",
                  b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe, out=out[first:first + piece_rows])
     return out
@@ -311,33 +342,29 @@ def split_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, ou
                               during_last_transfer: Callable[[], None] | None = None,
                               pieces: int | None = None) -> torch.Tensor:
     """ring_gemm_reduce_scatter's result on split collectives: piece j of every destination's rows (rows
-    [c*R + j*P, c*R + (j+1)*P) for rank c, R = M/W, P = R / pieces) is computed, then reduce-scattered in one
-    collective while the next piece's GEMMs run; it lands in rows [j*P, (j+1)*P) of this rank's output.
+    [c*R + start, c*R + stop) for rank c, R = M/W) is computed, then reduce-scattered in one collective while the
+    next piece's GEMMs run; it lands in rows [start, stop) of this rank's output.
 
-    pieces: default collective_pieces(R). during_last_transfer: called once after the last piece's GEMMs, before
-    waiting for the reduce-scatters.
+    pieces: an int (equal pieces; default collective_pieces(R)) or the pieces' row counts (split_pieces).
+    during_last_transfer: called once after the last piece's GEMMs, before waiting for the reduce-scatters.
     """
     world_size = dist.get_world_size(group)
     if a.rows % world_size:
         raise ValueError(f"a.shape={tuple(a.shape)}: its {a.rows} rows must be divisible by the group size "
                          f"{world_size}")
     rows = a.rows // world_size
-    pieces = collective_pieces(rows) if pieces is None else pieces
-    if pieces < 1 or rows % pieces:
-        raise ValueError(f"pieces={pieces}: the {rows} rows per rank must split into a whole number of rows "
-                         f"per piece")
-    piece_rows = rows // pieces
+    bounds = piece_bounds(rows, pieces)
     n = operand(b, b_copy, "b")[0].shape[0]
     out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
     in_flight = []  # (collective's handle, its input): the input lives until the collective is done
-    for j in range(pieces):
+    for start, stop in bounds:
+        piece_rows = stop - start
         partial = torch.empty((world_size * piece_rows, n), dtype=out_dtype, device=a.device)
         for destination in range(world_size):
-            first = destination * rows + j * piece_rows
+            first = destination * rows + start
             gemm(a.rowwise_rows(first, first + piece_rows), b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype,
                  bias=bias, recipe=recipe, out=partial[destination * piece_rows:(destination + 1) * piece_rows])
-        work, _ = collectives.reduce_scatter_bf16(partial, group, async_op=True,
-                                                  out=out[j * piece_rows:(j + 1) * piece_rows])
+        work, _ = collectives.reduce_scatter_bf16(partial, group, async_op=True, out=out[start:stop])
         in_flight.append((work, partial))
     if during_last_transfer is not None:
         during_last_transfer()
@@ -468,6 +495,7 @@ class _RingChoice:
     measure_links: bool = False
     transport: str = "ring"
     path: str = "ring"  # "plain", "ring" or "collectives": the last forward's path
+    piece_ratios: dict = {}  # split collectives: LinkSpeed.split_piece_ratio of each ring kind, none for equal pieces
 
     @property
     def pipelined(self) -> bool:
@@ -500,20 +528,36 @@ class _RingChoice:
                              "plain path: %s)", type(self).__name__, self.world_size, path,
                              ", ".join(f"{name} {ms:.3g}" for name, ms in savings.items()))
         self.path = path
+        self.piece_ratios = self._piece_ratios(loads) if path == "collectives" else {}
         return path
+
+    def _piece_ratios(self, loads: Sequence[RingLoad]) -> dict:
+        """How the split collectives of `loads` size their pieces where the group's link speed is known (measured
+        for measure_links, or set_link_speed's); equal pieces where it is not."""
+        speed = known_link_speed(self.group)
+        return {} if speed is None else {load.kind: speed.split_piece_ratio(load, self.world_size) for load in loads}
+
+    def split_pieces(self, kind: str, rows: int) -> list:
+        """Row counts of the pieces that this layer's split collectives of `kind` cut `rows` rows into."""
+        return split_pieces(rows, self.piece_ratios.get(kind, 1.0))
 
     def pipelines(self) -> bool:
         return self.overlaps() and self.pipelined
 
     def gathered_gemm(self, a: NVFP4Tensor, b: NVFP4Tensor, **kwargs) -> torch.Tensor:
         """gemm(all-gather of a, b) on this forward's pipelined path."""
-        pipelined = split_gathered_gemm if self.path == "collectives" else ring_gathered_gemm
-        return pipelined(a, b, group=self.group, **kwargs)
+        if self.path == "collectives":
+            return split_gathered_gemm(a, b, group=self.group, pieces=self.split_pieces("all_gather", a.rows),
+                                       **kwargs)
+        return ring_gathered_gemm(a, b, group=self.group, **kwargs)
 
     def gemm_reduce_scatter(self, a: NVFP4Tensor, b: NVFP4Tensor, **kwargs) -> torch.Tensor:
         """Reduce-scatter of gemm(a, b) on this forward's pipelined path."""
-        pipelined = split_gemm_reduce_scatter if self.path == "collectives" else ring_gemm_reduce_scatter
-        return pipelined(a, b, group=self.group, **kwargs)
+        if self.path == "collectives":
+            rows = a.rows // self.world_size  # not a whole number: split_gemm_reduce_scatter says so
+            pieces = self.split_pieces("reduce_scatter", rows) if a.rows % self.world_size == 0 else None
+            return split_gemm_reduce_scatter(a, b, group=self.group, pieces=pieces, **kwargs)
+        return ring_gemm_reduce_scatter(a, b, group=self.group, **kwargs)
 
 
 def _ring_on_copy_engines(group, device: torch.device) -> bool:

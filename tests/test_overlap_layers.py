@@ -222,17 +222,17 @@ def test_ring_step_gflops():
         O.overlapped_comm(O.OverlappedRowParallelComm(None, True), -1)
 
 
-def gradient_shard_and_weight(rank, world_size):
+def gradient_shard_and_weight(rank, world_size, tokens_per_rank=TOKENS_PER_RANK):
     """This rank's quantized gradient rows (both copies, amaxes shared over the group), a quantized weight, and the
     plain all-gather of the gradient: the operands of the pipelined GEMMs' own checks."""
     recipe = RECIPES["default"]
     torch.manual_seed(3)
-    full = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN).bfloat16()
+    full = torch.randn(world_size * tokens_per_rank, HIDDEN).bfloat16()
     local = full.chunk(world_size)[rank]
     amaxes = list(operand_amaxes(local, "gradient", recipe))
     all_reduce_amax(amaxes)
     q = quantize_operand(local, "gradient", recipe, amax_rowwise=amaxes[0], amax_columnwise=amaxes[1], sr_seed=99,
-                         sr_row_offset=rank * TOKENS_PER_RANK)
+                         sr_row_offset=rank * tokens_per_rank)
     weight_q = ops.quantize(torch.randn(LOCAL_FFN, HIDDEN), "weight", recipe=recipe)
     return q, weight_q, all_gather_nvfp4(q)
 
@@ -337,6 +337,7 @@ def check_split_gemms(rank, world_size):
                                     out_dtype=torch.float32)
     with pytest.raises(ValueError, match="pieces=0"):
         O.split_gemm_reduce_scatter(gathered_rows, weight_q, b_copy="rowwise", out_dtype=torch.float32, pieces=0)
+    check_sized_split_gemms(rank, world_size)
     # The reduce-scatter into a given slice, asynchronously, and a slice that does not fit.
     partial = torch.arange(world_size * 4 * 3, dtype=torch.float32).reshape(world_size * 4, 3) * (rank + 1)
     out = torch.zeros(2 * 4, 3)
@@ -348,10 +349,52 @@ def check_split_gemms(rank, world_size):
         collectives.reduce_scatter_bf16(partial, out=torch.zeros(4, 2))
 
 
+def check_sized_split_gemms(rank, world_size):
+    """Pieces of unequal row counts (split_pieces' growing and shrinking ones, and uneven ones given by hand): the
+    same rows as the plain gather and the same sums as equal pieces, one collective per piece."""
+    rows = 128
+    q, weight_q, gathered = gradient_shard_and_weight(rank, world_size, rows)
+    expected = gemm(gathered, weight_q, out_dtype=torch.float32)
+    own_rows = expected[rank * rows:(rank + 1) * rows]
+    for counts in (O.split_pieces(rows, 0.5), O.split_pieces(rows, 2.0), [16, 112], [96, 16, 16]):
+        assert len(set(counts)) > 1 and sum(counts) == rows, counts
+        with count_calls((collectives, "all_gather_nvfp4"), (collectives, "reduce_scatter_bf16")) as calls:
+            y = O.split_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32,
+                                      pieces=counts)
+            summed = O.split_gemm_reduce_scatter(gathered.rowwise_only(), weight_q, b_copy="rowwise",
+                                                 out_dtype=torch.float32, pieces=counts)
+        assert calls == {"all_gather_nvfp4": len(counts), "reduce_scatter_bf16": len(counts)}, (counts, calls)
+        assert torch.equal(y, expected), counts
+        torch.testing.assert_close(summed, own_rows * world_size, rtol=world_size * 2.0 ** -23, atol=0)
+    for counts in ([16, 96], [0, 128], [64.0, 64], []):
+        with pytest.raises(ValueError, match="adding up to 128"):
+            O.split_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32,
+                                  pieces=counts)
+
+
 def test_collective_pieces():
     """Up to COLLECTIVE_PIECES pieces of whole 16-row blocks, else one."""
     assert [O.collective_pieces(rows) for rows in (4096, 64, 48, 32, 40, 16, 8)] == [4, 4, 3, 2, 1, 1, 1]
     assert O.collective_pieces(4096, most=2) == 2
+
+
+def test_split_pieces_sizes():
+    """collective_pieces(rows) pieces of whole 16-row blocks in geometric proportion, adding up to rows."""
+    assert O.split_pieces(4096) == [1024] * 4
+    assert O.split_pieces(4096, 2.0) == [272, 544, 1088, 2192]  # 256 blocks in the shares 1 : 2 : 4 : 8
+    assert O.split_pieces(4096, 0.5) == [2192, 1088, 544, 272]
+    assert O.split_pieces(128, 2.0) == [16, 16, 32, 64]  # every piece keeps at least one block
+    assert O.split_pieces(64, 2.0) == [16] * 4 and O.split_pieces(40, 2.0) == [40] and O.split_pieces(8) == [8]
+    for rows in range(16, 2048 + 1, 16):
+        for ratio in (0.5, 0.8, 1.0, 1.5, 2.0):
+            counts = O.split_pieces(rows, ratio)
+            assert sum(counts) == rows and len(counts) == O.collective_pieces(rows), (rows, ratio, counts)
+            assert all(c > 0 and c % 16 == 0 for c in counts), (rows, ratio, counts)
+            ordered = counts if ratio >= 1 else counts[::-1]
+            assert ordered == sorted(ordered), (rows, ratio, counts)
+    assert O.piece_bounds(96, [16, 80]) == [(0, 16), (16, 96)] and O.piece_bounds(96, None) == [(0, 32), (32, 64), (64, 96)]
+    with pytest.raises(ValueError, match="ratio"):
+        O.split_pieces(4096, 0.0)
 
 
 def _check(rank, world_size, which):

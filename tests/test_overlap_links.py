@@ -57,6 +57,22 @@ def test_split_saving_follows_its_model():
     assert link.split_saving_ms([load, L.RingLoad("reduce_scatter", 4 * MB, 0.5)], 4, 2) == pytest.approx(3 + 1)
 
 
+def test_split_piece_ratio_follows_its_model():
+    link = speed(1.0, 2.0, 1.0)  # c = 1 ms/MB, g = 1 ms/GFLOP
+    # all-gather: g / c, within [1/2, 1]
+    assert link.split_piece_ratio(L.RingLoad("all_gather", 2 * MB, 1.5), 4) == pytest.approx(0.75)
+    assert link.split_piece_ratio(L.RingLoad("all_gather", 2 * MB, 3.0), 4) == 1.0
+    assert link.split_piece_ratio(L.RingLoad("all_gather", 8 * MB, 1.0), 4) == 0.5
+    # reduce-scatter: C / G = (W-1) c / (W g), within [1/2, 2]
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 2 * MB, 1.0), 4) == pytest.approx(1.5)
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 4 * MB, 0.5), 4) == 2.0
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 1 * MB, 3.0), 4) == 0.5
+    assert L.piece_fractions(3, 2.0) == pytest.approx([1 / 7, 2 / 7, 4 / 7]) and L.piece_fractions(1, 0.5) == [1.0]
+    for pieces, ratio in ((0, 1.0), (2, 0.0), (2, float("nan"))):
+        with pytest.raises(ValueError, match="ratio"):
+            L.piece_fractions(pieces, ratio)
+
+
 def mlp_pair_loads(tp=TP):
     """The rings of the MLP pair's column and row layer (forward and backward), as the comms describe them."""
     rows, ffn_local = TOKENS // tp, FFN // tp
@@ -113,6 +129,40 @@ def test_mlp_pair_path_by_link_class(transport, links, path, caplog):
             L.set_link_speed(None, None)
         (message,) = [record.getMessage() for record in caplog.records]
         assert f"OverlappedColumnParallelComm of the 4-rank group takes the {path} path" in message, message
+
+
+def test_split_collectives_size_their_pieces_by_the_links(monkeypatch):
+    """On slow links the MLP pair's column layer takes split collectives with pieces sized by the model: its
+    reduce-scatter's pieces grow (the GEMMs outrun the transfers), its all-gather's shrink (g / c); the pieces reach
+    the split GEMMs. Without a known link speed the pieces are equal; on the ring there are none."""
+    rows = TOKENS // TP
+    column_loads, _ = mlp_pair_loads()
+    calls = []
+    monkeypatch.setattr(O, "split_gathered_gemm", lambda a, b, **kwargs: calls.append(("gather", kwargs["pieces"])))
+    monkeypatch.setattr(O, "split_gemm_reduce_scatter",
+                        lambda a, b, **kwargs: calls.append(("scatter", kwargs["pieces"])))
+    a = dataclasses.make_dataclass("Rows", ["rows"])
+    for links, known, path in (("slow", True, "collectives"), ("slow", False, "collectives"), ("nvlink", True, "ring")):
+        comm = O.OverlappedColumnParallelComm(None, True, False, measure_links=known,
+                                              transport="collectives" if path == "collectives" else "auto")
+        comm.world_size = TP
+        L.set_link_speed(None, LINKS[links] if known else None)
+        try:
+            assert comm.choose(481.0, column_loads, O.collective_pieces(rows), torch.device("cpu")) == path
+        finally:
+            L.set_link_speed(None, None)
+        if path == "ring":
+            assert comm.piece_ratios == {}
+            continue
+        calls.clear()
+        comm.gathered_gemm(a(rows), None)
+        comm.gemm_reduce_scatter(a(TP * rows), None)
+        gather_ratio = LINKS["slow"].split_piece_ratio(column_loads[0], TP) if known else 1.0
+        assert 0.5 < gather_ratio < 1 or not known
+        expected = [("gather", O.split_pieces(rows, gather_ratio)),
+                    ("scatter", O.split_pieces(rows, 2.0 if known else 1.0))]
+        assert calls == expected, (links, known, calls)
+        assert (calls[1][1] == [1024] * 4) == (not known)
 
 
 # Speeds that 2 x H100 groups measured (benchmarks/overlap.py): over NVLink the ring is expected to save 8 % to 12 %
