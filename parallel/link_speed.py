@@ -17,8 +17,8 @@ one piece's transfer or GEMMs stay in the open:
 
     split  max(C, G) + min(C, G) / k                                  saving = (k-1)/k min(C, G)
 
-with k equal pieces. The layers grow or shrink their pieces geometrically (LinkSpeed.split_piece_ratio) so that
-the piece left in the open is the smallest; the choice of path counts equal pieces, a saving the sizing exceeds.
+with k equal pieces. The layers grow or shrink a reduce-scatter's pieces geometrically (LinkSpeed.split_piece_ratio)
+so that the piece left in the open is the smallest; the choice of path counts equal pieces.
 
 LinkSpeed holds c, r (per MB of a ring step, for all-gathers and reduce-scatters) and g (per GFLOP), measured
 once per group (parallel/overlap.py: measure_link_speed) and agreed over the ranks, so that every rank takes
@@ -99,16 +99,17 @@ class LinkSpeed:
     def split_piece_ratio(self, load: RingLoad, world_size: int) -> float:
         """How split collectives of `load` size their row pieces: piece j+1 = ratio x piece j (piece_fractions).
 
-        The all-gather leaves its last piece's GEMMs in the open: its pieces shrink as far as each piece's GEMMs
-        (the W-1 other ranks' rows, (W-1) g per unit) still end before the next piece arrives ((W-1) c): g / c.
-        The reduce-scatter leaves its first piece's GEMMs in the open where the transfers outlast the GEMMs (its
-        pieces grow, as far as each piece's transfer still covers the next piece's GEMMs: C / G) and its last
-        transfer where they do not (they shrink, as far as each GEMM still covers the transfer before it: C / G
-        again). Within SPLIT_PIECE_RATIOS: tiny pieces cost a collective's latency for little data."""
+        A reduce-scatter leaves its first piece's GEMMs in the open where its transfers outlast its GEMMs: its
+        pieces grow, as far as each piece's transfer still covers the next piece's GEMMs (C / G). Where the GEMMs
+        outlast the transfers it leaves its last transfer in the open: its pieces shrink, as far as each piece's
+        GEMMs still cover the transfer before them (C / G again). Within SPLIT_PIECE_RATIOS: tiny pieces cost a
+        collective's latency for little data. An all-gather's pieces stay equal (1): its last piece's GEMMs run
+        beside the carried columnwise copy or a transfer of about their length, and shrinking pieces measured
+        slower (docs/slow_links.md)."""
+        if load.kind == "all_gather":
+            return 1.0
         collective, _, gemm = self.step_ms(load)
         low, high = SPLIT_PIECE_RATIOS
-        if load.kind == "all_gather":
-            return min(max(gemm / collective, low), 1.0)
         return min(max((world_size - 1) * collective / (world_size * gemm), low), high)
 
     def split_saving_ms(self, loads: Sequence[RingLoad], world_size: int, pieces: int) -> float:
@@ -139,8 +140,9 @@ class LinkSpeed:
                 f"{self.ring_reduce_scatter_ms_per_mb:.4f}), GEMM {self.gemm_ms_per_gflop:.4f} ms/GFLOP")
 
 
-# The ratios between consecutive split-collective pieces that LinkSpeed.split_piece_ratio chooses from.
-SPLIT_PIECE_RATIOS = (0.5, 2.0)
+# The ratios between consecutive split-collective pieces that LinkSpeed.split_piece_ratio chooses from (the MLP pair
+# of benchmarks/overlap.py over slow links ran fastest at 3, docs/slow_links.md).
+SPLIT_PIECE_RATIOS = (0.5, 3.0)
 
 
 def piece_fractions(pieces: int, ratio: float) -> list:
