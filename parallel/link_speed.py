@@ -17,8 +17,8 @@ one piece's transfer or GEMMs stay in the open:
 
     split  max(C, G) + min(C, G) / k                                  saving = (k-1)/k min(C, G)
 
-with k equal pieces. The layers grow or shrink a reduce-scatter's pieces geometrically (LinkSpeed.split_piece_ratio)
-so that the piece left in the open is the smallest; the choice of path counts equal pieces.
+with k equal pieces. Where a reduce-scatter's transfers outlast its GEMMs the layers grow its pieces geometrically
+(LinkSpeed.split_piece_ratio), so that the piece left in the open is small; the choice of path counts equal pieces.
 
 LinkSpeed holds c, r (per MB of a ring step, for all-gathers and reduce-scatters) and g (per GFLOP), measured
 once per group (parallel/overlap.py: measure_link_speed) and agreed over the ranks, so that every rank takes
@@ -99,18 +99,17 @@ class LinkSpeed:
     def split_piece_ratio(self, load: RingLoad, world_size: int) -> float:
         """How split collectives of `load` size their row pieces: piece j+1 = ratio x piece j (piece_fractions).
 
-        A reduce-scatter leaves its first piece's GEMMs in the open where its transfers outlast its GEMMs: its
-        pieces grow, as far as each piece's transfer still covers the next piece's GEMMs (C / G). Where the GEMMs
-        outlast the transfers it leaves its last transfer in the open: its pieces shrink, as far as each piece's
-        GEMMs still cover the transfer before them (C / G again). Within SPLIT_PIECE_RATIOS: tiny pieces cost a
-        collective's latency for little data. An all-gather's pieces stay equal (1): its last piece's GEMMs run
-        beside the carried columnwise copy or a transfer of about their length, and shrinking pieces measured
-        slower (docs/slow_links.md)."""
+        A reduce-scatter whose transfers outlast its GEMMs leaves its first piece's GEMMs in the open: where they
+        do by at least SIZED_PIECES_MIN_SHARE (C >= 2 G), its pieces grow SIZED_PIECES_RATIO times from piece to
+        piece, so that each transfer still covers about the next piece's GEMMs. Everywhere else (all-gathers,
+        whose last piece's GEMMs run beside the carried columnwise copy or a transfer of about their length, and
+        reduce-scatters closer to their GEMMs) the pieces stay equal (1): sized pieces measured no faster there
+        (docs/slow_links.md)."""
         if load.kind == "all_gather":
             return 1.0
         collective, _, gemm = self.step_ms(load)
-        low, high = SPLIT_PIECE_RATIOS
-        return min(max((world_size - 1) * collective / (world_size * gemm), low), high)
+        comm_bound = (world_size - 1) * collective >= SIZED_PIECES_MIN_SHARE * world_size * gemm
+        return SIZED_PIECES_RATIO if comm_bound else 1.0
 
     def split_saving_ms(self, loads: Sequence[RingLoad], world_size: int, pieces: int) -> float:
         """Expected ms that split collectives of `pieces` row pieces save over the plain path for `loads`, counted
@@ -140,9 +139,11 @@ class LinkSpeed:
                 f"{self.ring_reduce_scatter_ms_per_mb:.4f}), GEMM {self.gemm_ms_per_gflop:.4f} ms/GFLOP")
 
 
-# The ratios between consecutive split-collective pieces that LinkSpeed.split_piece_ratio chooses from (the MLP pair
-# of benchmarks/overlap.py over slow links ran fastest at 3, docs/slow_links.md).
-SPLIT_PIECE_RATIOS = (0.5, 3.0)
+# A comm-bound reduce-scatter's pieces grow this many times from piece to piece (the MLP pair of
+# benchmarks/overlap.py over slow links, C about 3.4 G: ratios 2, 2.5, 3 and 4 ran 0 %, 0 %, 3.5 % and 1 % faster
+# than equal pieces, docs/slow_links.md), where its transfers take at least SIZED_PIECES_MIN_SHARE times its GEMMs.
+SIZED_PIECES_RATIO = 3.0
+SIZED_PIECES_MIN_SHARE = 2.0
 
 
 def piece_fractions(pieces: int, ratio: float) -> list:

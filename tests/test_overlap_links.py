@@ -59,10 +59,11 @@ def test_split_saving_follows_its_model():
 
 def test_split_piece_ratio_follows_its_model():
     link = speed(1.0, 2.0, 1.0)  # c = 1 ms/MB, g = 1 ms/GFLOP
-    # reduce-scatter: C / G = (W-1) c / (W g), within [1/2, 3]
-    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 2 * MB, 1.0), 4) == pytest.approx(1.5)
-    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 4 * MB, 0.5), 4) == 3.0
-    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 1 * MB, 3.0), 4) == 0.5
+    # reduce-scatter: pieces growing 3x where C = (W-1) c >= 2 G = 2 W g, else equal
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 4 * MB, 0.5), 4) == 3.0      # C = 12, G = 2
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 8 * MB, 3.0), 4) == 3.0      # C = 24, G = 12
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 8 * MB, 3.01), 4) == 1.0     # just under 2 G
+    assert link.split_piece_ratio(L.RingLoad("reduce_scatter", 1 * MB, 3.0), 4) == 1.0      # GEMMs outlast
     # all-gather: equal pieces, whatever the speeds
     for load in (L.RingLoad("all_gather", 8 * MB, 1.0), L.RingLoad("all_gather", 1 * MB, 8.0)):
         assert link.split_piece_ratio(load, 4) == 1.0
@@ -132,7 +133,7 @@ def test_mlp_pair_path_by_link_class(transport, links, path, caplog):
 
 def test_split_collectives_size_their_pieces_by_the_links(monkeypatch):
     """On slow links the MLP pair's column layer takes split collectives with its reduce-scatter's pieces growing
-    (the transfers outlast the GEMMs: C / G) and its all-gather's equal; the pieces reach the split GEMMs. Without
+    (its transfers outlast its GEMMs) and its all-gather's equal; the pieces reach the split GEMMs. Without
     a known link speed all pieces are equal; on the ring there are none."""
     rows = TOKENS // TP
     column_loads, _ = mlp_pair_loads()
@@ -142,7 +143,7 @@ def test_split_collectives_size_their_pieces_by_the_links(monkeypatch):
                         lambda a, b, **kwargs: calls.append(("scatter", kwargs["pieces"])))
     a = dataclasses.make_dataclass("Rows", ["rows"])
     scatter_ratio = LINKS["slow"].split_piece_ratio(column_loads[1], TP)
-    assert 2 < scatter_ratio < 3
+    assert scatter_ratio == 3.0  # C = 2.8 G
     for links, known, path in (("slow", True, "collectives"), ("slow", False, "collectives"), ("nvlink", True, "ring")):
         comm = O.OverlappedColumnParallelComm(None, True, False, measure_links=known,
                                               transport="collectives" if path == "collectives" else "auto")

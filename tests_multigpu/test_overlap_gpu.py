@@ -17,8 +17,8 @@ The reduce-scatter side (row fprop, column dgrad) sums in ring order (FP32, roun
 NCCL's own order: each is within (W-1) * 2^-8 * S of the exact sum, S = sum over ranks of |partial|, so they
 differ by at most twice that (plus the GEMM tolerance above on the dequantize path).
 The pair check also runs the automatic choice (measured links, overlap_measure_links): every rank takes the same
-path and the weight gradients equal the plain pair's; its split collectives cut their rows into pieces sized by
-the measured links (unequal); and the overlapped pair's row layer starts the column
+path and the weight gradients equal the plain pair's; its split reduce-scatters cut their rows into growing pieces
+(the measured links: transfers longer than these small GEMMs); and the overlapped pair's row layer starts the column
 layer's input re-gather (its wgrad GEMM then runs with that transfer in flight).
 """
 import contextlib
@@ -262,10 +262,11 @@ def check_pair(recipe):
         if mode == "plain":  # the [tokens, HIDDEN] GEMMs: the row layer's fprop and the column layer's dgrad partials
             (partials["y"],) = [out for out in forward if tuple(out.shape) == (tokens, HIDDEN)]
             (partials["dx"],) = [out for out in backward if tuple(out.shape) == (tokens, HIDDEN)]
-        if mode == "split":  # the link speed is known (check_link_speed): pieces sized by it, not equal
-            pieces = [column.comm.split_pieces("all_gather", TOKENS_PER_RANK),
-                      row.comm.split_pieces("reduce_scatter", TOKENS_PER_RANK)]
-            assert all(len(set(counts)) > 1 for counts in pieces), (recipe, pieces)
+        if mode == "split":  # the link speed is known (check_link_speed): this small pair's transfers outlast its
+            # GEMMs, so its reduce-scatters' pieces grow; its all-gathers' stay equal
+            gather, scatter = (column.comm.split_pieces("all_gather", TOKENS_PER_RANK),
+                               row.comm.split_pieces("reduce_scatter", TOKENS_PER_RANK))
+            assert len(set(gather)) == 1 and scatter == sorted(scatter) and len(set(scatter)) > 1, (gather, scatter)
         if mode == "auto":
             choices = (column._overlapped_comm.path, row._overlapped_comm.path)
     what = f"pair {recipe} rank={rank}"
