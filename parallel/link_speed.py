@@ -140,7 +140,7 @@ class LinkSpeed:
 
 
 # A comm-bound reduce-scatter's pieces grow this many times from piece to piece (the MLP pair of
-# benchmarks/overlap.py over slow links, C about 3.4 G: ratios 2, 2.5, 3 and 4 ran 0 %, 0 %, 3.5 % and 1 % faster
+# benchmarks/overlap.py over slow links, C about 3.4 G: ratios 2, 2.5, 3 and 4 ran 0 %, 0 %, 3.4 % and 1.1 % faster
 # than equal pieces, docs/slow_links.md), where its transfers take at least SIZED_PIECES_MIN_SHARE times its GEMMs.
 SIZED_PIECES_RATIO = 3.0
 SIZED_PIECES_MIN_SHARE = 2.0

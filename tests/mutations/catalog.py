@@ -171,9 +171,13 @@ MUTATIONS = (
                ".copy_(pieces[0])"),),
              ("tests/test_overlap_layers.py",)),
     Mutation("split_gather_piece_rows", "overlap", "split collectives put each piece's rows at the start of its "
-             "source's block", (("            first = source * rows + j * piece_rows\n",
+             "source's block", (("            first = source * rows + start\n",
                                  "            first = source * rows\n"),),
              ("tests/test_overlap_layers.py",)),
+    Mutation("split_pieces_shrinking", "overlap", "a comm-bound reduce-scatter's pieces shrink instead of growing, "
+             "so its largest piece's GEMMs run in the open", (("return SIZED_PIECES_RATIO if comm_bound else 1.0",
+                                                               "return 1 / SIZED_PIECES_RATIO if comm_bound else 1.0"),),
+             ("tests/test_overlap_links.py",)),
     Mutation("split_saving_of_the_larger", "overlap", "split collectives credited with hiding the larger of "
              "communication and GEMMs", (("saving += (pieces - 1) / pieces * min((world_size - 1) * collective, "
                                           "world_size * gemm)",
