@@ -25,10 +25,11 @@ constexpr int kBlocksPerTileRow = kTile / kBlockSize;
 static_assert(kThreads == kTile * kBlocksPerTileRow, "one rowwise and one columnwise block per thread");
 // Consecutive tiles (row-major over the tiles of x) per CTA: the per-CTA setup (global scales, byte tables) is paid
 // once for them, and each tile's copy into shared memory overlaps the previous tile's encoding. Up to this many, as
-// long as the grid keeps kMinWaves waves of the CTAs the multiprocessors hold at once (tiles_per_cta).
+// long as the grid keeps kMinWaves waves of the CTAs the multiprocessors hold at once (resident_ctas).
 constexpr int kMaxTilesPerCta = 8;
-// CTAs each multiprocessor holds at once: __launch_bounds__ caps the registers at 80 a thread to fit them. Unbounded
-// (about 100 a thread) only 2 fit, too few warps to keep the schedulers issuing in this arithmetic-bound loop.
+// CTAs each multiprocessor holds at once, at most: __launch_bounds__ caps the registers at 80 a thread to fit them.
+// Unbounded (about 100 a thread) only 2 fit, too few warps to keep the schedulers issuing in this arithmetic-bound
+// loop. Shared memory may allow fewer (resident_ctas).
 constexpr int kCtasPerMultiprocessor = 3;
 constexpr int kMinWaves = 4;
 
@@ -302,24 +303,41 @@ __global__ void __launch_bounds__(kThreads, kCtasPerMultiprocessor)
   write_staged_tile(staged[(end_tile - first_tile - 1) % 2], args, staged_m0, staged_k0, tid);
 }
 
-template <typename T, bool k2D, bool kMSE>
+// CTAs of quantize_4over6_kernel<T, k2D, kMSE, kFastMath> that one multiprocessor holds at once: at most
+// kCtasPerMultiprocessor (its register bound), fewer where shared memory allows fewer (FP32 tiles on 100 KB parts).
+template <typename T, bool k2D, bool kMSE, bool kFastMath>
+int resident_ctas() {
+  static const int resident = [] {
+    int per_multiprocessor = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor,
+                                                      quantize_4over6_kernel<T, k2D, kMSE, kFastMath>, kThreads,
+                                                      0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      per_multiprocessor = kCtasPerMultiprocessor;
+    }
+    return std::clamp(per_multiprocessor, 1, kCtasPerMultiprocessor);
+  }();
+  return resident;
+}
+
+template <typename T, bool k2D, bool kMSE, bool kFastMath>
 cudaError_t launch_with_error(const QuantizeArgs& args, cudaStream_t stream) {
   const int64_t column_tiles = (args.cols + kTile - 1) / kTile;
   const int64_t tiles = (args.rows + kTile - 1) / kTile * column_tiles;
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  const int tiles_per_cta = static_cast<int>(std::clamp<int64_t>(
-      tiles / (static_cast<int64_t>(device_multiprocessors()) * kCtasPerMultiprocessor * kMinWaves), 1,
-      kMaxTilesPerCta));
+  const int64_t resident = static_cast<int64_t>(device_multiprocessors()) * resident_ctas<T, k2D, kMSE, kFastMath>();
+  const int tiles_per_cta = static_cast<int>(std::clamp<int64_t>(tiles / (resident * kMinWaves), 1, kMaxTilesPerCta));
   const dim3 grid(static_cast<unsigned int>((tiles + tiles_per_cta - 1) / tiles_per_cta));
-  if (args.four_over_six_fast_math) {
-    quantize_4over6_kernel<T, k2D, kMSE, true><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles,
-                                                                               tiles_per_cta);
-  } else {
-    quantize_4over6_kernel<T, k2D, kMSE, false><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles,
-                                                                                tiles_per_cta);
-  }
+  quantize_4over6_kernel<T, k2D, kMSE, kFastMath><<<grid, kThreads, 0, stream>>>(args, column_tiles, tiles,
+                                                                                 tiles_per_cta);
   return cudaGetLastError();
+}
+
+template <typename T, bool k2D, bool kMSE>
+cudaError_t launch_with_error(const QuantizeArgs& args, cudaStream_t stream) {
+  return args.four_over_six_fast_math ? launch_with_error<T, k2D, kMSE, true>(args, stream)
+                                      : launch_with_error<T, k2D, kMSE, false>(args, stream);
 }
 
 template <typename T>
