@@ -172,7 +172,7 @@ class Pair:
 
 def comm_steps(tokens, hidden, ffn, group, recipe, pieces):
     """(forward, forward+backward) callables issuing the pair's communication alone: plain, ring and split (in the
-    row pieces of split_pieces(pair))."""
+    row pieces of Pair.split_pieces())."""
     from nvfp4_dist import ops
     from nvfp4_dist.parallel import collectives
     from nvfp4_dist.parallel import overlap as O
