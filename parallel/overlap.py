@@ -284,7 +284,7 @@ def split_pieces(rows: int, ratio: float = 1.0, most: int = COLLECTIVE_PIECES) -
     return [16 * count for count in counts]
 
 
-def piece_bounds(rows: int, pieces) -> list:
+def piece_bounds(rows: int, pieces: int | Sequence[int] | None) -> list:
     """[start, stop) of each row piece: `pieces` equal pieces (an int, default collective_pieces(rows)) or pieces
     of the given row counts (a sequence adding up to `rows`)."""
     if pieces is None:
@@ -300,7 +300,7 @@ def piece_bounds(rows: int, pieces) -> list:
     return [(start, start + count) for start, count in zip(starts, counts)]
 
 
-def start_piece_gathers(a: NVFP4Tensor, pieces=None, group=None) -> list:
+def start_piece_gathers(a: NVFP4Tensor, pieces: int | Sequence[int] | None = None, group=None) -> list:
     """Start the asynchronous all-gathers (NCCL or gloo) of a's rowwise copy in row pieces (piece_bounds(a.rows,
     pieces)), in order; returns each piece's finish() (the gathered rows [start, stop) of every rank)."""
     return [collectives.all_gather_nvfp4(a.rowwise_rows(start, stop), group, async_op=True, peer_memory=False)[1]
@@ -309,7 +309,8 @@ def start_piece_gathers(a: NVFP4Tensor, pieces=None, group=None) -> list:
 
 def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
                         bias: torch.Tensor | None = None, recipe=None, group=None,
-                        carry: ColumnwiseCarry | None = None, pieces: int | None = None) -> torch.Tensor:
+                        carry: ColumnwiseCarry | None = None,
+                        pieces: int | Sequence[int] | None = None) -> torch.Tensor:
     """ring_gathered_gemm's result on split collectives: all-gathers of row pieces (rows [start, stop) of every
     rank), all issued before the first GEMM. This rank's own rows go through one GEMM while the first piece
     travels; then each piece's GEMMs (one per other source rank, into its rows of the output) run as soon as it
@@ -340,7 +341,7 @@ def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtyp
 def split_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtype: torch.dtype,
                               bias: torch.Tensor | None = None, recipe=None, group=None,
                               during_last_transfer: Callable[[], None] | None = None,
-                              pieces: int | None = None) -> torch.Tensor:
+                              pieces: int | Sequence[int] | None = None) -> torch.Tensor:
     """ring_gemm_reduce_scatter's result on split collectives: piece j of every destination's rows (rows
     [c*R + start, c*R + stop) for rank c, R = M/W) is computed, then reduce-scattered in one collective while the
     next piece's GEMMs run; it lands in rows [start, stop) of this rank's output.

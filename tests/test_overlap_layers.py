@@ -392,7 +392,8 @@ def test_split_pieces_sizes():
             assert all(c > 0 and c % 16 == 0 for c in counts), (rows, ratio, counts)
             ordered = counts if ratio >= 1 else counts[::-1]
             assert ordered == sorted(ordered), (rows, ratio, counts)
-    assert O.piece_bounds(96, [16, 80]) == [(0, 16), (16, 96)] and O.piece_bounds(96, None) == [(0, 32), (32, 64), (64, 96)]
+    assert O.piece_bounds(96, [16, 80]) == [(0, 16), (16, 96)]
+    assert O.piece_bounds(96, None) == [(0, 32), (32, 64), (64, 96)]
     with pytest.raises(ValueError, match="ratio"):
         O.split_pieces(4096, 0.0)
 
