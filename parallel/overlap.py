@@ -324,7 +324,7 @@ def split_gathered_gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, out_dtyp
     rows = a.rows
     bounds = piece_bounds(rows, pieces)
     out = torch.empty((world_size * rows, n), dtype=out_dtype, device=a.device)
-    arriving = start_piece_gathers(a, [stop - start for start, stop in bounds], group)
+    arriving = start_piece_gathers(a, pieces, group)
     if carry is not None:
         carry.start_collective()
     gemm(a, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe,
