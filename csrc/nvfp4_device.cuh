@@ -133,6 +133,18 @@ inline int device_multiprocessors() {
   return count > 0 ? count : 132;
 }
 
+// CTAs of `kernel` (`threads` a CTA, `dynamic_shared_bytes` of dynamic shared memory) that one multiprocessor of the
+// current device holds at once, by the occupancy calculator; `fallback` where it fails (its error cleared).
+template <typename Kernel>
+int ctas_per_multiprocessor(Kernel kernel, int threads, size_t dynamic_shared_bytes, int fallback) {
+  int ctas = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, dynamic_shared_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fallback;
+  }
+  return ctas;
+}
+
 // Run `body.template operator()<T>()` for the element type of `type`.
 #define NVFP4_DISPATCH_INPUT_TYPE(type, T, ...)            \
   switch (type) {                                          \

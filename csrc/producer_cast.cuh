@@ -20,6 +20,7 @@
 // The element numerics are csrc/nvfp4_numerics.cuh's in both.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "nvfp4_device.cuh"
@@ -264,15 +265,8 @@ cudaError_t allow_dynamic_shared() {
 // once (its dynamic shared memory allowed), at most one per tile.
 template <typename Producer, bool kRHT, bool kRandomSign>
 unsigned produce_and_cast_grid(int64_t tiles) {
-  static const int resident = [] {
-    int per_multiprocessor = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
-                                                      kCastThreads, dynamic_shared_bytes<Producer>()) != cudaSuccess) {
-      (void)cudaGetLastError();
-      per_multiprocessor = 1;
-    }
-    return per_multiprocessor > 0 ? per_multiprocessor : 1;
-  }();
+  static const int resident = std::max(1, ctas_per_multiprocessor(produce_and_cast_kernel<Producer, kRHT, kRandomSign>,
+                                                                   kCastThreads, dynamic_shared_bytes<Producer>(), 1));
   const int64_t ctas = static_cast<int64_t>(device_multiprocessors()) * resident;
   return static_cast<unsigned>(tiles < ctas ? tiles : ctas);
 }

@@ -307,16 +307,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerMultiprocessor)
 // kCtasPerMultiprocessor (its register bound), fewer where shared memory allows fewer (FP32 tiles on 100 KB parts).
 template <typename T, bool k2D, bool kMSE, bool kFastMath>
 int resident_ctas() {
-  static const int resident = [] {
-    int per_multiprocessor = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor,
-                                                      quantize_4over6_kernel<T, k2D, kMSE, kFastMath>, kThreads,
-                                                      0) != cudaSuccess) {
-      (void)cudaGetLastError();
-      per_multiprocessor = kCtasPerMultiprocessor;
-    }
-    return std::clamp(per_multiprocessor, 1, kCtasPerMultiprocessor);
-  }();
+  static const int resident =
+      std::clamp(ctas_per_multiprocessor(quantize_4over6_kernel<T, k2D, kMSE, kFastMath>, kThreads, 0,
+                                         kCtasPerMultiprocessor),
+                 1, kCtasPerMultiprocessor);
   return resident;
 }
 
