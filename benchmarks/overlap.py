@@ -1,8 +1,9 @@
 """Comm/GEMM overlap of the NVFP4 column+row parallel pair (SP on): overlapped vs plain, one run per TP size.
 
 For each (tokens, hidden, ffn): column-parallel hidden -> ffn, then row-parallel ffn -> hidden, sequence parallel,
-activations [tokens/TP, 1, hidden] per rank. Times (median over iterations of CUDA events, the slowest rank's)
-for the forward and for forward+backward:
+activations [tokens/TP, 1, hidden] per rank. Times for the forward and for forward+backward, each the median of
+CUDA-event times over its steps, the slowest rank's. The rows below are timed in --rounds rounds, each running every
+row in turn for --iters steps, so that drift over the run (clocks, the links' state) weighs on all rows alike:
   comm        the pair's communication alone, as the plain layers issue it (amax all-reduces, NVFP4 all-gathers,
               BF16 reduce-scatters) on tensors of the layer's sizes
   ring comm   the same transfers as the overlapped layers issue them (P2P rings with no GEMM in them)
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -61,8 +63,8 @@ PATH_MARKS = {"plain": " ", "ring": "r", "collectives": "c"}
 HOST_STEPS = 3
 
 
-def time_ms(step, iters: int, warmup: int) -> float:
-    """Median CUDA-event time of step() in ms, the slowest rank's."""
+def iteration_ms(step, iters: int, warmup: int) -> list:
+    """CUDA-event times in ms of `iters` calls of step(), after `warmup` untimed ones (this rank's)."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -73,9 +75,21 @@ def time_ms(step, iters: int, warmup: int) -> float:
         step()
         end.record()
     torch.cuda.synchronize()
-    median = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def interleaved_ms(variants: dict, iters: int, warmup: int, rounds: int) -> dict:
+    """{name: ms} for variants {name: (setup, step)}: `rounds` rounds, each running setup() then `warmup` + `iters`
+    steps of every variant in turn, so that drift (clocks, the links' state) spreads over all of them alike; each
+    time is the median over its steps of every round, the slowest rank's."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (setup, step) in variants.items():
+            setup()
+            times[name] += iteration_ms(step, iters, warmup)
+    medians = torch.tensor([statistics.median(t) for t in times.values()], device="cuda")
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(times, medians.tolist()))
 
 
 def host_ms(step, iters: int = HOST_STEPS) -> float:
@@ -276,7 +290,7 @@ def gemm_steps(tokens, hidden, ffn_local, recipe):
     return forward, lambda: (forward(), backward())
 
 
-def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup, profile_dir=None) -> dict:
+def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup, rounds, profile_dir=None) -> dict:
     """Every time of one shape; profile_dir: also the cProfile of the overlapped fwd+bwd host-time steps."""
     world_size = dist.get_world_size(group)
     result = dict(tokens=tokens, hidden=hidden, ffn=ffn, tp=world_size)
@@ -285,23 +299,23 @@ def measure_shape(tokens, hidden, ffn, group, self_group, recipe, iters, warmup,
     comm = comm_steps(tokens, hidden, ffn, group, recipe, result["split_pieces"])
     gemms = gemm_steps(tokens, hidden, ffn // world_size, recipe)
     no_comm = Pair(tokens, hidden, ffn // world_size, self_group, recipe)
+    pair_paths = {"plain": (False, 0, False, "ring"), "overlapped": (True, 0, False, "ring"),
+                  "split": (True, 0, False, "collectives"),  # auto last: its path is the pair's path below
+                  "auto": (True, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links,
+                           recipe.overlap_transport)}
     for phase, index in (("fwd", 0), ("fwd+bwd", 1)):
-        times = {"comm": time_ms(comm["plain"][index], iters, warmup),
-                 "ring_comm": time_ms(comm["ring"][index], iters, warmup),
-                 "split_comm": time_ms(comm["split"][index], iters, warmup),
-                 "gemms": time_ms(gemms[index], iters, warmup),
-                 "no_comm": time_ms(no_comm.forward if index == 0 else no_comm.forward_backward, iters, warmup)}
-        for name, overlapped, minimum, measure, transport in (
-                ("plain", False, 0, False, "ring"), ("overlapped", True, 0, False, "ring"),
-                ("split", True, 0, False, "collectives"),
-                ("auto", True, recipe.overlap_min_chunk_gflops, recipe.overlap_measure_links,
-                 recipe.overlap_transport)):
-            pair.use_overlap(overlapped, minimum, measure, transport)
-            step = pair.forward if index == 0 else pair.forward_backward
-            times[name] = time_ms(step, iters, warmup)
-            times[f"{name}_host"] = host_ms(step)
+        pair_step = pair.forward if index == 0 else pair.forward_backward
+        variants = {"comm": (lambda: None, comm["plain"][index]), "ring_comm": (lambda: None, comm["ring"][index]),
+                    "split_comm": (lambda: None, comm["split"][index]), "gemms": (lambda: None, gemms[index]),
+                    "no_comm": (lambda: None, no_comm.forward if index == 0 else no_comm.forward_backward)}
+        variants.update({name: (functools.partial(pair.use_overlap, *options), pair_step)
+                         for name, options in pair_paths.items()})
+        times = interleaved_ms(variants, iters, warmup, rounds)
+        for name, options in pair_paths.items():
+            pair.use_overlap(*options)
+            times[f"{name}_host"] = host_ms(pair_step)
             if profile_dir and name == "overlapped" and index == 1:
-                host_profile(step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"))
+                host_profile(pair_step, os.path.join(profile_dir, f"overlap_host_profile_{tokens}x{hidden}x{ffn}.txt"))
         result["auto_path"] = pair.path()
         result["auto_pipelined"] = result["auto_path"] != "plain"
         times.update(exposed_comm=times["overlapped"] - times["no_comm"],
@@ -472,6 +486,8 @@ def main() -> None:
                         help="folder for the timeline PNG and chrome traces")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds that each time every variant in turn for --iters steps (default: %(default)s)")
     parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES),
                         help="tokens,hidden,ffn;... (default: %(default)s)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the profiled timeline step")
@@ -489,6 +505,9 @@ def main() -> None:
         render_timeline(args.render_trace, [os.path.basename(p) for p in args.render_trace], args.png)
         print(f"wrote {args.png}")
         return
+    for name in ("iters", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     os.makedirs(args.out_dir, exist_ok=True)
 
@@ -509,13 +528,14 @@ def main() -> None:
                   torch=torch.__version__, tp=world_size, **links_record(args.links), recipe=str(recipe),
                   hopper_gemm=hopper_path(), overlap_min_chunk_gflops=recipe.overlap_min_chunk_gflops,
                   overlap_transport=recipe.overlap_transport,
-                  cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"), shapes=[])
+                  cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
+                  timing=dict(iters=args.iters, warmup=args.warmup, rounds=args.rounds), shapes=[])
     if recipe.overlap_measure_links:  # what the auto rows weigh (measured here, outside every timed step)
         device = torch.device("cuda", torch.cuda.current_device())
         report["link_speed"] = dataclasses.asdict(group_link_speed(group, device))
     for tokens, hidden, ffn in shapes:
         report["shapes"].append(measure_shape(tokens, hidden, ffn, group, self_group, recipe, args.iters,
-                                              args.warmup, args.out_dir if args.host_profiles else None))
+                                              args.warmup, args.rounds, args.out_dir if args.host_profiles else None))
         if rank == 0:
             print(json.dumps(report["shapes"][-1]), flush=True)
     report["targets"] = targets(report, args.links, world_size)
