@@ -98,6 +98,18 @@ class NVFP4Tensor:
                                    rowwise_scale=self.rowwise_scale[start:stop], amax_rowwise=amax,
                                    columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
 
+    def rowwise_row_ranges(self, ranges) -> NVFP4Tensor:
+        """Rows [start, stop) of each (start, stop) in `ranges`, stacked in order, rowwise copy only: one GEMM
+        operand for row blocks that lie apart (a copy, unless there is one range)."""
+        chunks = [self.rowwise_rows(start, stop) for start, stop in ranges]
+        if len(chunks) == 1:
+            return chunks[0]
+        data = torch.cat([chunk.rowwise_data for chunk in chunks])
+        scale = torch.cat([chunk.rowwise_scale.view(torch.uint8) for chunk in chunks]).view(self.rowwise_scale.dtype)
+        amax = torch.cat([chunk.amax_rowwise for chunk in chunks]) if self.row_scaled else self.amax_rowwise
+        return dataclasses.replace(chunks[0], shape=torch.Size((data.shape[0], self.cols)), rowwise_data=data,
+                                   rowwise_scale=scale, amax_rowwise=amax)
+
     def __repr__(self) -> str:
         copies = [name for name, present in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if present]
         flags = [name for name in ("block_2d", "rht", "row_scaled") if getattr(self, name)]

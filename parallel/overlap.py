@@ -343,8 +343,8 @@ def split_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, ou
                               during_last_transfer: Callable[[], None] | None = None,
                               pieces: int | Sequence[int] | None = None) -> torch.Tensor:
     """ring_gemm_reduce_scatter's result on split collectives: piece j of every destination's rows (rows
-    [c*R + start, c*R + stop) for rank c, R = M/W) is computed, then reduce-scattered in one collective while the
-    next piece's GEMMs run; it lands in rows [start, stop) of this rank's output.
+    [c*R + start, c*R + stop) for rank c, R = M/W) is computed in one GEMM, then reduce-scattered in one collective
+    while the next piece's GEMM runs; it lands in rows [start, stop) of this rank's output.
 
     pieces: an int (equal pieces; default collective_pieces(R)) or the pieces' row counts (split_pieces).
     during_last_transfer: called once after the last piece's GEMMs, before waiting for the reduce-scatters.
@@ -359,12 +359,9 @@ def split_gemm_reduce_scatter(a: NVFP4Tensor, b: NVFP4Tensor, *, b_copy: str, ou
     out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
     in_flight = []  # (collective's handle, its input): the input lives until the collective is done
     for start, stop in bounds:
-        piece_rows = stop - start
-        partial = torch.empty((world_size * piece_rows, n), dtype=out_dtype, device=a.device)
-        for destination in range(world_size):
-            first = destination * rows + start
-            gemm(a.rowwise_rows(first, first + piece_rows), b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype,
-                 bias=bias, recipe=recipe, out=partial[destination * piece_rows:(destination + 1) * piece_rows])
+        # every destination's rows of the piece in one GEMM: the weight is read once, not once per destination
+        piece = a.rowwise_row_ranges([(c * rows + start, c * rows + stop) for c in range(world_size)])
+        partial = gemm(piece, b, a_copy="rowwise", b_copy=b_copy, out_dtype=out_dtype, bias=bias, recipe=recipe)
         work, _ = collectives.reduce_scatter_bf16(partial, group, async_op=True, out=out[start:stop])
         in_flight.append((work, partial))
     if during_last_transfer is not None:

@@ -330,7 +330,8 @@ def check_split_gemms(rank, world_size):
                                                  pieces=pieces, during_last_transfer=lambda: events.append("last"))
         finally:
             O.gemm = original_gemm
-        assert events == ["gemm"] * (world_size * (pieces or 2)) + ["last"], events
+        # one GEMM per piece, on every destination's rows of it
+        assert events == ["gemm"] * (pieces or 2) + ["last"], events
         torch.testing.assert_close(summed, own_rows * world_size, rtol=world_size * 2.0 ** -23, atol=0)
     with pytest.raises(ValueError, match="divisible"):
         O.split_gemm_reduce_scatter(q.rowwise_rows(0, TOKENS_PER_RANK - 1), weight_q, b_copy="rowwise",
@@ -370,6 +371,26 @@ def check_sized_split_gemms(rank, world_size):
         with pytest.raises(ValueError, match="adding up to 128"):
             O.split_gathered_gemm(q.rowwise_only(), weight_q, b_copy="rowwise", out_dtype=torch.float32,
                                   pieces=counts)
+
+
+@pytest.mark.parametrize("row_scaled", [False, True])
+def test_rowwise_row_ranges_stack_the_rows_as_quantized(row_scaled):
+    """The stacked row blocks (one GEMM operand of a split reduce-scatter's piece) hold exactly the bytes, scales
+    and per-row amaxes of those rows, and the GEMM on them equals those rows of the GEMM on the whole tensor."""
+    recipe = RECIPES["row_scaled" if row_scaled else "no_rht_no_sr_1d"]
+    torch.manual_seed(3)
+    q = quantize_operand(torch.randn(96, HIDDEN), "activation", recipe, columnwise=True)
+    weight_q = quantize_operand(torch.randn(LOCAL_FFN, HIDDEN), "weight", recipe)
+    ranges = [(64, 80), (16, 32), (32, 48)]
+    stacked = q.rowwise_row_ranges(ranges)
+    rows = torch.cat([torch.arange(start, stop) for start, stop in ranges])
+    assert stacked.shape == (48, HIDDEN) and not stacked.has_columnwise
+    assert torch.equal(stacked.rowwise_data, q.rowwise_data[rows])
+    assert torch.equal(stacked.rowwise_scale.view(torch.uint8), q.rowwise_scale.view(torch.uint8)[rows])
+    assert torch.equal(stacked.amax_rowwise, q.amax_rowwise[rows] if row_scaled else q.amax_rowwise)
+    assert torch.equal(gemm(stacked, weight_q, out_dtype=torch.float32),
+                       gemm(q.rowwise_only(), weight_q, out_dtype=torch.float32)[rows])
+    assert q.rowwise_row_ranges([(16, 48)]).rowwise_data.data_ptr() == q.rowwise_data[16:].data_ptr()  # a view
 
 
 def test_collective_pieces():

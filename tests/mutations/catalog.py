@@ -174,6 +174,12 @@ MUTATIONS = (
              "source's block", (("            first = source * rows + start\n",
                                  "            first = source * rows\n"),),
              ("tests/test_overlap_layers.py",)),
+    Mutation("split_scatter_piece_rows", "overlap", "a split reduce-scatter's piece GEMM takes the first rows of "
+             "each destination's block instead of the piece's", (("[(c * rows + start, c * rows + stop) for c in "
+                                                                  "range(world_size)]",
+                                                                  "[(c * rows, c * rows + stop - start) for c in "
+                                                                  "range(world_size)]"),),
+             ("tests/test_overlap_layers.py",)),
     Mutation("split_pieces_shrinking", "overlap", "a comm-bound reduce-scatter's pieces shrink instead of growing, "
              "so its largest piece's GEMMs run in the open", (("return SIZED_PIECES_RATIO if comm_bound else 1.0",
                                                                "return 1 / SIZED_PIECES_RATIO if comm_bound else 1.0"),),
