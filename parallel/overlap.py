@@ -26,7 +26,8 @@ overlapped_comm(plain_comm):
   so that GEMM too runs with a transfer in flight (without such a row layer: issued before the dgrad ring).
 The same four GEMMs also pipeline on split collectives (split_gathered_gemm, split_gemm_reduce_scatter): the
 plain path's all-gather or reduce-scatter cut into row pieces, each piece one collective over every rank, all
-issued at once so that the communication stream stays busy while the GEMMs of the pieces already there run.
+issued at once so that the communication stream stays busy while the GEMMs of the pieces already there run
+(a reduce-scatter piece's rows of every destination in one GEMM).
 Where NCCL moves bytes without peer-to-peer (PCIe-class links, across nodes) its point-to-point ring transfers run
 slower than its collectives, and split collectives hide the communication the ring cannot.
 Which path a layer takes (plain, ring or split collectives) is _RingChoice's decision: a GEMM-size floor and,
