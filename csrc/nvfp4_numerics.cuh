@@ -309,6 +309,37 @@ NVFP4_HD uint32_t fp4_codes_of_eight_by_conversion(const float* v) {
 #endif
 }
 
+// fp4_codes_of_eight_by_conversion, and each pair's values as FP16 (element 2p in the low half of pairs[p], 2p + 1 in
+// the high half, p = 0..3): cvt.rn.f16x2.e2m1x2 of each pair's byte where NVFP4_NATIVE_E2M1 (E2M1 values are exact in
+// FP16), else the same values from fp4_value.
+NVFP4_HD uint32_t fp4_codes_and_values_of_eight_by_conversion(const float* v, uint32_t* pairs) {
+#if NVFP4_NATIVE_E2M1
+  uint32_t word;
+  asm("{ .reg .b8 c0, c1, c2, c3;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c0, %6, %5;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c1, %8, %7;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c2, %10, %9;\n"
+      "  cvt.rn.satfinite.e2m1x2.f32 c3, %12, %11;\n"
+      "  mov.b32 %0, {c0, c1, c2, c3};\n"
+      "  cvt.rn.f16x2.e2m1x2 %1, c0;\n"
+      "  cvt.rn.f16x2.e2m1x2 %2, c1;\n"
+      "  cvt.rn.f16x2.e2m1x2 %3, c2;\n"
+      "  cvt.rn.f16x2.e2m1x2 %4, c3; }"
+      : "=r"(word), "=r"(pairs[0]), "=r"(pairs[1]), "=r"(pairs[2]), "=r"(pairs[3])
+      : "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]), "f"(v[7]));
+  return word;
+#else
+  const uint32_t word = fp4_codes_of_eight_by_conversion(v);
+  for (int p = 0; p < 4; ++p) {
+    const auto half_bits = [&](int i) {
+      return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(fp4_value((word >> (4 * i)) & 0xFu))));
+    };
+    pairs[p] = half_bits(2 * p) | (half_bits(2 * p + 1) << 16);
+  }
+  return word;
+#endif
+}
+
 // Philox4x32 with kRounds rounds; 10 rounds is curand's Philox4_32_10 (reference/philox.py).
 struct PhiloxWords {
   uint32_t w[4];
@@ -688,14 +719,15 @@ NVFP4_HD float four_over_six_base_scale(float block_amax, float s_enc) {
 // d_i = fp4value_i * s_c - x_i * S_enc (targets[i] holds x_i * S_enc). fp4value_i * s_c is exact in FP32 (at most 6
 // significant bits): the FP16 product the fast-math error is defined with is the same number.
 // block_amax: an upper bound of the |values| (the 16x16 tile's amax for 2D blocks). Any input (NaN, inf, values that
-// saturate or underflow); four_over_six_candidates takes the common case a shorter way.
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues>
+// saturate or underflow); four_over_six_candidates takes the common case a shorter way. kByConversion: as encode_block.
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kByConversion = false>
 NVFP4_HD float four_over_six_candidate(const float (&values)[kBlockSize], const float (&targets)[kBlockSize],
                                        float block_amax, uint32_t scale, const FourOverSixScale& global,
                                        uint2& packed) {
   const float encode = encode_block_factor<false>(block_encode_factor(static_cast<uint8_t>(scale), global.s_dec));
-  packed = encode_block<false, kSixteenBitValues>(values, encode, block_amax, StochasticRoundingKeys{}, true,
-                                                  PhiloxGroupPrefix{}, 0u, 0u, 0u);
+  packed = encode_block<false, kSixteenBitValues, false, kByConversion>(values, encode, block_amax,
+                                                                        StochasticRoundingKeys{}, true,
+                                                                        PhiloxGroupPrefix{}, 0u, 0u, 0u);
   const float scale_value = e4m3_to_float(static_cast<uint8_t>(scale));
   const uint32_t words[2] = {packed.x, packed.y};
   float error = 0.0f;
@@ -751,21 +783,34 @@ struct FourOverSixBytes {
   NVFP4_HD FourOverSixByte operator()(uint32_t scale) const { return four_over_six_byte<kFastMath>(scale, global); }
 };
 
+// The two FP16 values of `pair` (low half even, high half odd) times s, as FP32 (s_pair: the FP16 bits of s in both
+// halves): one packed FP16 multiply, exact where each product has at most 11 significant bits and lies in FP16's range
+// down to its smallest subnormal, 2^-24. kMultiply: without it, s = 1 and no multiply.
+template <bool kMultiply>
+NVFP4_HD void fp16_pair_products(uint32_t pair, uint32_t s_pair, float& even, float& odd) {
+#ifdef __CUDA_ARCH__
+  const __half2 values = *reinterpret_cast<const __half2*>(&pair);
+  const float2 both = __half22float2(kMultiply ? __hmul2(values, *reinterpret_cast<const __half2*>(&s_pair)) : values);
+  even = both.x;
+  odd = both.y;
+#else
+  const auto half_value = [](uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); };
+  const float s = kMultiply ? half_value(s_pair & 0xFFFFu) : 1.0f;
+  even = half_value(pair & 0xFFFFu) * s;  // exact, as the callers' products are
+  odd = half_value(pair >> 16) * s;
+#endif
+}
+
 // fp4value(index_even) * s and fp4value(index_odd) * s, both times 2^-14, as FP32 (indices in the low halves of their
 // words, s_pair: the FP16 bits of s in both halves). An index's E2M1 bits placed in an FP16 (bits 9..11) are its
-// magnitude times 2^-14, and one packed FP16 multiply forms both products exactly: each has at most 6 significant bits
+// magnitude times 2^-14, and fp16_pair_products forms both products exactly: each has at most 6 significant bits
 // and is a multiple of 2^-24, FP16's smallest subnormal (E2M1 values are multiples of 1/2, E4M3 ones of 2^-9).
 // kMultiply: without it, s = 1 and no multiply.
 template <bool kMultiply>
 NVFP4_HD void fp4_magnitude_products_scaled(uint32_t index_even, uint32_t index_odd, uint32_t s_pair, float& even,
                                             float& odd) {
 #ifdef __CUDA_ARCH__
-  const uint32_t bits = __byte_perm(index_even, index_odd, 0x5410) << 9;
-  const __half2 magnitudes = *reinterpret_cast<const __half2*>(&bits);
-  const float2 both =
-      __half22float2(kMultiply ? __hmul2(magnitudes, *reinterpret_cast<const __half2*>(&s_pair)) : magnitudes);
-  even = both.x;
-  odd = both.y;
+  fp16_pair_products<kMultiply>(__byte_perm(index_even, index_odd, 0x5410) << 9, s_pair, even, odd);
 #else
   const float s = __half2float(__ushort_as_half(static_cast<unsigned short>(s_pair & 0xFFFFu)));
   even = fp4_magnitude(index_even & 0xFFFFu) * s * 6.103515625e-05f;  // 2^-14
@@ -796,28 +841,49 @@ NVFP4_HD uint32_t fp4_index_rne_below_4_5_in_low_half(float a) {
 // magnitudes[i] = |x_i|, targets[i] = |x_i| * S_enc (fast-math); kBelowFourAndAHalf: the scaled magnitudes are below
 // kMapToFourLimit. kEstimate (exact error mode): the error estimated, d_i as one FMA of fp4value_i by
 // fp32(s_c * fp32(A * fp32(1 / (6 B)))) less |x_i|, within four_over_six_error_slack of the exact error.
-template <bool kMSE, bool kFastMath, bool kBelowFourAndAHalf, bool kEstimate = false>
+// The codes and FP4 values come from Blackwell's FP4 conversions where the target has them (NVFP4_NATIVE_E2M1; the
+// scaled magnitudes are below 7, so they neither saturate nor carry a sign), else from the emulation's indices;
+// kByConversion takes the conversions' model on any target, which is how the CPU tests check the Blackwell path. Both
+// give the same products, so the same errors: exact ones from the conversion, times 2^-14 from the indices (the
+// factors below undo that scaling exactly).
+template <bool kMSE, bool kFastMath, bool kBelowFourAndAHalf, bool kEstimate = false, bool kByConversion = false>
 NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSize], const float (&targets)[kBlockSize],
                                               float encode, float scale_value, const FourOverSixScale& global,
                                               uint2& packed) {
-  uint32_t indices[kBlockSize];
+  constexpr bool kConversion = kByConversion || NVFP4_NATIVE_E2M1;
+  uint32_t indices[kConversion ? 1 : kBlockSize];      // the emulation's, in the low halves
+  uint32_t value_pairs[kConversion ? kBlockSize / 2 : 1];  // the conversion's FP16 values, two a word
+  if constexpr (kConversion) {
+    float scaled[kBlockSize];
 #pragma unroll
-  for (int i = 0; i < kBlockSize; ++i) {
-    const float scaled = magnitudes[i] * encode;
-    indices[i] = kBelowFourAndAHalf ? fp4_index_rne_below_4_5_in_low_half(scaled) : fp4_index_rne_below_7_in_low_half(scaled);
+    for (int i = 0; i < kBlockSize; ++i) scaled[i] = magnitudes[i] * encode;
+    packed.x = fp4_codes_and_values_of_eight_by_conversion(scaled, value_pairs);
+    packed.y = fp4_codes_and_values_of_eight_by_conversion(scaled + 8, value_pairs + 4);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlockSize; ++i) {
+      const float scaled = magnitudes[i] * encode;
+      indices[i] = kBelowFourAndAHalf ? fp4_index_rne_below_4_5_in_low_half(scaled)
+                                      : fp4_index_rne_below_7_in_low_half(scaled);
+    }
+    packed = make_uint2(pack_eight_codes(indices), pack_eight_codes(indices + 8));
   }
-  packed = make_uint2(pack_eight_codes(indices), pack_eight_codes(indices + 8));
-  // fast-math and estimate: the magnitudes times 2^-14 (times s = 1), then one FMA; exact: the products times 2^-14
+  // fast-math and estimate: the FP4 values (times s = 1), then one FMA; exact: the products fp4value * s
   constexpr bool kOneFma = kFastMath || kEstimate;
   const uint32_t s_pair = half_pair_bits(kOneFma ? 1.0f : scale_value);
-  const float scale_scaled = scale_value * 16384.0f;  // s * 2^14, exact
-  const float amax_scaled = global.amax * 16384.0f;   // A * 2^14, exact (A <= 2^113)
-  const float estimate_factor = scale_scaled * (global.amax * global.reciprocal);  // s * 2^14 * A / (6 B), rounded
+  constexpr float kUnscale = kConversion ? 1.0f : 16384.0f;  // 1 / the products' scale
+  const float scale_scaled = scale_value * kUnscale;  // s * 2^14 (or s), exact
+  const float amax_scaled = global.amax * kUnscale;   // A * 2^14 (or A), exact (A <= 2^113)
+  const float estimate_factor = scale_scaled * (global.amax * global.reciprocal);  // s * A / (6 B) (* 2^14), rounded
   float error = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlockSize; i += 2) {
-    float products[2];  // fp4value * 2^-14 (fast-math, estimate), fp4value * s * 2^-14 (exact)
-    fp4_magnitude_products_scaled<!kOneFma>(indices[i], indices[i + 1], s_pair, products[0], products[1]);
+    float products[2];  // fp4value (fast-math, estimate), fp4value * s (exact); times 2^-14 from the indices
+    if constexpr (kConversion) {
+      fp16_pair_products<!kOneFma>(value_pairs[i / 2], s_pair, products[0], products[1]);
+    } else {
+      fp4_magnitude_products_scaled<!kOneFma>(indices[i], indices[i + 1], s_pair, products[0], products[1]);
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       // fast-math: fp4value * s - |x| * S_enc, the exact product less the target, rounded once;
@@ -838,8 +904,10 @@ NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSi
 // 0), so the common case takes the error on |x_i| and adds the codes' sign bits (those of x_i + 0, no -0.0) once for
 // both. kEstimate (exact error mode): the common case's errors estimated (four_over_six_common_candidate), each
 // within four_over_six_error_slack of the exact one; the kernels take the choice from them where
-// four_over_six_settled, else from the exact errors.
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, typename ByteOf>
+// four_over_six_settled, else from the exact errors. kByConversion: the codes from the model of Blackwell's FP4
+// conversion on any target (four_over_six_common_candidate, encode_block).
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, bool kByConversion = false,
+          typename ByteOf>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
                                                         const FourOverSixScale& global, const ByteOf& byte_of) {
   static_assert(!(kEstimate && kFastMath), "fast-math errors take one FMA already");
@@ -860,9 +928,9 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
         signed_values[i] = values[i] + 0.0f;
       }
       const uint2 signs = make_uint2(sign_bits_of_eight(signed_values), sign_bits_of_eight(signed_values + 8));
-      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true, kEstimate>(
+      c.error[0] = four_over_six_common_candidate<kMSE, kFastMath, true, kEstimate, kByConversion>(
           magnitudes, targets, bytes[0].common_encode, bytes[0].value, global, c.packed[0]);
-      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false, kEstimate>(
+      c.error[1] = four_over_six_common_candidate<kMSE, kFastMath, false, kEstimate, kByConversion>(
           magnitudes, targets, bytes[1].common_encode, bytes[1].value, global, c.packed[1]);
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
@@ -876,17 +944,17 @@ NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kB
   for (int i = 0; i < kBlockSize; ++i) targets[i] = kFastMath ? values[i] * global.s_enc : 0.0f;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    c.error[k] = four_over_six_candidate<kMSE, kFastMath, kSixteenBitValues>(values, targets, block_amax, c.scale[k],
-                                                                             global, c.packed[k]);
+    c.error[k] = four_over_six_candidate<kMSE, kFastMath, kSixteenBitValues, kByConversion>(
+        values, targets, block_amax, c.scale[k], global, c.packed[k]);
   }
   return c;
 }
 
-template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false>
+template <bool kMSE, bool kFastMath, bool kSixteenBitValues, bool kEstimate = false, bool kByConversion = false>
 NVFP4_HD FourOverSixCandidates four_over_six_candidates(const float (&values)[kBlockSize], float block_amax,
                                                         const FourOverSixScale& global) {
-  return four_over_six_candidates<kMSE, kFastMath, kSixteenBitValues, kEstimate>(values, block_amax, global,
-                                                                                 FourOverSixBytes<kFastMath>{global});
+  return four_over_six_candidates<kMSE, kFastMath, kSixteenBitValues, kEstimate, kByConversion>(
+      values, block_amax, global, FourOverSixBytes<kFastMath>{global});
 }
 
 // How far an estimated error (kEstimate) may lie from the exact one: `error` is the estimate, of one block or (kTile)

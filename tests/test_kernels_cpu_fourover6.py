@@ -15,13 +15,14 @@ from tests.test_reference_fourover6 import ALL_OPTIONS, CASES, ROW_SCALED_CASE, 
 
 # Host entry point over csrc/nvfp4_numerics.cuh's 4over6 functions, composed as csrc/quantize_4over6.cu composes
 # them: one block's candidates, the choice (1x16), or the 16 rows' tree-summed errors (16x16); in the exact error mode
-# the estimated errors first, the exact ones where the estimates do not settle the choice (counted).
+# the estimated errors first, the exact ones where the estimates do not settle the choice (counted). by_conversion:
+# the codes and FP4 values as the Blackwell builds take them (the model of their FP4 conversions).
 HARNESS = r"""
 #include <type_traits>
 #include "nvfp4_numerics.cuh"
 using namespace nvfp4;
 long blocks_seen = 0, blocks_redone = 0;
-template <bool kMSE, bool kFast, bool kSixteen>
+template <bool kMSE, bool kFast, bool kSixteen, bool kConversion>
 void quantize(const float* x, long rows, long cols, const float* amax, long amax_count, float bound, int block_2d,
               unsigned char* codes, unsigned char* scales) {
   const long blocks = cols / kBlockSize;
@@ -43,7 +44,7 @@ void quantize(const float* x, long rows, long cols, const float* amax, long amax
       const auto candidates = [&](auto estimate) {
         for (int g = 0; g < group; ++g) {
           const FourOverSixScale global = four_over_six_scale(amax[amax_count == 1 ? 0 : r0 + g], bound);
-          c[g] = four_over_six_candidates<kMSE, kFast, kSixteen, decltype(estimate)::value>(
+          c[g] = four_over_six_candidates<kMSE, kFast, kSixteen, decltype(estimate)::value, kConversion>(
               values[g], block_2d ? tile_amax : block_amaxes[g], global);
           errors[0][g] = c[g].error[0];
           errors[1][g] = c[g].error[1];
@@ -70,19 +71,29 @@ void quantize(const float* x, long rows, long cols, const float* amax, long amax
     }
   }
 }
+template <bool kMSE, bool kFast, bool kSixteen>
+void quantize_by(int by_conversion, const float* x, long rows, long cols, const float* amax, long amax_count,
+                 float bound, int block_2d, unsigned char* codes, unsigned char* scales) {
+  if (by_conversion) {
+    quantize<kMSE, kFast, kSixteen, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales);
+  } else {
+    quantize<kMSE, kFast, kSixteen, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales);
+  }
+}
 extern "C" void quantize_4over6(const float* x, long rows, long cols, const float* amax, long amax_count, float bound,
-                                int mse, int fast, int sixteen_bit, int block_2d, unsigned char* codes,
-                                unsigned char* scales) {
+                                int mse, int fast, int sixteen_bit, int block_2d, int by_conversion,
+                                unsigned char* codes, unsigned char* scales) {
   const int variant = (mse ? 4 : 0) | (fast ? 2 : 0) | (sixteen_bit ? 1 : 0);
+  const int c = by_conversion;
   switch (variant) {
-    case 0: quantize<false, false, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    case 1: quantize<false, false, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    case 2: quantize<false, true, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    case 3: quantize<false, true, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    case 4: quantize<true, false, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    case 5: quantize<true, false, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    case 6: quantize<true, true, false>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
-    default: quantize<true, true, true>(x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 0: quantize_by<false, false, false>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 1: quantize_by<false, false, true>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 2: quantize_by<false, true, false>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 3: quantize_by<false, true, true>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 4: quantize_by<true, false, false>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 5: quantize_by<true, false, true>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    case 6: quantize_by<true, true, false>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
+    default: quantize_by<true, true, true>(c, x, rows, cols, amax, amax_count, bound, block_2d, codes, scales); break;
   }
 }
 extern "C" long division_mismatches(float c) {  // divide_by_exact_constant against a / c, every significand in [1, 4)
@@ -135,8 +146,10 @@ def test_division_by_constant_is_correctly_rounded(numerics, constant):
     assert numerics.division_mismatches(ctypes.c_float(constant)) == 0
 
 
-def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, options: FourOverSix, block_2d: bool):
-    """The kernels' 4over6 block encoding on the host; BF16 or FP16 x takes the kernels' 16-bit path."""
+def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, options: FourOverSix, block_2d: bool,
+                  by_conversion: bool = False):
+    """The kernels' 4over6 block encoding on the host; BF16 or FP16 x takes the kernels' 16-bit path;
+    by_conversion: the Blackwell builds' codes and FP4 values (the model of their FP4 conversions)."""
     sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     x_np = np.ascontiguousarray(x.to(torch.float32).numpy())
     rows, cols = x_np.shape
@@ -146,15 +159,18 @@ def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, options: FourOverSix
     lib.quantize_4over6(pointer(x_np), ctypes.c_long(rows), ctypes.c_long(cols), pointer(amax_np),
                         ctypes.c_long(amax_np.size), ctypes.c_float(options.e4m3_bound),
                         ctypes.c_int(options.err_mode == "MSE"), ctypes.c_int(options.fast_math),
-                        ctypes.c_int(sixteen_bit), ctypes.c_int(block_2d), pointer(codes), pointer(scales))
+                        ctypes.c_int(sixteen_bit), ctypes.c_int(block_2d), ctypes.c_int(by_conversion), pointer(codes),
+                        pointer(scales))
     return torch.from_numpy(codes), torch.from_numpy(scales)
 
 
 def _assert_equal_to_reference(lib, x, amax, options, block_2d):
-    ours = host_quantize(lib, x, amax, options, block_2d)
+    """Both the Hopper encoding (the emulation's codes) and the Blackwell one (the conversions') equal the reference."""
     data, scale = quantize_blocks_4over6(x, amax, options, block_2d=block_2d)
-    assert torch.equal(ours[1], scale.view(torch.uint8)), "scales differ"
-    assert torch.equal(ours[0], data), "codes differ"
+    for by_conversion in (False, True):
+        ours = host_quantize(lib, x, amax, options, block_2d, by_conversion)
+        assert torch.equal(ours[1], scale.view(torch.uint8)), f"scales differ (by_conversion={by_conversion})"
+        assert torch.equal(ours[0], data), f"codes differ (by_conversion={by_conversion})"
 
 
 @needs_nvcc

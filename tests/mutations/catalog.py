@@ -118,6 +118,11 @@ MUTATIONS = (
                "word |= fp4_code_by_conversion_rule(v[i]) << (4 * (i ^ 1));"),),
              ("tests/test_kernels_cpu.py::test_block_numerics_match_reference",
               "tests/test_kernels_cpu.py::test_bin_edges_and_extremes_match_reference")),
+    Mutation("fourover6_conversion_value_halves", "kernels", "the Blackwell 4over6 errors take each pair's FP4 values "
+             "in swapped halves", (("pairs[p] = half_bits(2 * p) | (half_bits(2 * p + 1) << 16);",
+                                    "pairs[p] = half_bits(2 * p + 1) | (half_bits(2 * p) << 16);"),),
+             ("tests/test_kernels_cpu_fourover6.py::test_kernel_numerics_on_golden_inputs",
+              "tests/test_kernels_cpu_fourover6.py::test_kernel_numerics_on_near_ties")),
     Mutation("activation_rule_below_table", "kernels", "below the tables the activation is x, not x * 0.5",
              (("return magnitude < table.first ? x * 0.5f : (x > 0.0f ? x : x * 0.0f);",
                "return magnitude < table.first ? x : (x > 0.0f ? x : x * 0.0f);"),),
