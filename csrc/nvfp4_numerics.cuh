@@ -809,13 +809,7 @@ NVFP4_HD void fp16_pair_products(uint32_t pair, uint32_t s_pair, float& even, fl
 template <bool kMultiply>
 NVFP4_HD void fp4_magnitude_products_scaled(uint32_t index_even, uint32_t index_odd, uint32_t s_pair, float& even,
                                             float& odd) {
-#ifdef __CUDA_ARCH__
-  fp16_pair_products<kMultiply>(__byte_perm(index_even, index_odd, 0x5410) << 9, s_pair, even, odd);
-#else
-  const float s = __half2float(__ushort_as_half(static_cast<unsigned short>(s_pair & 0xFFFFu)));
-  even = fp4_magnitude(index_even & 0xFFFFu) * s * 6.103515625e-05f;  // 2^-14
-  odd = fp4_magnitude(index_odd & 0xFFFFu) * s * 6.103515625e-05f;
-#endif
+  fp16_pair_products<kMultiply>(byte_permute<0x5410>(index_even, index_odd) << 9, s_pair, even, odd);
 }
 
 // The FP16 bits of an E4M3 scale value (exact) in both halves.
