@@ -127,13 +127,16 @@ def test_an_overlap_result_with_split_collectives_shows_them(tmp_path):
     for shape in record["shapes"]:
         shape["auto_path"] = "collectives"
         for times in (shape["fwd"], shape["fwd+bwd"]):
-            times.update(split_speedup=1.25, split_over_max_no_comm_comm=1.125, split=1.0)
+            times.update(split_speedup=1.25, split_over_max_no_comm_comm=1.125, split=1.0, speedup=1.1,
+                         overlapped_over_max_no_comm_comm=1.3, auto=12.0, auto_speedup=1.2, no_comm=8.0, comm=10.0)
     record["overlap_transport"] = "auto"
     (tmp_path / "overlap_h100_tp4_slow.json").write_text(json.dumps(record))
     page = render_performance.render(render_performance.load_results(tmp_path))
     (row,) = [line for line in page.splitlines() if line.startswith("| communication/GEMM overlap")]
     assert ("as overlap=True runs it (overlap_transport=auto: on split collectives)" in row
-            and "every layer on split collectives 1.25x / 1.25x, split / max(no-comm, comm) 1.12 / 1.12" in row), row
+            and "every layer on split collectives 1.25x / 1.25x, split / max(no-comm, comm) 1.12 / 1.12" in row
+            and "every layer on the ring 1.10x / 1.10x, ring / max(no-comm, comm) 1.30 / 1.30;" in row
+            and "on split collectives) 1.20x / 1.20x, its step / max(no-comm, comm) 1.20 / 1.20;" in row), row
 
 
 def test_a_recorded_command_is_shown_without_output_flags(tmp_path):
