@@ -837,10 +837,9 @@ NVFP4_HD uint32_t fp4_index_rne_below_4_5_in_low_half(float a) {
 // fp32(s_c * fp32(A * fp32(1 / (6 B)))) less |x_i|, within four_over_six_error_slack of the exact error.
 // The codes and FP4 values come from Blackwell's FP4 conversions where the target has them (NVFP4_NATIVE_E2M1; the
 // scaled magnitudes are non-negative and below 7, where no clamp is needed first, as in encode_block), else from the
-// emulation's indices;
-// kByConversion takes the conversions' model on any target, which is how the CPU tests check the Blackwell path. Both
-// give the same products, so the same errors: exact ones from the conversion, times 2^-14 from the indices (the
-// factors below undo that scaling exactly).
+// emulation's indices; kByConversion takes the conversions' model on any target, which is how the CPU tests check
+// the Blackwell path. Both give the same products, so the same errors: exact ones from the conversion, times 2^-14
+// from the indices (the factors below undo that scaling exactly).
 template <bool kMSE, bool kFastMath, bool kBelowFourAndAHalf, bool kEstimate = false, bool kByConversion = false>
 NVFP4_HD float four_over_six_common_candidate(const float (&magnitudes)[kBlockSize], const float (&targets)[kBlockSize],
                                               float encode, float scale_value, const FourOverSixScale& global,
