@@ -14,13 +14,10 @@ outputs written in BF16 and then cast (off), or both models in turn (both: "nvfp
 --overlap-transports adds NVFP4 models whose overlapped layers move their bytes another way
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
---batch-split PARTS[,PARTS...] adds the NVFP4 model (fused producers on) with its decoder block run as PARTS parts of
-the micro-batch at once (split_batch, parallel/megatron/batch_split.py), as "nvfp4_batch_split" (one count) or
-"nvfp4_batch_split_<PARTS>" (several).
 
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
-                                                           [--overlap-transports collectives,auto] [--batch-split 2,3]
+                                                           [--overlap-transports collectives,auto]
 """
 import argparse
 import datetime
@@ -42,7 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.environment import OVERLAP_TRANSPORTS
 from nvfp4_dist.parallel.megatron import (MEGATRON_CORE_VERSION, NVFP4Norm, get_gpt_decoder_block_nvfp4_spec,
-                                          split_batch, with_sdpa_attention, with_sequence_parallel_norm)
+                                          with_sdpa_attention, with_sequence_parallel_norm)
 from provenance import command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
 from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_record, result_path  # noqa: E402
 
@@ -72,25 +69,12 @@ def parse_args():
     parser.add_argument("--overlap-transports", type=transport_list, default=(),
                         help="comma-separated overlap transports (ring, collectives, auto) measured as extra NVFP4 "
                              "models (fused producers on), after the recipe's own")
-    parser.add_argument("--batch-split", type=parts_list, default=(), metavar="PARTS[,PARTS...]",
-                        help="also measure the NVFP4 model with its decoder block run as PARTS parts of the "
-                             "micro-batch at once, on their own streams (split_batch), for each PARTS given")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one step per spec: GPU time by kernel kind, the top kernels, the compute "
                              "stream's gaps and the communication lane's idle stretches, into DIR")
     return parser.parse_args()
-
-
-def parts_list(text: str) -> tuple:
-    try:
-        parts = tuple(int(t) for t in text.split(",") if t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated part counts (integers >= 2)") from None
-    if any(p < 2 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: each part count must be >= 2")
-    return parts
 
 
 def transport_list(text: str) -> tuple:
@@ -101,8 +85,7 @@ def transport_list(text: str) -> tuple:
     return transports
 
 
-def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None,
-          batch_split: int = 0) -> GPTModel:
+def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
         tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
@@ -118,23 +101,19 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
     else:
         layer = with_sequence_parallel_norm(with_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm")))
         spec = TransformerBlockSubmodules(layer_specs=[layer] * args.layers, layer_norm=NVFP4Norm)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-                     max_sequence_length=args.seq, position_embedding_type="rope").cuda()
-    if batch_split:
-        split_batch(model, batch_split)
-    return model
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                    max_sequence_length=args.seq, position_embedding_type="rope").cuda()
 
 
-def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None,
-            batch_split: int = 0) -> dict:
+def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> dict:
     """Tokens/s and peak memory of forward+backward on one fixed batch (an NVFP4 model's overlap transport: the
-    recipe's unless given; batch_split: split_batch's parts, 0 for none)."""
+    recipe's unless given)."""
     if spec_name.startswith("nvfp4"):
         transport = transport or NVFP4Recipe.from_env().overlap_transport
     gc.collect()  # the previous spec's model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build(spec_name, args, tp, fused_producers, transport, batch_split)
+    model = build(spec_name, args, tp, fused_producers, transport)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).cuda()
     positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.micro_batch, -1)
@@ -166,7 +145,6 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
     if spec_name.startswith("nvfp4"):
         result["fused_producers"] = fused_producers
         result["overlap_transport"] = transport
-        result["batch_split"] = batch_split
     return result  # the model is freed on return, before the next spec is built
 
 
@@ -295,14 +273,9 @@ def main():
         results[name] = measure(name, args, tp, fused)
     for transport in args.overlap_transports:
         results[f"nvfp4_{transport}"] = measure(f"nvfp4_{transport}", args, tp, True, transport)
-    for parts in args.batch_split:
-        name = "nvfp4_batch_split" if len(args.batch_split) == 1 else f"nvfp4_batch_split_{parts}"
-        results[name] = measure(name, args, tp, True, batch_split=parts)
     speedup = results["nvfp4"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
     transport_ratios = {transport: results[f"nvfp4_{transport}"]["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
                         for transport in args.overlap_transports}
-    split_ratios = {r["batch_split"]: r["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
-                    for r in results.values() if r.get("batch_split")}
     unfused = results.get("nvfp4_unfused")
     memory = results["nvfp4"]["peak_memory_gib"] / results["local_bf16"]["peak_memory_gib"]
     if torch.distributed.get_rank() == 0:
@@ -320,10 +293,6 @@ def main():
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")
         for transport, ratio in transport_ratios.items():
             print(f"NVFP4 with overlap transport {transport} / BF16: tokens/s {ratio:.3f}x")
-        for parts, ratio in split_ratios.items():
-            print(f"NVFP4 with the batch split in {parts} / BF16: tokens/s {ratio:.3f}x"
-                  + (f" (target >= {target:.2f})" if target else "")
-                  + f"; {ratio / speedup:.3f}x of the NVFP4 model without it")
         if unfused is not None:
             print(f"fused producers: tokens/s {results['nvfp4']['tokens_per_s'] / unfused['tokens_per_s']:.3f}x "
                   f"of the NVFP4 model without them")
@@ -335,8 +304,6 @@ def main():
                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
                   "tokens_per_s_ratio": speedup, "peak_memory_ratio": memory}
         record.update({f"{transport}_tokens_per_s_ratio": ratio for transport, ratio in transport_ratios.items()})
-        if split_ratios:
-            record["batch_split_tokens_per_s_ratios"] = {str(parts): ratio for parts, ratio in split_ratios.items()}
         if unfused is not None:
             record["unfused_tokens_per_s_ratio"] = unfused["tokens_per_s"] / results["local_bf16"]["tokens_per_s"]
             record["fused_vs_unfused_tokens_per_s"] = results["nvfp4"]["tokens_per_s"] / unfused["tokens_per_s"]

@@ -1,7 +1,8 @@
-"""Render docs/performance.md from benchmarks/results/*.json: one table per GPU kind, one row per benchmark.
+"""Render docs/performance.md from benchmarks/results/*.json: one table per GPU kind, one row per benchmark; and
+the block of docs/slow_links.md between its BLOCK_BEGIN and BLOCK_END lines: the gains on each link class.
 
-    python benchmarks/render_performance.py           # rewrite docs/performance.md
-    python benchmarks/render_performance.py --check   # exit 1 when docs/performance.md is not what this renders
+    python benchmarks/render_performance.py           # rewrite docs/performance.md and the block of slow_links.md
+    python benchmarks/render_performance.py --check   # exit 1 when either is not what this renders
 
 Each row names the command that made its JSON: the command line the JSON records (benchmarks/provenance.py),
 or, for a JSON without one, the command rebuilt from the benchmark's script and the arguments the JSON records.
@@ -21,6 +22,7 @@ from typing import Callable
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPOSITORY / "benchmarks" / "results"
 OUTPUT = REPOSITORY / "docs" / "performance.md"
+SLOW_LINKS = REPOSITORY / "docs" / "slow_links.md"  # its block between BLOCK_BEGIN and BLOCK_END is rendered
 OUTPUT_FLAGS = ("--out", "--out-dir")  # where a benchmark wrote its files: left out of the commands shown
 # Recorded settings that make two runs of one benchmark on one GPU kind different measurements.
 VARIANT_SETTINGS = ("CUDA_DEVICE_MAX_CONNECTIONS", "NVFP4_SYMMETRIC_MEMORY", "NCCL_P2P_DISABLE", "NVFP4_HOPPER_GEMM")
@@ -231,18 +233,7 @@ def megatron_summary(record: dict) -> list[str]:
             f"tokens/s: {times(record['tokens_per_s_ratio'])} ({nvfp4['tokens_per_s']:.0f} vs "
             f"{bf16['tokens_per_s']:.0f})",
             f"peak memory: {times(record['peak_memory_ratio'])} ({nvfp4['peak_memory_gib']:.2f} vs "
-            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record), *transport_lines(record),
-            *batch_split_lines(record)]
-
-
-def batch_split_lines(record: dict) -> list[str]:
-    """The NVFP4 model with its decoder block split into parts of the micro-batch, for each part count measured."""
-    results = record["results"]
-    nvfp4, bf16 = results["nvfp4"], results["local_bf16"]
-    return [f"decoder block in {r['batch_split']} parts of the micro-batch at once (split_batch): tokens/s "
-            f"{times(r['tokens_per_s'] / bf16['tokens_per_s'])} (step {r['step_ms']:.1f} ms); "
-            f"{times(r['tokens_per_s'] / nvfp4['tokens_per_s'])} of the unsplit NVFP4 model"
-            for name, r in results.items() if name.startswith("nvfp4_batch_split")]
+            f"{bf16['peak_memory_gib']:.2f} GiB)", *fused_producers_lines(record), *transport_lines(record)]
 
 
 def transport_lines(record: dict) -> list[str]:
@@ -517,6 +508,80 @@ def b200_projection(results: list[Result]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The rendered block of docs/slow_links.md: what overlap and NVFP4 gain on each link class.
+
+BLOCK_BEGIN = "<!-- rendered by python benchmarks/render_performance.py from benchmarks/results/: do not edit -->"
+BLOCK_END = "<!-- end of the rendered block -->"
+LINK_CLASSES = ("nvlink", "slow", "two-node")  # benchmarks/torchrun_setup.py's --links, fastest first
+PATH_NAMES = {"plain": "plain", "ring": "ring", "collectives": "split collectives"}
+
+
+def links_label(record: dict) -> str:
+    """The link class a result ran over, with the node count of a run over more than one torchrun node."""
+    nodes = record.get("torchrun_nodes", 1)
+    return record.get("links", "nvlink") + (f" ({nodes} nodes)" if nodes > 1 else "")
+
+
+def link_class_order(result) -> tuple:
+    return kind_order(result.kind) + (LINK_CLASSES.index(result.record.get("links", "nvlink")),)
+
+
+def overlap_gain_rows(results: list) -> list[str]:
+    """One row per overlap result and shape: the MLP pair forward + backward on each path."""
+    rows = ["| GPUs | links | tokens, hidden, ffn | communication alone | pair without communication | plain pair | "
+            "ring | split collectives | `auto` (the path it took) | JSON |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for result in sorted((r for r in results if r.benchmark == "overlap"), key=link_class_order):
+        for shape in result.record["shapes"]:
+            both = shape["fwd+bwd"]
+            path = shape.get("auto_path", "ring" if shape["auto_pipelined"] else "plain")
+            split = times(both["split_speedup"]) if "split_speedup" in both else "not measured"
+            rows.append(f"| {result.kind} | {links_label(result.record)} | {shape['tokens']}, {shape['hidden']}, "
+                        f"{shape['ffn']} | {both['comm']:.1f} ms | {both['no_comm']:.1f} ms | {both['plain']:.1f} ms | "
+                        f"{times(both['speedup'])} | {split} | {times(both['auto_speedup'])} ({PATH_NAMES[path]}) | "
+                        f"{result.provenance} |")
+    return rows
+
+
+def gpt_gain_rows(results: list) -> list[str]:
+    """One row per Megatron GPT result: the NVFP4 spec against Megatron's BF16 linears over the same links."""
+    rows = ["| GPUs | links | model | BF16 step | NVFP4 step | NVFP4 / BF16 tokens/s | on other overlap transports | "
+            "JSON |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for result in sorted((r for r in results if r.benchmark == "megatron_gpt"), key=link_class_order):
+        record = result.record
+        args, nvfp4, bf16 = record["args"], record["results"]["nvfp4"], record["results"]["local_bf16"]
+        others = [f"{transport} {times(record[f'{transport}_tokens_per_s_ratio'])}"
+                  for transport in args.get("overlap_transports", ())]
+        transport = f" ({nvfp4['overlap_transport']})" if "overlap_transport" in nvfp4 else ""
+        rows.append(f"| {result.kind} | {links_label(record)} | {args['layers']} layers, hidden {args['hidden']}, "
+                    f"seq {args['seq']}, micro-batch {args['micro_batch']} | {bf16['step_ms']:.1f} ms | "
+                    f"{nvfp4['step_ms']:.1f} ms{transport} | {times(record['tokens_per_s_ratio'])} | "
+                    f"{', '.join(others) or '-'} | {result.provenance} |")
+    return rows
+
+
+def slow_links_block(results: list) -> list[str]:
+    """The lines between BLOCK_BEGIN and BLOCK_END in docs/slow_links.md."""
+    return ["", "The MLP pair of `benchmarks/overlap.py` (column-parallel then row-parallel linear, sequence parallel, "
+            "forward + backward): its communication alone, the pair without communication, the plain pair, and each "
+            "path's speed against the plain pair of the same run (above 1.00x: faster). The commands are in "
+            "[performance.md](performance.md).", "", *overlap_gain_rows(results), "",
+            "The GPT model of `benchmarks/megatron_gpt.py` (overlap on, the NVFP4 spec against Megatron's BF16 linears "
+            "on the same links; a step is forward + backward of one micro-batch):", "", *gpt_gain_rows(results), ""]
+
+
+def with_rendered_block(page: str, block: list[str], name: str) -> str:
+    """`page` with the lines between its BLOCK_BEGIN and BLOCK_END lines replaced by `block`."""
+    lines = page.splitlines()
+    if lines.count(BLOCK_BEGIN) != 1 or lines.count(BLOCK_END) != 1:
+        raise ValueError(f"{name}: needs one line {BLOCK_BEGIN!r} and, after it, one line {BLOCK_END!r}")
+    begin, end = lines.index(BLOCK_BEGIN), lines.index(BLOCK_END)
+    if begin > end:
+        raise ValueError(f"{name}: its line {BLOCK_END!r} comes before its line {BLOCK_BEGIN!r}")
+    return "\n".join([*lines[:begin + 1], *block, *lines[end:]]) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Result:
@@ -610,6 +675,11 @@ def cell(lines) -> str:
     return "<br>".join(line.replace("|", "\\|") for line in lines)
 
 
+def kind_order(kind: str) -> tuple:
+    """GPU kinds by GPU, then by count: "NVIDIA H100", "2 x NVIDIA H100", ..."""
+    return kind.split(" x ")[-1], int(kind.split(" x ")[0]) if " x " in kind else 1
+
+
 def render(results: list[Result]) -> str:
     """The text of docs/performance.md."""
     out = ["# Performance", "",
@@ -622,9 +692,7 @@ def render(results: list[Result]) -> str:
            "Correctness is not measured here: the kernels match the reference byte for byte, and the GEMMs agree "
            "with it within the tolerances of [docs/numerics.md](numerics.md) §11.", ""]
     benchmarks = [result for result in results if result.benchmark in BENCHMARKS]
-    kinds = sorted({result.kind for result in benchmarks}, key=lambda kind: (kind.split(" x ")[-1],
-                                                                          int(kind.split(" x ")[0]) if " x " in kind
-                                                                          else 1))
+    kinds = sorted({result.kind for result in benchmarks}, key=kind_order)
     order = list(BENCHMARKS)
     for kind in kinds:
         rows = sorted((r for r in benchmarks if r.kind == kind), key=lambda r: (order.index(r.benchmark), r.variant))
@@ -641,20 +709,27 @@ def render(results: list[Result]) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def rendered_pages(results: list[Result]) -> dict:
+    """The text of each page this renders, by path: docs/performance.md whole, docs/slow_links.md's block."""
+    return {OUTPUT: render(results),
+            SLOW_LINKS: with_rendered_block(SLOW_LINKS.read_text(), slow_links_block(results), SLOW_LINKS.name)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare with docs/performance.md instead of writing it")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the pages instead of writing them; exit 1 when one is out of date")
     args = parser.parse_args(argv)
-    text = render(load_results())
+    pages = rendered_pages(load_results())
     if args.check:
-        if OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(REPOSITORY)} is out of date: run python benchmarks/render_performance.py",
+        stale = [path for path, text in pages.items() if path.read_text() != text]
+        for path in stale:
+            print(f"{path.relative_to(REPOSITORY)} is out of date: run python benchmarks/render_performance.py",
                   file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(REPOSITORY)}")
+        return 1 if stale else 0
+    for path, text in pages.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(REPOSITORY)}")
     return 0
 
 

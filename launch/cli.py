@@ -77,11 +77,6 @@ def build_parser() -> ArgumentParser:
                             "NVFP4_OVERLAP_MIN_CHUNK_GFLOPS GFLOP (default 256; smaller ones stay plain) and whose "
                             "rings beat the plain path on the measured links (NVFP4_OVERLAP_IGNORE_LINKS=1: size "
                             "alone; docs/slow_links.md)")
-    where.add_argument("--batch-split", type=int, default=1, metavar="PARTS",
-                       help="--model megatron with --tp > 1: run the decoder block as PARTS parts of each "
-                            "micro-batch at once, each on its own CUDA stream and NCCL communicator, so that one "
-                            "part's TP communication runs beside another's compute (over slow links: "
-                            "docs/slow_links.md; each part is quantized on its own)")
     where.add_argument("--overlap-transport", choices=OVERLAP_TRANSPORTS, default=None,
                        help="with --overlap, the pipelined path: the ring, split collectives (faster than the ring "
                             "where NCCL's point-to-point transfers are slow: PCIe, across nodes), or auto (the "

@@ -2,8 +2,7 @@
 
 The first/last --bf16-first-layers/--bf16-last-layers transformer layers stay in BF16; --recipe-config's
 per-layer recipes reach the linears through the spec's recipe_map; the norms and the activation sit inside the
-linears after them (the spec's fused_producers, Plan.fused_producers) unless --no-fused-producers; --batch-split runs
-the decoder block as parts of each micro-batch at once (split_batch). Parameters
+linears after them (the spec's fused_producers, Plan.fused_producers) unless --no-fused-producers. Parameters
 are FP32 (master weights); with --dtype bf16 the forward runs under torch.autocast. On CPU (tests,
 --model megatron --device cpu) attention is torch's SDPA, since Megatron's DotProductAttention
 allocates its causal mask on CUDA, and Megatron's RNG tracker is the no-op one (dropout is off).
@@ -63,8 +62,6 @@ def build_megatron_gpt(plan, device):
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,
                    max_sequence_length=args.seq_length, share_embeddings_and_output_weights=True)
     gpt.to(device)
-    if args.batch_split > 1:
-        nvfp4_megatron.split_batch(gpt, args.batch_split)
     autocast_dtype = torch.bfloat16 if plan.dtype == "bf16" else None
     model = MegatronGPTLoss(gpt, args.seq_length, autocast_dtype).to(device)
     return (model, parallel_state.get_tensor_model_parallel_group(),

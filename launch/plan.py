@@ -75,8 +75,7 @@ def check_finite(flag: str, value: float) -> None:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Sizes, counts and rates: each within its allowed range (before any of them divides another)."""
-    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--ffn", args.ffn),
-                        ("--batch-split", args.batch_split)):
+    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--ffn", args.ffn)):
         if value is not None:
             check_at_least(flag, value, 1)
     for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
@@ -186,14 +185,6 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
     if args.fused_producers and model != "megatron":
         raise ValueError("--fused-producers needs --model megatron (the small GPT's norms are modules of their own, "
                          "not inside its linears)")
-    if args.batch_split > 1 and model != "megatron":
-        raise ValueError(f"--batch-split={args.batch_split} needs --model megatron (it splits Megatron's decoder "
-                         f"block)")
-    if args.batch_split > 1 and tp == 1:
-        raise ValueError(f"--batch-split={args.batch_split} needs --tp > 1 (there is no TP communication to hide)")
-    if args.batch_split > args.micro_batch:
-        raise ValueError(f"--batch-split={args.batch_split}: more parts than --micro-batch={args.micro_batch} "
-                         f"sequences")
     if model == "megatron" and args.dtype == "bf16" and device != "cuda":
         raise ValueError("--dtype bf16 with --model megatron needs CUDA (the backward of Megatron-Core's own output "
                          "layer does not follow CPU autocast); on CPU use --dtype fp32, or --model gpt")

@@ -92,7 +92,6 @@ def describe_job(plan, dp_size: int) -> str:
             f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
             f"{'on' if args.overlap else 'off'}"
             + producers_note(plan)
-            + (f", decoder block in {args.batch_split} parts of the micro-batch" if args.batch_split > 1 else "")
             + f"); recipe {plan.recipe}"
             + (f"; per-layer recipes from {args.recipe_config}" if args.recipe_config is not None else ""))
 

@@ -27,8 +27,6 @@ an empty output and zero weight gradients, as torch.nn.Linear gives.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 
 import torch
@@ -214,38 +212,6 @@ class _ParallelLinear(torch.nn.Module):
     def _cached_weight(self, recipe: NVFP4Recipe):
         """The weight quantized with `recipe` for this forward and its backward, from the cache if current."""
         return self.weight_cache.get(self.weight, recipe, columnwise=needs_columnwise_weight(recipe))
-
-    def prepare_weight(self) -> None:
-        """Quantize the weight now, on the current stream, if the next forward runs in NVFP4 and reuses its copy
-        (parallel/megatron/batch_split.py: before forwards on other streams read it)."""
-        recipe = self.resolved_recipe()
-        if recipe is not None and self.keep_quantized_weight:
-            self._cached_weight(recipe)
-
-    @contextlib.contextmanager
-    def communicating_over(self, group):
-        """Forwards inside the block communicate over `group`, a group of tp_group's ranks in the same order (its
-        own NCCL communicator and stream: parallel/megatron/batch_split.py). Backward follows its forward's group.
-        Each group's comm objects are kept for the next block."""
-        if group is self.tp_group:
-            yield
-            return
-        twins = self.__dict__.setdefault("_comms_over", {})
-        if group not in twins:
-            if dist.get_process_group_ranks(group) != dist.get_process_group_ranks(self.tp_group):
-                raise ValueError(f"{describe_layer(self)}: communicating_over a group of ranks "
-                                 f"{dist.get_process_group_ranks(group)}, not the layer's "
-                                 f"{dist.get_process_group_ranks(self.tp_group)}")
-            comm = copy.copy(self.comm)
-            comm.group = group
-            twins[group] = (comm, None)
-        own = (self.tp_group, self.comm, getattr(self, "_overlapped_comm", None))
-        self.tp_group, (self.comm, self._overlapped_comm) = group, twins[group]
-        try:
-            yield
-        finally:
-            twins[group] = (self.comm, self._overlapped_comm)
-            self.tp_group, self.comm, self._overlapped_comm = own
 
     def _overlapped(self, comm: LinearComm, recipe: NVFP4Recipe) -> LinearComm:
         """The pipelined twin of `comm` (recipe.overlap, docs/numerics.md §9 "Overlap"), built once; its minimum

@@ -41,8 +41,80 @@ def test_check_flag_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
     stale.write_text(render_performance.render(render_performance.load_results()) + "\nedited by hand\n")
     monkeypatch.setattr(render_performance, "OUTPUT", stale)
     monkeypatch.setattr(render_performance, "REPOSITORY", tmp_path)
+    current_block = tmp_path / "slow_links.md"
+    current_block.write_text(render_performance.SLOW_LINKS.read_text())
+    monkeypatch.setattr(render_performance, "SLOW_LINKS", current_block)
     assert render_performance.main(["--check"]) == 1
-    assert "out of date" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == ("performance.md is out of date: run python "
+                                               "benchmarks/render_performance.py")
+
+
+def test_slow_links_block_is_rendered_from_the_results():
+    page = render_performance.SLOW_LINKS.read_text()
+    expected = render_performance.with_rendered_block(
+        page, render_performance.slow_links_block(render_performance.load_results()), "slow_links.md")
+    assert page == expected, \
+        "docs/slow_links.md's rendered block is out of date: run python benchmarks/render_performance.py"
+
+
+def test_check_flag_fails_on_a_stale_slow_links_block(tmp_path, monkeypatch, capsys):
+    page = render_performance.SLOW_LINKS.read_text()
+    stale = tmp_path / "docs" / "slow_links.md"
+    stale.parent.mkdir()
+    stale.write_text(page.replace(render_performance.BLOCK_END,
+                                  "| a row edited by hand |\n" + render_performance.BLOCK_END))
+    monkeypatch.setattr(render_performance, "SLOW_LINKS", stale)
+    monkeypatch.setattr(render_performance, "OUTPUT", tmp_path / "docs" / "performance.md")
+    monkeypatch.setattr(render_performance, "REPOSITORY", tmp_path)
+    render_performance.OUTPUT.write_text(render_performance.render(render_performance.load_results()))
+    assert render_performance.main(["--check"]) == 1
+    assert capsys.readouterr().err.strip() == (f"{pathlib.Path('docs', 'slow_links.md')} is out of date: run python "
+                                               f"benchmarks/render_performance.py")
+    assert render_performance.main([]) == 0 and "a row edited by hand" not in stale.read_text()
+    assert render_performance.main(["--check"]) == 0
+    assert stale.read_text().count(render_performance.BLOCK_BEGIN) == 1
+
+
+def test_a_page_without_its_block_markers_is_refused():
+    block = ["rendered"]
+    begin, end = render_performance.BLOCK_BEGIN, render_performance.BLOCK_END
+    for page in ("text only\n", f"{end}\n{begin}\n", f"{begin}\n{begin}\n{end}\n"):
+        with pytest.raises(ValueError, match="slow_links.md: "):
+            render_performance.with_rendered_block(page, block, "slow_links.md")
+    page = f"before\n{begin}\nold\n{end}\nafter"
+    assert render_performance.with_rendered_block(page, block, "slow_links.md") == \
+        f"before\n{begin}\nrendered\n{end}\nafter\n"
+
+
+def test_slow_links_rows_show_each_path_and_link_class(tmp_path):
+    """The gains block's rows, from an overlap and a Megatron result whose times are set by hand."""
+    record = json.loads((render_performance.RESULTS / "overlap_h100_tp4_slow.json").read_text())
+    (shape,) = record["shapes"]
+    shape["auto_path"] = "collectives"
+    shape["fwd+bwd"].update(comm=30.04, no_comm=20.0, plain=40.0, speedup=1.25, split_speedup=1.6, auto_speedup=1.5)
+    record["shapes"] = [shape, dict(shape, tokens=4096, auto_path="plain", **{"fwd+bwd": dict(shape["fwd+bwd"])})]
+    del record["shapes"][1]["fwd+bwd"]["split_speedup"]  # a result that did not measure split collectives
+    (tmp_path / "overlap_h100_tp4_slow.json").write_text(json.dumps(record))
+    _copy_result("overlap_h100_tp4_slow.json", tmp_path, "overlap_h100_tp4_two-node.json", links="two-node",
+                 torchrun_nodes=2)
+    gpt = _copy_result("megatron_gpt_h100x2_slow.json", tmp_path, "megatron_gpt_h100x2_slow.json",
+                       tokens_per_s_ratio=1.5, collectives_tokens_per_s_ratio=1.25, auto_tokens_per_s_ratio=1.75)
+    gpt["results"]["local_bf16"]["step_ms"], gpt["results"]["nvfp4"]["step_ms"] = 900.0, 600.0
+    (tmp_path / "megatron_gpt_h100x2_slow.json").write_text(json.dumps(gpt))
+    block = render_performance.slow_links_block(render_performance.load_results(tmp_path))
+    rows = [line for line in block if line.startswith("| 4 x") or line.startswith("| 2 x")]
+    assert len(rows) == 4
+    provenance = "<br>2026-11-27, commit 3557b04, torch 2.11.0+cu130 |"
+    assert rows[0] == ("| 4 x NVIDIA H100 80GB HBM3 | slow | 16384, 8192, 28672 | 30.0 ms | 20.0 ms | 40.0 ms | "
+                       "1.25x | 1.60x | 1.50x (split collectives) | [overlap_h100_tp4_slow.json]"
+                       "(../benchmarks/results/overlap_h100_tp4_slow.json)" + provenance), rows[0]
+    assert rows[1].startswith("| 4 x NVIDIA H100 80GB HBM3 | slow | 4096, 8192, 28672 | 30.0 ms | 20.0 ms | "
+                              "40.0 ms | 1.25x | not measured | 1.50x (plain) |"), rows[1]
+    assert rows[2].startswith("| 4 x NVIDIA H100 80GB HBM3 | two-node (2 nodes) | 16384,"), rows[2]
+    assert rows[3] == ("| 2 x NVIDIA H100 80GB HBM3 | slow | 4 layers, hidden 8192, seq 4096, micro-batch 8 | "
+                       "900.0 ms | 600.0 ms (auto) | 1.50x | collectives 1.25x, auto 1.75x | "
+                       "[megatron_gpt_h100x2_slow.json]"
+                       "(../benchmarks/results/megatron_gpt_h100x2_slow.json)<br>2026-11-27, commit bf97e04 |"), rows[3]
 
 
 def test_every_result_is_a_row_naming_its_command():

@@ -182,23 +182,6 @@ def test_megatron_flags_are_checked(capsys, monkeypatch):
     assert expected in capsys.readouterr().err
 
 
-def test_batch_split_flags_are_checked(capsys, monkeypatch):
-    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(worker, "run_worker", lambda plan: pytest.fail("worker started despite bad flags"))
-    for flags, expected in ((["--model", "gpt", "--batch-split", "2"], "--batch-split=2 needs --model megatron"),
-                            (["--batch-split", "0"], "--batch-split=0"),
-                            (["--model", "megatron", "--nproc", "1", "--tp", "1", "--batch-split", "2"],
-                             "--batch-split=2 needs --tp > 1"),
-                            (["--model", "megatron", "--batch-split", "3", "--micro-batch", "2"],
-                             "--batch-split=3: more parts than --micro-batch=2 sequences")):
-        if "megatron" in flags and importlib.util.find_spec("megatron") is None:
-            continue
-        with pytest.raises(SystemExit):
-            train.main(["--device", "cpu", *flags])
-        assert expected in capsys.readouterr().err, flags
-
-
 def test_fused_producers_flag_needs_the_megatron_model(capsys, monkeypatch):
     for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
         monkeypatch.delenv(variable, raising=False)
@@ -251,16 +234,6 @@ def test_megatron_model_path_trains_on_cpu(tmp_path):
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert checkpoint.latest_step(tmp_path / "checkpoints") == 6
-
-
-def test_megatron_model_trains_with_its_batch_split_on_cpu(tmp_path):
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
-    result = run_train(tmp_path, "--model", "megatron", "--batch-split", "2", "--micro-batch", "2", "--steps", "4",
-                       "--warmup-steps", "1", "--save-every", "0")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "decoder block in 2 parts of the micro-batch" in result.stdout
-    losses = [r["loss"] for r in metrics(tmp_path)]
-    assert len(losses) == 4 and losses[-1] < losses[0]
 
 
 def test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them(tmp_path):

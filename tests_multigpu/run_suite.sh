@@ -4,8 +4,7 @@
 #                                                           #   producers; layers, collectives and overlap at TP=2 and 4,
 #                                                           #   overlap over each link class; agreement checks at TP=2),
 #                                                           #   nvfp4-train, GPT convergence
-#   bash tests_multigpu/run_suite.sh megatron OUTDIR         # 4 GPUs: Megatron GPT training vs BF16 at TP=1, 2 and 4;
-#                                                           #   split_batch at TP=2 and 4 over both link classes
+#   bash tests_multigpu/run_suite.sh megatron OUTDIR         # 4 GPUs: Megatron GPT training vs BF16 at TP=1, 2 and 4
 #   bash tests_multigpu/run_suite.sh megatron-checkpoint OUTDIR  # 4 GPUs: a TP=2 checkpoint loaded at TP=2, 1 and 4
 #   bash tests_multigpu/run_suite.sh matrix OUTDIR           # 4 GPUs: the test matrix (worlds 1, 2, 4; b200 GEMM cells)
 #   bash tests_multigpu/run_suite.sh benchmarks OUTDIR       # 4 GPUs: every benchmark (GEMM, linear, all-gather, overlap,
@@ -84,8 +83,6 @@ megatron)
     lane 2,3 megatron_cases megatron_tp2 400 "2-True-0 or 2-False-1 or tp_invariant"
     wait
     megatron_cases megatron_tp4 400 "4-True-1 or 4-False-0"
-    # split_batch: 2 and 4 GPUs over NVLink and slow links, and main_grad from two streams (docs/slow_links.md)
-    step batch_split 480 python3 -m pytest -q -s tests_multigpu/test_batch_split_gpu.py
     ;;
 megatron-checkpoint)
     step megatron_checkpoint 300 env NVFP4_MEGATRON_STEPS=100 python3 -m pytest -q -s \
@@ -123,7 +120,6 @@ tests-2gpu)
     ;;
 megatron-2gpu)
     megatron_cases megatron_tp1_tp2 560 "1-False-0 or 1-False-1 or 2-True-0 or 2-False-1 or tp_invariant"
-    step batch_split_tp2 240 python3 -m pytest -q -s tests_multigpu/test_batch_split_gpu.py -k "2- or main_grad"
     ;;
 benchmarks-2gpu)
     step gemm_bench 120 python3 benchmarks/gemm.py --out "$R/gemm_$GPU.json"

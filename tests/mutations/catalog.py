@@ -207,20 +207,6 @@ MUTATIONS = (
     Mutation("megatron_row_checkpoint_axis", "megatron", "row-parallel weight checkpointed as sharded along dim 0",
              (('metadata, {"weight": 1})', 'metadata, {"weight": 0})'),),
              ("tests/test_megatron.py::test_adapters_match_megatron_contract",)),
-    Mutation("batch_split_parts_share_a_group", "megatron", "every part of split_batch communicates over the "
-             "layers' own group (one NCCL stream: the parts serialise)",
-             (("                    stack.enter_context(linear.communicating_over(group))",
-               "                    stack.enter_context(linear.communicating_over(self._groups[0]))"),),
-             ("tests/test_megatron_batch_split.py",)),
-    Mutation("batch_split_uneven_parts_reversed", "megatron", "split_batch gives the extra sample of an odd "
-             "batch to the last part instead of the first",
-             (("sizes = [batch // count + (1 if index < batch % count else 0) for index in range(count)]",
-               "sizes = [batch // count + (1 if count - 1 - index < batch % count else 0) for index in range(count)]"),),
-             ("tests/test_megatron_batch_split.py",)),
-    Mutation("twin_group_left_in_place", "megatron", "communicating_over leaves the twin group on the layer",
-             (("            self.tp_group, self.comm, self._overlapped_comm = own\n",
-               "            self.comm, self._overlapped_comm = own[1:]\n"),),
-             ("tests/test_megatron_batch_split.py",)),
     Mutation("layer_spec_unfused_by_default", "megatron", "the single-layer spec keeps Megatron's local structure "
              "unless asked (its norms outside the linears)",
              (("sdpa_attention: bool = False, fused_producers: bool = True,\n                             **local_spec_kwargs)",
