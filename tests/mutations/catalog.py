@@ -18,6 +18,10 @@ class Mutation:
 
 REFERENCE_BYTES = ("tests/test_reference_oracle.py", "tests/test_reference_golden.py")
 LAYERS = ("tests/test_layer_oracle.py",)
+TOPOLOGY_LAYERS = ("tests/test_topology_layers.py::test_layers_match_the_oracle_of_their_own_group",
+                   "tests/test_topology_megatron.py")
+TOPOLOGY_CHECKS = ("tests/test_topology_layers.py::test_group_checks_stay_within_the_group",)
+TOPOLOGY_TRAIN = ("tests/test_topology_train.py",)
 
 MUTATIONS = (
     # ------------------------------------------------------------------------------------------------ reference
@@ -221,4 +225,35 @@ MUTATIONS = (
              (('"world_size": plan.world_size, "fused_producers": plan.fused_producers}',
                '"world_size": plan.world_size, "fused_producers": args.fused_producers}'),),
              ("tests/test_train_job.py::test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them",)),
+    # ------------------------------------------------------------------------------- topology (TP x DP, TP x PP)
+    Mutation("gradient_amax_reduced_over_world", "topology", "the row-parallel SP gradient's amaxes reduced over the "
+             "world instead of the layer's TP group (mixes the data-parallel replicas' scales)",
+             (("collectives.all_reduce_amax(amaxes, self.group)", "collectives.all_reduce_amax(amaxes)"),),
+             TOPOLOGY_LAYERS),
+    Mutation("input_amax_reduced_over_world", "topology", "the column-parallel SP input's amaxes reduced over the "
+             "world instead of the layer's TP group",
+             (("amax_columnwise],\n                                    self.group)", "amax_columnwise])"),),
+             TOPOLOGY_LAYERS),
+    Mutation("finite_check_over_world", "topology", "the NaN/Inf check exchanged over the world: a NaN in one "
+             "replica stops the others", (("collectives.all_reduce_amax([agreed], group)",
+                                            "collectives.all_reduce_amax([agreed])"),),
+             TOPOLOGY_CHECKS),
+    Mutation("consistency_records_over_world", "topology", "the consistency records gathered over the world: a "
+             "disagreement in one replica stops the others",
+             (("records = collectives.all_gather_stacked(local, group).tolist()",
+               "records = collectives.all_gather_stacked(local).tolist()"),),
+             TOPOLOGY_CHECKS),
+    Mutation("ring_peers_as_group_ranks", "topology", "the pipelined ring sends to the next rank of the group as if "
+             "it were a global rank", (("next_rank = dist.get_global_rank(group, (rank + 1) % world_size) if group "
+                                        "is not None else (rank + 1) % world_size",
+                                        "next_rank = (rank + 1) % world_size"),),
+             ("tests/test_topology_layers.py::test_layers_match_the_oracle_of_their_own_group",)),
+    Mutation("sequence_parallel_grads_over_world", "topology", "nvfp4-train sums the sequence-parallel gradients "
+             "over the world instead of the TP group", (("    dist.all_reduce(flat, group=tp_group)\n",
+                                                         "    dist.all_reduce(flat)\n"),),
+             TOPOLOGY_TRAIN),
+    Mutation("gradient_norm_over_world", "topology", "nvfp4-train's gradient norm sums the sharded squares over the "
+             "world instead of the TP group", (("dist.all_reduce(sharded_sq, group=tp_group)",
+                                                "dist.all_reduce(sharded_sq)"),),
+             TOPOLOGY_TRAIN),
 )
