@@ -8,9 +8,10 @@ size, which cannot mismatch, after which every rank raises the same way:
   one small MAX all-reduce (parallel/collectives.py: NaN sent as +inf, so no transport drops it); a NaN/Inf
   on any rank raises NonFiniteAmaxError on every rank (on CUDA at a later check, like every CUDA check:
   nvfp4_dist/finite_check.py), naming the operand, the layer and whether this rank's shard is at fault.
-- check_consistency: a layer's configuration, recipe and this call's input as fixed-size int64 records,
-  all-gathered; a difference raises TensorParallelMismatchError on every rank naming the layer, the field
-  and each rank's value. Only plain integers travel (no pickled objects).
+- check_consistency: a layer's configuration, recipe and this call's input (layer_fields: the options, the
+  parameters' presence, dtypes and requires_grad, the grad mode, the input's shape, dtype and requires_grad) as
+  fixed-size int64 records, all-gathered; a difference raises TensorParallelMismatchError on every rank naming
+  the layer, the field and each rank's value. Only plain integers travel (no pickled objects).
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from nvfp4_dist import finite_check
+from nvfp4_dist.linear import describe_layer
 from nvfp4_dist.parallel import collectives
+from nvfp4_dist.recipe import NVFP4Recipe
 
 GROUP = "tensor-parallel rank"
 RECORD_SLOTS = 256          # int64 entries of one consistency record (fields beyond this are a program error)
@@ -97,6 +100,37 @@ def recipe_fields(recipe) -> list:
         kind = "int" if isinstance(value, int) and -2 ** 63 <= value < 2 ** 63 else "text"
         fields.append((f"recipe.{field.name}", kind, value))
     return fields
+
+
+def parameter_fields(name: str, parameter) -> list:
+    """Whether a parameter exists, its dtype and whether it takes a gradient (backward communicates for it)."""
+    present = parameter is not None
+    return [(name, "int", present), (f"{name} dtype", "dtype", parameter.dtype if present else None),
+            (f"{name}.requires_grad", "int", present and parameter.requires_grad)]
+
+
+def layer_fields(layer, x, recipe) -> list:
+    """(name, kind, value) of everything the ranks of a parallel layer's group must agree on for a forward of x with
+    `recipe` (None: the BF16 path): what decides which collectives run, in forward and in backward, and their
+    shapes and dtypes, and what makes the replicated results equal. layer: a parallel/layers.py layer, whose
+    _options() adds its class's own options."""
+    is_tensor = isinstance(x, torch.Tensor)
+    fields = [("layer", "text", describe_layer(layer)), ("tensor-parallel size", "int", layer.world_size),
+              ("in_features", "int", layer.in_features), ("out_features", "int", layer.out_features),
+              ("local weight shape", "shape", tuple(layer.weight.shape)),
+              ("weight dtype", "dtype", layer.weight.dtype), ("weight.requires_grad", "int", layer.weight.requires_grad),
+              *parameter_fields("bias", layer.bias),
+              ("sequence_parallel", "int", layer.sequence_parallel), ("skip_bias_add", "int", layer.skip_bias_add),
+              ("accumulate_into_main_grad", "int", layer.accumulate_into_main_grad),
+              ("delay_wgrad", "int", layer.delay_wgrad),
+              *layer._options(),
+              ("NVFP4 (not bf16_fallback, autocast(enabled=False) or a \"bf16\" recipe map entry)", "int",
+               recipe is not None),
+              ("grad enabled", "int", torch.is_grad_enabled()),
+              ("input shape", "shape", tuple(x.shape) if is_tensor else ()),
+              ("input dtype", "dtype", x.dtype if is_tensor else None),
+              ("input.requires_grad", "int", is_tensor and x.requires_grad)]
+    return fields + recipe_fields(recipe if recipe is not None else NVFP4Recipe())
 
 
 def _exchange_device(group) -> torch.device:

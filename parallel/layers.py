@@ -259,21 +259,8 @@ class _ParallelLinear(torch.nn.Module):
         compare = self.world_size > 1 and (not self.consistency_checked or environment.CHECK_TP_CONSISTENCY.read())
         if compare:
             self.consistency_checked = True
-            is_tensor = isinstance(x, torch.Tensor)
-            fields = [("layer", "text", describe_layer(self)), ("tensor-parallel size", "int", self.world_size),
-                      ("in_features", "int", self.in_features), ("out_features", "int", self.out_features),
-                      ("local weight shape", "shape", tuple(self.weight.shape)),
-                      ("weight dtype", "dtype", self.weight.dtype), ("bias", "int", self.bias is not None),
-                      ("sequence_parallel", "int", self.sequence_parallel), *self._options(),
-                      ("NVFP4 (not bf16_fallback, autocast(enabled=False) or a \"bf16\" recipe map entry)", "int",
-                       recipe is not None),
-                      ("grad enabled", "int", torch.is_grad_enabled()),
-                      ("weight.requires_grad", "int", self.weight.requires_grad),
-                      ("input shape", "shape", tuple(x.shape) if is_tensor else ()),
-                      ("input dtype", "dtype", x.dtype if is_tensor else None),
-                      ("input.requires_grad", "int", is_tensor and x.requires_grad)]
-            fields += group_checks.recipe_fields(recipe if recipe is not None else NVFP4Recipe())
-            group_checks.check_consistency(describe_layer(self), fields, self.tp_group, problem)
+            group_checks.check_consistency(describe_layer(self), group_checks.layer_fields(self, x, recipe),
+                                           self.tp_group, problem)
         if problem is not None:
             raise ValueError(problem)
 
@@ -318,7 +305,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def _options(self):
         return [("gather_output", "int", self.gather_output),
                 ("keep_input_columnwise", "int", self.comm.keep_input_columnwise),
-                ("input_norm", "text", self.input_norm or "none")]
+                ("input_norm", "text", self.input_norm or "none"), ("norm_eps", "text", self.norm_eps),
+                ("zero_centered_gamma", "int", self.zero_centered_gamma),
+                *group_checks.parameter_fields("layer_norm_weight", getattr(self, "layer_norm_weight", None)),
+                *group_checks.parameter_fields("layer_norm_bias", getattr(self, "layer_norm_bias", None))]
 
     def _add_input_norm(self, input_norm, eps, zero_centered_gamma, dtype, device) -> None:
         if input_norm is not None and input_norm not in NORMALIZATIONS:

@@ -22,6 +22,7 @@ TOPOLOGY_LAYERS = ("tests/test_topology_layers.py::test_layers_match_the_oracle_
                    "tests/test_topology_megatron.py")
 TOPOLOGY_CHECKS = ("tests/test_topology_layers.py::test_group_checks_stay_within_the_group",)
 TOPOLOGY_TRAIN = ("tests/test_topology_train.py",)
+CONSISTENCY = ("tests/test_parallel_consistency.py",)
 
 MUTATIONS = (
     # ------------------------------------------------------------------------------------------------ reference
@@ -256,4 +257,22 @@ MUTATIONS = (
              "world instead of the TP group", (("dist.all_reduce(sharded_sq, group=tp_group)",
                                                 "dist.all_reduce(sharded_sq)"),),
              TOPOLOGY_TRAIN),
+    # ------------------------------------------------------------------------------ tensor-parallel consistency
+    Mutation("consistency_without_grad_mode", "consistency", "the consistency record leaves out the grad mode "
+             "(a rank under torch.no_grad() beside one with grad)",
+             (('              ("grad enabled", "int", torch.is_grad_enabled()),\n', ""),), CONSISTENCY),
+    Mutation("consistency_without_weight_requires_grad", "consistency", "the consistency record leaves out "
+             "weight.requires_grad", ((', ("weight.requires_grad", "int", layer.weight.requires_grad),', ","),),
+             CONSISTENCY),
+    Mutation("consistency_without_input_requires_grad", "consistency", "the consistency record leaves out "
+             "input.requires_grad", ((',\n              ("input.requires_grad", "int", is_tensor and x.requires_grad)]',
+                                      "]"),), CONSISTENCY),
+    Mutation("consistency_without_parameter_requires_grad", "consistency", "the consistency record leaves out "
+             "whether the bias (and norm parameters) take a gradient",
+             ((',\n            (f"{name}.requires_grad", "int", present and parameter.requires_grad)]', "]"),),
+             CONSISTENCY),
+    Mutation("consistency_without_input_dtype", "consistency", "the consistency record leaves out the input dtype",
+             (('              ("input dtype", "dtype", x.dtype if is_tensor else None),\n', ""),), CONSISTENCY),
+    Mutation("consistency_without_delay_wgrad", "consistency", "the consistency record leaves out delay_wgrad",
+             (('              ("delay_wgrad", "int", layer.delay_wgrad),\n', ""),), CONSISTENCY),
 )
