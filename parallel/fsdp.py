@@ -140,6 +140,7 @@ class NVFP4ShardedWeight(torch.Tensor):
                                    "form per parameter")
             return None  # out is a view of the all-gather output, which holds the new values
         _, names, shard_meta, amax, world_size, recipe, columnwise = metadata
+        amax = amax.clone()  # the gathered weight's own: FSDP frees its storage with the weight's at reshard
         shard_q = dataclasses.replace(shard_meta, amax_rowwise=amax, amax_columnwise=amax)
         q = sharded_weight.assemble_gathered(shard_q, dict(zip(names, all_gather_outputs)), world_size,
                                              columnwise=columnwise)
