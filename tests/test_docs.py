@@ -1,5 +1,6 @@
-"""The documentation holds together: docs/performance.md is what benchmarks/render_performance.py renders from
-benchmarks/results/, and every relative link and every repository path that README.md and docs/*.md cite exists."""
+"""The documentation holds together: docs/performance.md and the rendered block of docs/slow_links.md are what
+benchmarks/render_performance.py renders from benchmarks/results/, and every relative link and every repository path
+that README.md and docs/*.md cite exists."""
 import ast
 import copy
 import json
