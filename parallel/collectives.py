@@ -1,6 +1,8 @@
 """Tensor-parallel communication primitives (docs/numerics.md §9): plain functions over a torch.distributed group.
 
 NCCL on GPUs, gloo on CPUs; no autograd inside. `group=None` is the default (world) group.
+A collective that does not complete within its group's timeout raises CollectiveTimeoutError naming the layer,
+the group and the ranks that did not arrive (parallel/collective_timeout.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from nvfp4_dist import ops
 from nvfp4_dist.tensor import NVFP4Tensor
 from nvfp4_dist.parallel import symmetric
+from nvfp4_dist.parallel.collective_timeout import CollectiveTimeoutError, guarded  # noqa: F401 (re-exported)
 
 # torch >= 2.13 renamed the single-tensor collectives; older releases only have the *_tensor names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,7 +51,7 @@ def all_reduce_amax(amaxes: list, group=None, *, peer_memory: bool | None = None
         symmetric.all_reduce_max(present, group)
         return amaxes
     flat = torch.cat([amax.reshape(-1) for amax in present])
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    guarded("all-reduce of amaxes", group, lambda: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group))
     offset = 0
     for amax in present:
         amax.copy_(flat[offset:offset + amax.numel()].view_as(amax))
@@ -87,10 +90,11 @@ def _assemble(q: NVFP4Tensor, gathered: dict, world_size: int, swapped: bool = F
 
 
 def _gather_packed(pieces: dict, group, world_size: int, async_op: bool):
-    """One all-gather of a byte buffer holding every piece; returns (work, unpack)."""
+    """One all-gather of a byte buffer holding every piece; returns (work, wait, unpack)."""
     packed = torch.cat([_as_bytes(t) for t in pieces.values()])
     out = torch.empty(world_size * packed.numel(), dtype=torch.uint8, device=packed.device)
-    work = _all_gather_single(out, packed, group=group, async_op=async_op)
+    work, wait = guarded("NVFP4 all-gather", group,
+                         lambda: _all_gather_single(out, packed, group=group, async_op=async_op))
 
     def unpack() -> dict:
         per_rank = out.view(world_size, packed.numel())
@@ -101,17 +105,21 @@ def _gather_packed(pieces: dict, group, world_size: int, async_op: bool):
             result[name] = chunk.reshape(world_size * t.shape[0], *t.shape[1:])
             offset += size
         return result
-    return work, unpack
+    return work, wait, unpack
 
 
 def _gather_coalesced(pieces: dict, group, world_size: int, async_op: bool):
-    """One grouped launch of per-piece all-gathers straight into their final buffers (NCCL)."""
+    """One grouped launch of per-piece all-gathers straight into their final buffers (NCCL); (work, wait, unpack)."""
     outputs = {name: torch.empty((world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
                for name, t in pieces.items()}
-    with dist._coalescing_manager(group=group, async_ops=async_op) as manager:
-        for name, t in pieces.items():
-            _all_gather_single(_as_bytes(outputs[name]), _as_bytes(t), group=group)
-    return (manager if async_op else None), (lambda: outputs)
+
+    def launch():
+        with dist._coalescing_manager(group=group, async_ops=async_op) as manager:
+            for name, t in pieces.items():
+                _all_gather_single(_as_bytes(outputs[name]), _as_bytes(t), group=group)
+        return manager if async_op else None
+    work, wait = guarded("NVFP4 all-gather", group, launch)
+    return work, wait, (lambda: outputs)
 
 
 def all_gather_nvfp4(q: NVFP4Tensor, group=None, async_op: bool = False, *, packed: bool | None = None,
@@ -142,11 +150,11 @@ def all_gather_nvfp4(q: NVFP4Tensor, group=None, async_op: bool = False, *, pack
     if packed is None:
         packed = dist.get_backend(group) != "nccl"
     gather = _gather_packed if packed else _gather_coalesced
-    work, collect = gather(pieces, group, world_size, async_op)
+    work, wait, collect = gather(pieces, group, world_size, async_op)
 
     def finish() -> NVFP4Tensor:
         if work is not None:
-            work.wait()
+            wait(work)
         return _assemble(q, collect(), world_size)
     return (work, finish) if async_op else finish()
 
@@ -158,12 +166,12 @@ def all_gather_bf16(x: torch.Tensor, group=None, async_op: bool = False):
         return (None, lambda: x) if async_op else x
     x = x.contiguous()
     out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    work, wait = guarded("all-gather", group, lambda: _all_gather_single(out, x, group=group, async_op=async_op))
     if not async_op:
         return out
 
     def finish() -> torch.Tensor:
-        work.wait()
+        wait(work)
         return out
     return work, finish
 
@@ -174,7 +182,7 @@ def all_gather_stacked(x: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
     if group_size(group) == 1:
         return out.copy_(x.unsqueeze(0))
-    _all_gather_single(out.view(-1), x.view(-1), group=group)
+    guarded("all-gather", group, lambda: _all_gather_single(out.view(-1), x.view(-1), group=group))
     return out
 
 
@@ -197,13 +205,14 @@ def reduce_scatter_bf16(x: torch.Tensor, group=None, async_op: bool = False, out
     else:
         x = x.contiguous()
         out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
-        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+        work, wait = guarded("reduce-scatter", group,
+                             lambda: _reduce_scatter_single(out, x, group=group, async_op=async_op))
     if not async_op:
         return out
 
     def finish() -> torch.Tensor:
         if work is not None:
-            work.wait()
+            wait(work)
         return out
     return work, finish
 
@@ -213,7 +222,7 @@ def all_reduce_bf16(x: torch.Tensor, group=None) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    guarded("all-reduce", group, lambda: dist.all_reduce(x, group=group))
     return x
 
 

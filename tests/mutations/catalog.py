@@ -23,6 +23,7 @@ TOPOLOGY_LAYERS = ("tests/test_topology_layers.py::test_layers_match_the_oracle_
 TOPOLOGY_CHECKS = ("tests/test_topology_layers.py::test_group_checks_stay_within_the_group",)
 TOPOLOGY_TRAIN = ("tests/test_topology_train.py",)
 CONSISTENCY = ("tests/test_parallel_consistency.py",)
+TIMEOUTS = ("tests/test_parallel_timeouts.py",)
 
 MUTATIONS = (
     # ------------------------------------------------------------------------------------------------ reference
@@ -214,8 +215,8 @@ MUTATIONS = (
              ("tests/test_megatron.py::test_adapters_match_megatron_contract",)),
     Mutation("layer_spec_unfused_by_default", "megatron", "the single-layer spec keeps Megatron's local structure "
              "unless asked (its norms outside the linears)",
-             (("sdpa_attention: bool = False, fused_producers: bool = True,\n                             **local_spec_kwargs)",
-               "sdpa_attention: bool = False, fused_producers: bool = False,\n                             **local_spec_kwargs)"),),
+             (("sdpa_attention: bool = True, fused_producers: bool = True,\n                             **local_spec_kwargs)",
+               "sdpa_attention: bool = True, fused_producers: bool = False,\n                             **local_spec_kwargs)"),),
              ("tests/test_megatron.py::test_specs_fuse_the_producers_at_tp2",)),
     # ---------------------------------------------------------------------------------------------- checkpointing
     Mutation("checkpoint_rng_not_restored", "checkpoint", "resuming from a checkpoint leaves torch's RNG unrestored",
@@ -262,7 +263,7 @@ MUTATIONS = (
              "(a rank under torch.no_grad() beside one with grad)",
              (('              ("grad enabled", "int", torch.is_grad_enabled()),\n', ""),), CONSISTENCY),
     Mutation("consistency_without_weight_requires_grad", "consistency", "the consistency record leaves out "
-             "weight.requires_grad", ((', ("weight.requires_grad", "int", layer.weight.requires_grad),', ","),),
+             "weight.requires_grad", (('              ("weight.requires_grad", "int", layer.weight.requires_grad),\n', ""),),
              CONSISTENCY),
     Mutation("consistency_without_input_requires_grad", "consistency", "the consistency record leaves out "
              "input.requires_grad", ((',\n              ("input.requires_grad", "int", is_tensor and x.requires_grad)]',
@@ -275,4 +276,14 @@ MUTATIONS = (
              (('              ("input dtype", "dtype", x.dtype if is_tensor else None),\n', ""),), CONSISTENCY),
     Mutation("consistency_without_delay_wgrad", "consistency", "the consistency record leaves out delay_wgrad",
              (('              ("delay_wgrad", "int", layer.delay_wgrad),\n', ""),), CONSISTENCY),
+    # ------------------------------------------------------------------------------------- collective timeouts
+    Mutation("collective_timeout_unexplained", "timeouts", "a layer's collective that times out raises gloo's bare "
+             "error (no layer, group or missing rank)",
+             (("            if not any(word in str(error).lower() for word in _TIMEOUT_WORDS):\n",
+               "            if True:\n"),), TIMEOUTS),
+    Mutation("collective_timeout_arrivals_inverted", "timeouts", "the ranks that reported arriving are named as "
+             "the ones that did not", (("missing = [rank for rank in missing if not store.check([f\"{prefix}/{rank}\"])]",
+                                        "missing = [rank for rank in missing if store.check([f\"{prefix}/{rank}\"])]"),),
+             TIMEOUTS),
 )
+
