@@ -91,7 +91,7 @@ def run_shape(rows: int, cols: int) -> list[dict]:
         return lambda: extension.quantize(
             inp, a_row if rowwise else None, a_col if columnwise else None, row_data if rowwise else None,
             row_scale if rowwise else None, col_data if columnwise else None, col_scale if columnwise else None,
-            row_scaled, block_2d, rht, True, sr, 12345, 0, four_over_six is not None, bound, mse, fast, stream)
+            row_scaled, block_2d, rht, True, sr, 12345, None, 0, four_over_six is not None, bound, mse, fast, stream)
 
     def amax_pass(inp):
         return lambda: extension.amax_tensor(inp, scratch, stream)

@@ -94,8 +94,9 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
               const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
               const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
               const std::optional<at::Tensor>& columnwise_scale, bool row_scaled, bool block_2d, bool rht,
-              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed, int64_t sr_row_offset,
-              bool four_over_six, int64_t e4m3_bound, bool four_over_six_mse, bool four_over_six_fast_math,
+              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed,
+              const std::optional<at::Tensor>& sr_seed_device, int64_t sr_row_offset, bool four_over_six,
+              int64_t e4m3_bound, bool four_over_six_mse, bool four_over_six_fast_math,
               int64_t stream) {
   check_input(x);
   TORCH_CHECK(rowwise_data.has_value() == amax_rowwise.has_value() && rowwise_data.has_value() == rowwise_scale.has_value(),
@@ -115,12 +116,29 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   args.rht_random_sign = rht_random_sign;
   args.stochastic_rounding = stochastic_rounding;
   args.sr_seed = static_cast<uint64_t>(sr_seed);
+  if (sr_seed_device.has_value()) {
+    check_device_tensor(*sr_seed_device, "sr_seed_device");
+    TORCH_CHECK(sr_seed_device->scalar_type() == at::kLong && sr_seed_device->numel() == 1,
+                "nvfp4_dist._C.quantize: sr_seed_device must be one int64 value");
+    args.sr_seed_device = sr_seed_device->data_ptr<int64_t>();
+  }
   args.sr_row_offset = sr_row_offset;
   args.four_over_six = four_over_six;
   args.e4m3_bound = static_cast<int>(e4m3_bound);
   args.four_over_six_mse = four_over_six_mse;
   args.four_over_six_fast_math = four_over_six_fast_math;
   check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize");
+}
+
+void record_nonfinite(const at::Tensor& values, at::Tensor& record, int64_t stream) {
+  check_device_tensor(values, "values");
+  TORCH_CHECK(values.scalar_type() == at::kFloat && record.scalar_type() == at::kFloat,
+              "nvfp4_dist._C.record_nonfinite: values and record must be float32");
+  TORCH_CHECK(!record.is_cuda() && record.is_pinned() && record.is_contiguous() && record.numel() == values.numel(),
+              "nvfp4_dist._C.record_nonfinite: record must be a contiguous pinned host tensor of values' size");
+  check_launch(nvfp4::launch_record_nonfinite(values.data_ptr<float>(), values.numel(), record.data_ptr<float>(),
+                                              as_stream(stream)),
+               "record_nonfinite");
 }
 
 void dequantize_rowwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
@@ -501,6 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
   m.def("amax_columns", &amax_columns, "max |x| of each column (after the RHT of its 16-row chunks) into amax (cols,)");
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
+  m.def("record_nonfinite", &record_nonfinite, "keep NaN/Inf values in a pinned host record (CUDA graphs)");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
   m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");
   m.def("cublaslt_gemm", &cublaslt_gemm, "alpha * A . B^T (+ bias) or += it, alpha from the amaxes on the device");

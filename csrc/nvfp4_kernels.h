@@ -44,6 +44,7 @@ struct QuantizeArgs {
   bool rht_random_sign;
   bool stochastic_rounding;
   uint64_t sr_seed;
+  const int64_t* sr_seed_device; // or null: the seed read on the device (drawn there; a CUDA graph redraws it each replay)
   int64_t sr_row_offset;
   bool four_over_six;            // 4over6 block scaling (docs/numerics.md §12): no RHT, no SR, row_scaled rowwise only
   int e4m3_bound;                // B of S_enc = 6 B / amax: 448, or 256 (4over6 only)
@@ -51,6 +52,9 @@ struct QuantizeArgs {
   bool four_over_six_fast_math;  // that error in the scaled domain (docs/numerics.md §12.4)
 };
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
+// nonfinite_record.cu: record[i] = values[i] where values[i] is NaN/Inf and record[i] is still finite; record in
+// pinned host memory (nvfp4_dist/finite_check.py, checks inside CUDA graphs).
+cudaError_t launch_record_nonfinite(const float* values, int64_t count, float* record, cudaStream_t stream);
 // quantize_4over6.cu: the cast of args.four_over_six (launch_quantize calls it).
 cudaError_t launch_quantize_4over6(const QuantizeArgs& args, cudaStream_t stream);
 

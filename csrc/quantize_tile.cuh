@@ -290,13 +290,14 @@ constexpr bool kNextCopyAfterRowwise = kRHT;
 // singles, one per multiprocessor (two for the RHT cast that rounds to nearest), end half-way through
 // the first wave's pairs, so that the CTAs after them start (and load) out of step with the rest,
 // instead of every CTA loading at once and then computing at once; the last CTAs to start, about one
-// wave of them, take one tile, so the wave that ends the grid is half as long. sr_keys: the Philox round
-// keys of args.sr_seed, in the kernel's parameters (constant memory) rather than computed per Philox call.
+// wave of them, take one tile, so the wave that ends the grid is half as long. sr_keys_of_seed: the Philox
+// round keys of args.sr_seed, in the kernel's parameters (constant memory) rather than computed per Philox call;
+// with args.sr_seed_device, each thread computes the keys of the seed in device memory once instead.
 template <typename T, bool k2D, bool kRHT, bool kRandomSign, bool kSR, typename Producer>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultiprocessor
                                               : (kPrefetchNextTile<T, kRHT, kSR> ? kMinTilesPerMultiprocessorPaired
                                                                                  : kMinTilesPerMultiprocessorNearest))
-    quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys,
+    quantize_tile_kernel(const QuantizeArgs args, const __grid_constant__ StochasticRoundingKeys sr_keys_of_seed,
                          const TileOrder order, const int leading_singles, const int paired_ctas,
                          const Producer producer) {
   static_assert(!Producer::kTransforms || (std::is_same_v<T, __nv_bfloat16> && !k2D && !kSR),
@@ -310,6 +311,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
   __shared__ uint32_t tile_amax_2d_bits[k2D ? kRowBlocksPerTile : 1][kColBlocksPerTile];
   __shared__ __align__(16) uint8_t codes_2d[k2D && !kSR ? kTileRows * CodeTile::kRowBytes : 1];
   __shared__ typename Producer::Staged staged;  // the producer's data for the tile (CastOfInput: none)
+  const StochasticRoundingKeys sr_keys =
+      kSR && args.sr_seed_device != nullptr
+          ? stochastic_rounding_keys(static_cast<uint64_t>(*args.sr_seed_device))
+          : sr_keys_of_seed;
   using Layout = TileLayout<T>;
   // behind the tiles: e_b per scale byte (encode_block's), rowwise and columnwise, and S_enc * fp32(1/6) of each
   float(*const encode_of_scale)[kPositiveScales] =

@@ -6,7 +6,13 @@ CUDA, reading them would make the host wait for the GPU at every quantize (the h
 the kernels, and the overlapped layers' transfers could not be queued early): instead each check copies the
 values to pinned host memory behind an event, and the error is raised by the first later check (or
 raise_pending_nonfinite()) that sees the copy landed. At most MAX_PENDING checks wait; beyond that the
-oldest is waited for.
+oldest is waited for (a bound on memory the host never reaches in practice: the GPU's launch queue stops it first).
+
+Inside a CUDA graph capture a check launches a kernel that folds its values into a slice of pinned host memory
+(replays run no Python, so nothing could explain them at once): the first NaN/Inf of any replay stays there. The
+host reads those records without waiting for the GPU at every optimizer step (a pre-step hook, so the step that
+would apply the bad gradients is refused when the GPU got there first) and at every eager check, and raises naming
+the check as an eager call would; raise_pending_nonfinite() waits for the GPU, then reads both kinds.
 
 operand_values / explain_operands describe the amaxes of quantized tensors: which tensor (x, the input, the
 weight or the gradient of a layer), which copy, whether it holds NaN/Inf or is finite but overflows in the
@@ -20,10 +26,11 @@ import math
 from typing import Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nvfp4_dist.tensor import NVFP4Tensor
 
-MAX_PENDING = 64
+MAX_PENDING = 4096
 
 
 class NonFiniteAmaxError(ValueError):
@@ -39,13 +46,70 @@ _pending: collections.deque = collections.deque()  # (event, pinned host values,
 
 def _settle(wait: bool) -> None:
     """Explain the finished checks (all of them when wait) in order; raise for the first that finds a problem."""
-    while _pending and (wait or len(_pending) > MAX_PENDING or _pending[0][0].query()):
-        event, values, explain = _pending.popleft()
-        event.synchronize()
+    while _pending:
+        event, values, explain = _pending[0]
+        if wait or len(_pending) > MAX_PENDING:
+            event.synchronize()
+        elif not event.query():
+            break
+        _pending.popleft()
         message = explain(values.tolist())
         if message is not None:
             _pending.clear()  # later checks belong to the step this error abandons
             raise NonFiniteAmaxError(message + _DEFERRED + _ADVICE)
+
+
+class _CapturedChecks:
+    """The checks recorded inside CUDA graph captures: per check, a slice of a pinned host record that each replay
+    folds its values into (csrc/nonfinite_record.cu keeps the first NaN/Inf of every entry) and `explain`. The
+    host reads the record whenever it likes, without waiting for the GPU."""
+
+    POOL_VALUES = 4096  # pinned floats allocated at a time (before capture: pinned allocation is not capturable)
+
+    def __init__(self):
+        self.pool, self.used = None, 0
+        self.slots: list = []  # (record slice, explain)
+        self.hook = None
+
+    def reserve(self) -> None:
+        """Allocate the pinned pool ahead of any capture (called by every eager CUDA check)."""
+        if self.pool is None or self.used > self.POOL_VALUES // 2:
+            self.pool, self.used = torch.zeros(self.POOL_VALUES, dtype=torch.float32, pin_memory=True), 0
+
+    def record(self, values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
+        if self.pool is None or self.used + values.numel() > self.pool.numel():
+            raise RuntimeError("a NaN/Inf check inside a CUDA graph capture found no free pinned record: run the "
+                               "captured layers once eagerly before capturing them (warm-up), as "
+                               "torch.cuda.make_graphed_callables does")
+        record = self.pool[self.used:self.used + values.numel()]
+        self.used += values.numel()
+        from nvfp4_dist._extension import load_extension, stream_handle
+        load_extension().record_nonfinite(values.contiguous(), record, stream_handle(values.device))
+        self.slots.append((record, explain))
+        if self.hook is None:
+            self.hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: self.settle(wait=False))
+
+    def settle(self, wait: bool) -> None:
+        """Raise for the first captured check whose record holds a NaN/Inf (after the GPU's queued work when
+        `wait`), and clear the records."""
+        if not self.slots or torch.cuda.is_current_stream_capturing():
+            return
+        if wait:
+            torch.cuda.synchronize()
+        for record, explain in self.slots:
+            values = record.tolist()
+            if all(math.isfinite(value) for value in values):
+                continue
+            message = explain(values)
+            for other, _ in self.slots:
+                other.zero_()  # reported once; later replays record their own values
+            if message is not None:
+                raise NonFiniteAmaxError(message + _CAPTURED + _ADVICE)
+
+
+_captured = _CapturedChecks()
+_CAPTURED = (" (checked inside a CUDA graph replay, read at a later optimizer step, eager check or "
+             "nvfp4_dist.raise_pending_nonfinite())")
 
 
 def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
@@ -57,17 +121,24 @@ def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
         if message is not None:
             raise NonFiniteAmaxError(message + _ADVICE)
         return
+    if torch.cuda.is_current_stream_capturing():
+        _captured.record(values, explain)
+        return
+    _captured.reserve()
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     _pending.append((event, host, explain))
     _settle(wait=False)
+    _captured.settle(wait=False)
 
 
 def raise_pending_nonfinite() -> None:
-    """Wait for every pending CUDA check and raise NonFiniteAmaxError if one found a NaN/Inf amax."""
+    """Wait for every pending CUDA check, and for the values of the checks captured in CUDA graphs as their last
+    replays left them; raise NonFiniteAmaxError if one found a NaN/Inf amax."""
     _settle(wait=True)
+    _captured.settle(wait=True)
 
 
 def _maximum(amax: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -92,11 +92,12 @@ def _check_amax(amax: torch.Tensor, name: str, numel: int, device: torch.device)
 
 def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True,
                     block_2d: bool = False, rht: bool = False, rht_random_sign: bool = True,
-                    row_scaled: bool = False, sr_seed: int | None = None, sr_row_offset: int = 0,
+                    row_scaled: bool = False, sr_seed: int | torch.Tensor | None = None, sr_row_offset: int = 0,
                     amax_rowwise: torch.Tensor | None = None,
                     amax_columnwise: torch.Tensor | None = None,
                     four_over_six: FourOverSix | None = None) -> NVFP4Tensor:
-    """Quantize x (viewed as [M, K]) into an NVFP4Tensor with the CUDA kernels (same contract as the reference)."""
+    """Quantize x (viewed as [M, K]) into an NVFP4Tensor with the CUDA kernels (same contract as the reference).
+    sr_seed: an int, or one int64 on x's device that the kernel reads there (ops.draw_sr_seed)."""
     check_copy_options(columnwise=columnwise, block_2d=block_2d, rht=rht, row_scaled=row_scaled,
                        stochastic=sr_seed is not None, four_over_six=four_over_six)
     if not (rowwise or columnwise):
@@ -105,7 +106,11 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
         raise ValueError(f"x.shape={tuple(x.shape)}: need at least 1 dim ([..., K])")
     x2d = x.reshape(-1, x.shape[-1])
     _check_input(x2d, columnwise=columnwise, block_2d=block_2d, rht=rht)
-    if sr_seed is not None and not 0 <= sr_seed < _MAX_SEED:
+    if isinstance(sr_seed, torch.Tensor):
+        if sr_seed.dtype != torch.int64 or sr_seed.numel() != 1 or sr_seed.device != x2d.device:
+            raise ValueError(f"sr_seed: a seed tensor must hold one int64 on {x2d.device}, got {sr_seed.dtype} "
+                             f"{tuple(sr_seed.shape)} on {sr_seed.device}")
+    elif sr_seed is not None and not 0 <= sr_seed < _MAX_SEED:
         raise ValueError(f"sr_seed={sr_seed}: must be an integer in [0, 2**64)")
     if not isinstance(sr_row_offset, int) or sr_row_offset < 0:
         raise ValueError(f"sr_row_offset={sr_row_offset!r}: must be an integer >= 0")
@@ -144,17 +149,20 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
 
 def launch_quantize(x2d: torch.Tensor, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data,
                     columnwise_scale, *, row_scaled: bool = False, block_2d: bool = False, rht: bool = False,
-                    rht_random_sign: bool = True, sr_seed: int | None = None, sr_row_offset: int = 0,
-                    four_over_six: FourOverSix | None = None) -> None:
+                    rht_random_sign: bool = True, sr_seed: int | torch.Tensor | None = None,
+                    sr_row_offset: int = 0, four_over_six: FourOverSix | None = None) -> None:
     """The quantize kernel into preallocated copies (a copy's data, scale and amax all None when not wanted), on
     the current stream: quantize_tensor's launch, for callers that own their outputs (benchmarks)."""
-    seed = 0 if sr_seed is None else sr_seed
+    seed_device = sr_seed if isinstance(sr_seed, torch.Tensor) else None
+    seed = 0 if sr_seed is None or seed_device is not None else sr_seed
     e4m3_bound = E4M3_BOUND if four_over_six is None else four_over_six.e4m3_bound
     load_extension().quantize(
         x2d, amax_rowwise, amax_columnwise, rowwise_data,
-        None if rowwise_scale is None else rowwise_scale.view(torch.uint8), columnwise_data, None if columnwise_scale is None else columnwise_scale.view(torch.uint8),
+        None if rowwise_scale is None else rowwise_scale.view(torch.uint8), columnwise_data,
+        None if columnwise_scale is None else columnwise_scale.view(torch.uint8),
         row_scaled, block_2d, rht, rht_random_sign, sr_seed is not None,
-        seed - _MAX_SEED if seed >= 2 ** 63 else seed, sr_row_offset, four_over_six is not None, e4m3_bound,
+        seed - _MAX_SEED if seed >= 2 ** 63 else seed, seed_device, sr_row_offset, four_over_six is not None,
+        e4m3_bound,
         four_over_six is not None and four_over_six.err_mode == "MSE",
         four_over_six is not None and four_over_six.fast_math, stream_handle(x2d.device))
 

@@ -184,7 +184,15 @@ class WeightCache:
         return self.values is None or torch.equal(self.values, weight.detach())
 
     def get(self, weight: torch.Tensor, recipe: NVFP4Recipe, *, columnwise: bool = True) -> NVFP4Tensor:
-        """The weight quantized with `recipe` (rowwise, and columnwise when asked), from the cache if current."""
+        """The weight quantized with `recipe` (rowwise, and columnwise when asked), from the cache if current.
+
+        Inside a CUDA graph capture the weight is always quantized, in the graph: optimizers update it in place
+        between replays, which a replay cannot see from the host, so each replay quantizes the current values
+        (and the cache is left empty, so that the next eager call quantizes again too)."""
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.invalidate()
+            self.quantizations += 1
+            return quantize_weight(weight, recipe, columnwise=columnwise)
         key = (weight_signature(weight), recipe, columnwise)
         if self.key is None or not self._current(weight, key):
             self.invalidate()
@@ -286,8 +294,8 @@ class LinearOptions:
 
 
 def _accumulate_in_stream_order(weight: torch.Tensor, compute: Callable) -> None:
-    """compute(weight.main_grad), after the previous accumulation into it when that ran on another CUDA stream (the
-    parts of parallel/megatron/batch_split.py run their backwards on streams of their own)."""
+    """compute(weight.main_grad), after the previous accumulation into it when that ran on another CUDA stream (a
+    backward run on a side stream, as CUDA graph capture and warm-up do)."""
     buffer = weight.main_grad
     if not buffer.is_cuda:
         compute(buffer)
@@ -425,7 +433,7 @@ def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype,
     communication (LinearComm.dgrad_and_wgrad)."""
     if not (need_dgrad or need_wgrad):
         return None, None
-    sr_seed = ops.draw_sr_seed() if recipe.stochastic_rounding else None
+    sr_seed = ops.draw_sr_seed(dy2d) if recipe.stochastic_rounding else None
     dyq = comm.quantize_grad_output(dy2d, recipe, sr_seed=sr_seed, rowwise=need_dgrad, columnwise=need_wgrad)
     if recipe.check_finite:
         comm.check_finite({"gradient": dyq}, layer_name)

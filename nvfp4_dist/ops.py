@@ -121,11 +121,16 @@ def check_amax(amax: torch.Tensor | None, name: str, expected_numel: tuple, devi
         raise error(message)
 
 
-def check_sr_seed(sr_seed) -> None:
+def check_sr_seed(sr_seed, device: torch.device) -> None:
     if sr_seed is None:
         return
+    if isinstance(sr_seed, torch.Tensor):
+        if sr_seed.dtype != torch.int64 or sr_seed.numel() != 1 or sr_seed.device != device:
+            raise ValueError(f"sr_seed: a seed tensor must hold one int64 on the input's device {device}, got "
+                             f"{sr_seed.dtype} {tuple(sr_seed.shape)} on {sr_seed.device}")
+        return
     if not isinstance(sr_seed, int) or isinstance(sr_seed, bool):
-        raise TypeError(f"sr_seed={sr_seed!r} ({type(sr_seed).__name__}): must be an int or None")
+        raise TypeError(f"sr_seed={sr_seed!r} ({type(sr_seed).__name__}): must be an int, an int64 tensor or None")
     if not 0 <= sr_seed < SR_SEED_LIMIT:
         raise ValueError(f"sr_seed={sr_seed}: must be in [0, 2**64)")
 
@@ -148,8 +153,14 @@ def compute_amaxes(x: torch.Tensor, role: str = "activation", *, rowwise: bool =
                                          row_scaled=options["row_scaled"])
 
 
-def draw_sr_seed() -> int:
-    """A 62-bit stochastic-rounding seed from torch's default (CPU) generator: torch.manual_seed fixes it."""
+def draw_sr_seed(like: torch.Tensor | None = None) -> int | torch.Tensor:
+    """A 62-bit stochastic-rounding seed for quantizing `like` (docs/numerics.md §7); torch.manual_seed fixes it.
+
+    For a tensor the kernels quantize (CUDA), it is drawn on the GPU from its device's default CUDA generator and
+    stays there (an int64 tensor the kernel reads): no host sync, and a CUDA graph draws a new seed at every
+    replay, exactly as the eager calls would. Otherwise, an int from torch's default CPU generator."""
+    if like is not None and use_kernels(like):
+        return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=like.device)
     return int(torch.randint(0, 2 ** 62, (1,)).item())
 
 
@@ -177,7 +188,7 @@ def empty_quantized(x: torch.Tensor, *, rowwise: bool, columnwise: bool, block_2
 
 def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True, columnwise: bool = True,
              recipe: NVFP4Recipe | None = None, amax_rowwise: torch.Tensor | None = None,
-             amax_columnwise: torch.Tensor | None = None, sr_seed: int | None = None,
+             amax_columnwise: torch.Tensor | None = None, sr_seed: int | torch.Tensor | None = None,
              sr_row_offset: int = 0, check_finite: bool | None = None) -> NVFP4Tensor:
     """Quantize x [..., K] to NVFP4 with the recipe's treatment of `role`.
 
@@ -187,8 +198,8 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
           activations and weights take 4over6 where recipe.nvfp4_4over6 says (docs/numerics.md §12).
     amax_*: precomputed (for example all-reduced across ranks) amaxes: float32, one dim, non-negative (and
           finite when checked).
-    sr_seed / sr_row_offset: the stochastic-rounding stream (drawn from torch's generator when None)
-          and this shard's first row in the global tensor.
+    sr_seed / sr_row_offset: the stochastic-rounding seed (an int, or for CUDA input one int64 on its device; drawn
+          by draw_sr_seed when None) and this shard's first row in the global tensor.
     check_finite: raise NonFiniteAmaxError for a NaN/Inf amax (None: the recipe's check_finite; the layers pass
           False and check their operands themselves, across their tensor-parallel group).
     The result holds no autograd history (x's gradient does not flow through quantization). An x with no rows
@@ -212,7 +223,7 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
                check_finite=check_finite)
     if not isinstance(sr_row_offset, int) or isinstance(sr_row_offset, bool) or sr_row_offset < 0:
         raise ValueError(f"sr_row_offset={sr_row_offset!r}: must be an integer >= 0")
-    check_sr_seed(sr_seed)
+    check_sr_seed(sr_seed, x.device)
     stochastic = options.pop("stochastic_rounding")
     check_copy_options(columnwise=columnwise, block_2d=options["block_2d"], rht=options["rht"],
                        row_scaled=options["row_scaled"], stochastic=stochastic,
@@ -224,7 +235,9 @@ def quantize(x: torch.Tensor, role: str = "activation", *, rowwise: bool = True,
         return empty_quantized(x, rowwise=rowwise, columnwise=columnwise, amax_rowwise=amax_rowwise,
                                amax_columnwise=amax_columnwise, **options)
     if stochastic and sr_seed is None:
-        sr_seed = draw_sr_seed()
+        sr_seed = draw_sr_seed(x)
+    if isinstance(sr_seed, torch.Tensor) and not use_kernels(x):
+        sr_seed = int(sr_seed.item())  # the reference takes the seed as an int
     q = backend_for(x).quantize_tensor(
         x, rowwise=rowwise, columnwise=columnwise, sr_seed=sr_seed if stochastic else None,
         sr_row_offset=sr_row_offset, amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise, **options)

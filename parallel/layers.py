@@ -196,6 +196,10 @@ class _ParallelLinear(torch.nn.Module):
             return bf16_linear(x, self.weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
         if recipe.overlap and self.world_size > 1:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{describe_layer(self)}: recipe.overlap=True cannot be captured in a CUDA graph (its "
+                                   "pipeline measures link speeds and syncs streams on the host); capture with "
+                                   "overlap=False, or run this layer eagerly")
             comm = self._overlapped(comm, recipe)
         if self.keep_quantized_weight:
             weight_q = self._cached_weight(recipe)
@@ -257,6 +261,10 @@ class _ParallelLinear(torch.nn.Module):
         when they differ."""
         problem = self._local_input_problem(x, in_features, recipe)
         compare = self.world_size > 1 and (not self.consistency_checked or environment.CHECK_TP_CONSISTENCY.read())
+        if compare and isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{describe_layer(self)}: the comparison of this layer across its group reads results "
+                               "on the host and cannot run inside a CUDA graph capture: run the layer once eagerly "
+                               "before capturing it (warm-up), and leave NVFP4_CHECK_TP_CONSISTENCY unset")
         if compare:
             self.consistency_checked = True
             group_checks.check_consistency(describe_layer(self), group_checks.layer_fields(self, x, recipe),

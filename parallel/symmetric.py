@@ -106,7 +106,10 @@ def _same_host(group) -> bool:
 
 
 def enabled(group=None) -> bool:
-    """Whether this group's collectives take the symmetric-memory path (one decision per group, the same on all ranks)."""
+    """Whether this group's collectives take the symmetric-memory path (one decision per group, the same on all ranks).
+    Not inside a CUDA graph capture: there the collectives take NCCL (the same bytes), which graphs can hold."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
     group = _resolved(group)
     if group in _enabled:
         return _enabled[group]

@@ -351,12 +351,13 @@ class Emulation:
         return input_grads, weight_grads
 
 
-def draw_seeds(count: int, recipe) -> list:
-    """The SR seeds `count` successive layer backwards draw after torch.manual_seed(SR_SEED_BASE)."""
+def draw_seeds(count: int, recipe, device: torch.device) -> list:
+    """The SR seeds `count` successive layer backwards on `device` draw after torch.manual_seed(SR_SEED_BASE)."""
     torch.manual_seed(SR_SEED_BASE)
     if not recipe.stochastic_rounding:
         return [None] * count
-    return [nvfp4_dist.ops.draw_sr_seed() for _ in range(count)]
+    like = torch.empty(0, device=device)
+    return [int(nvfp4_dist.ops.draw_sr_seed(like)) for _ in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -444,7 +445,7 @@ def emulate(cell: Cell, data: LayerData, tp: int, rank: int, recipe) -> tuple[di
     def expect(name, value_allowed, view=lambda t: t):
         want[name], allowed[name] = view(value_allowed[0]), view(value_allowed[1])
 
-    seeds = draw_seeds(2 if cell.kind == "mlp" else 1, recipe)
+    seeds = draw_seeds(2 if cell.kind == "mlp" else 1, recipe, data.x.device)
     x2d, dy2d = flat(data.x), flat(data.dy)
     if cell.kind in ("column", "mlp"):
         w1, b1 = data.weights[0], data.biases[0]

@@ -41,7 +41,7 @@ def layer_and_emulation(recipe, act_dtype=torch.bfloat16, param_dtype=torch.floa
     y.backward(dy)
     got = (y.detach(), xg.grad, layer.weight.grad, layer.bias.grad)
     torch.manual_seed(9)
-    seed = draw_seed_like_backward()
+    seed = draw_seed_like_backward("cuda")
     expected = emulate_linear(x, layer.weight, layer.bias, dy, recipe, seed)
     return got, expected, (x, layer.weight.detach(), dy, seed)
 
@@ -83,7 +83,7 @@ def test_backward_modes_against_float64(mode):
     torch.manual_seed(9)
     y.backward(dy)
     torch.manual_seed(9)
-    dx, dw = expected_backward(mode, recipe, x, dy, layer.weight.detach(), sr_seed=draw_seed_like_backward())
+    dx, dw = expected_backward(mode, recipe, x, dy, layer.weight.detach(), sr_seed=draw_seed_like_backward("cuda"))
     assert_matches(y.detach(), expected_fprop(recipe, x, layer.weight.detach()), f"{mode} y", torch.bfloat16)
     assert_matches(xg.grad, dx, f"{mode} dx", torch.bfloat16)
     assert_matches(layer.weight.grad, dw, f"{mode} dW", torch.bfloat16)

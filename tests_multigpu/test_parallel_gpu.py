@@ -70,7 +70,7 @@ def test_default_gemm_backend_layers_run():
     results = [layer_checks.run(layer, x_local, dy_local) for layer in (exact, fast)]
     torch.manual_seed(layer_checks.BACKWARD_SEED)
     magnitudes = linear_magnitudes(x.reshape(-1, layer_checks.COLUMN_IN), weight.chunk(world_size)[rank],
-                                   dy_local.reshape(-1, dy_local.shape[-1]), recipe, draw_seed_like_backward())
+                                   dy_local.reshape(-1, dy_local.shape[-1]), recipe, draw_seed_like_backward("cuda"))
     (y0, dx0, dw0), (y1, dx1, dw1) = (r[:3] for r in results)
     for what, e, f, unit in (("y", y0, y1, O.BF16_UNIT_ROUNDOFF), ("dW", dw0, dw1, O.FP32_UNIT_ROUNDOFF)):
         value = O.as_float32(e).astype(np.float64)

@@ -5,6 +5,7 @@ rowwise -> [M, K] of x, columnwise -> [K, M] of x^T.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -60,6 +61,16 @@ def log_decision(device: torch.device, backend: str, reason: str) -> None:
         logger.info("NVFP4 GEMM on %s: backend %r, because %s", device, backend, reason)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_of_index(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device, asked of the driver once per device and process."""
+    return _capability_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The backend to run: explicit argument, else NVFP4_GEMM_BACKEND, else by device ("auto").
 
@@ -81,7 +92,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if backend == "auto" and environment.FORCE_REFERENCE.read():
         log_decision(device, "reference", "NVFP4_FORCE_REFERENCE is set")
         return "reference"
-    capability = tuple(torch.cuda.get_device_capability(device))
+    capability = device_capability(device)
     if backend == "auto":
         chosen, reason = backend_for_capability(capability)
         log_decision(device, chosen, reason)

@@ -311,7 +311,10 @@ class _LastDequantizedB:
             self.key, self.values = None, None
 
     def get(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version)
+        # A copy made outside a CUDA graph capture is not in the graph: inside one, make it again (and the
+        # reverse: a copy made in a capture holds whatever the last replay wrote).
+        capturing = torch.cuda.is_current_stream_capturing()
+        key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version, capturing)
         cached = self.key
         if (cached is None or cached[0]() is not data or cached[2]() is not scale
                 or cached[1:2] + cached[3:] != key[1:2] + key[3:]):

@@ -156,7 +156,7 @@ def with_sequence_parallel_norm(spec):
 
 
 def get_gpt_layer_nvfp4_spec(*, recipe: Optional[Union[NVFP4Recipe, RecipeMap]] = None, bf16: bool = False,
-                             sdpa_attention: bool = False, fused_producers: bool = True,
+                             sdpa_attention: bool = True, fused_producers: bool = True,
                              **local_spec_kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with linear_qkv/proj/fc1/fc2 in NVFP4 and SP-capable norms.
 
@@ -165,7 +165,9 @@ def get_gpt_layer_nvfp4_spec(*, recipe: Optional[Union[NVFP4Recipe, RecipeMap]] 
     layer_name: call nvfp4_dist.name_layers(model) on the built model, or use get_gpt_decoder_block_nvfp4_spec,
     which names them); None: nvfp4_dist.autocast, then environment.
     bf16: build the same layer with the adapters in their BF16 fallback.
-    sdpa_attention: use SDPACoreAttention instead of Megatron's DotProductAttention.
+    sdpa_attention (default True): core attention on torch's scaled_dot_product_attention (SDPACoreAttention: the
+    same function as Megatron's DotProductAttention, without materialising the [b, heads, s, s] scores); False:
+    Megatron's DotProductAttention (needed for context parallelism, packed sequences or attention bias).
     fused_producers (default True): the norms inside linear_qkv and linear_fc1 and the activation inside
     linear_fc2 (_norms_into_linears, the structure of Megatron's Transformer Engine spec), so that each is fused
     into the NVFP4 cast of the linear's input where recipe.fused_producers allows (docs/fused_producers.md;
@@ -208,15 +210,15 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
                                      recipe_map: Optional[Union[RecipeMap, Mapping]] = None,
                                      bf16_first_layers: Optional[int] = None,
                                      bf16_last_layers: Optional[int] = None,
-                                     sdpa_attention: bool = False, fused_producers: bool = True,
+                                     sdpa_attention: Optional[bool] = None, fused_producers: bool = True,
                                      vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
                                      **local_spec_kwargs) -> TransformerBlockSubmodules:
     """Decoder-block spec: NVFP4 layers except the first/last ones (see bf16_layer_counts) in BF16.
 
     Pass it to GPTModel(transformer_layer_spec=...). Only this pipeline stage's layers are listed
     (vp_stage / pp_rank as in Megatron's get_gpt_decoder_block_spec). local_spec_kwargs default to
-    the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention, fused_producers:
-    see get_gpt_layer_nvfp4_spec.
+    the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention (None: SDPA unless
+    config.context_parallel_size > 1), fused_producers: see get_gpt_layer_nvfp4_spec.
     Each linear is named as GPTModel's module, "decoder.layers.<n>.self_attention.linear_qkv" (n: the global,
     0-based layer number), in its layer_name. recipe_map: per-layer recipes by glob over those names (a RecipeMap
     or a mapping; nvfp4_dist/recipe_map.py), resolved at each forward with `recipe` as the base of its dict entries
@@ -227,6 +229,8 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
         raise ValueError(f"config.num_moe_experts={config.num_moe_experts}: the block builder is for "
                          "dense GPT models; build MoE layers with get_gpt_layer_nvfp4_spec(num_experts=...)")
     first, last = bf16_layer_counts(config, recipe, bf16_first_layers, bf16_last_layers)
+    if sdpa_attention is None:
+        sdpa_attention = getattr(config, "context_parallel_size", 1) == 1
     local_spec_kwargs.setdefault("normalization", config.normalization)
     local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
     local_spec_kwargs.setdefault("multi_latent_attention", config.multi_latent_attention)

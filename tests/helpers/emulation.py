@@ -13,9 +13,10 @@ from nvfp4_dist import reference as R
 from tests.helpers import oracle as O
 
 
-def draw_seed_like_backward() -> int:
-    """The SR seed a layer's backward draws: one 62-bit integer from torch's default generator."""
-    return int(torch.randint(0, 2 ** 62, (1,)).item())
+def draw_seed_like_backward(device="cpu") -> int:
+    """The SR seed a layer's backward draws for gradients on `device` (nvfp4_dist.ops.draw_sr_seed): one 62-bit
+    integer from that device's default generator (on CUDA, drawn on the GPU), as a Python int."""
+    return int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device).item())
 
 
 def four_over_six(recipe, is_weight: bool) -> O.FourOverSix | None:
