@@ -1,0 +1,160 @@
+"""Bytes moved by FSDP2's parameter all-gather per training step: weights gathered in NVFP4 vs in BF16, same model.
+
+A GPT-shaped stack (per layer: two LayerNorms and the QKV, projection, fc1 and fc2 NVFP4 linears with biases), each
+layer and the whole model under torch.distributed.fsdp.fully_shard with BF16 parameters for compute
+(MixedPrecisionPolicy(param_dtype=torch.bfloat16)), trained on DP gloo processes in two runs:
+  bf16:  FSDP2's own gather (BF16 weights; each layer quantizes its gathered weight),
+  nvfp4: enable_nvfp4_param_gather (nvfp4_dist.parallel.fsdp): the NVFP4 linears' weights gathered in NVFP4.
+Every tensor FSDP2 hands to the all-gather (torch.distributed.all_gather_single) is counted, in forward and in
+backward's re-gather, per rank and step; norms and biases travel in BF16 in both runs. A byte count does not depend
+on the device or the transport, so this CPU run gives the numbers a GPU run would; no time is measured.
+Target: nvfp4 bytes <= 0.30x bf16 bytes. Also counted: the amax all-reduces per step (one, after the optimizer
+step, for every weight), and the same ratio with 1x16 weight blocks (both copies travel).
+
+    python benchmarks/param_gather.py [--hidden 1024] [--layers 2] [--dp 2] [--steps 2] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import nvfp4_dist as nv
+from nvfp4_dist import sharded_weight
+from nvfp4_dist.parallel import collectives
+from nvfp4_dist.parallel import fsdp as nvfp4_fsdp
+from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+
+TARGET_RATIO = 0.30
+TOKENS = 32
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = nv.Linear(hidden, 3 * hidden), nv.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nv.Linear(hidden, 4 * hidden), nv.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        hidden = x.shape[-1]
+        x = x + self.proj(self.qkv(self.norm1(x))[..., :hidden])
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class Counter:
+    """Bytes handed to dist.all_gather_single and calls of the amax all-reduce, while active."""
+
+    def __init__(self):
+        self.gathered = self.amax_reductions = 0
+
+    def __enter__(self):
+        self.gather, self.reduce = dist.all_gather_single, collectives.all_reduce_amax
+
+        def gather(output, input, *args, **kwargs):
+            self.gathered += input.numel() * input.element_size()
+            return self.gather(output, input, *args, **kwargs)
+
+        def reduce(*args, **kwargs):
+            self.amax_reductions += 1
+            return self.reduce(*args, **kwargs)
+        dist.all_gather_single, collectives.all_reduce_amax = gather, reduce
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single, collectives.all_reduce_amax = self.gather, self.reduce
+
+
+def run(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size: int) -> dict:
+    """Bytes all-gathered per rank in the last step, and the amax all-reduces of that step, in one mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(args.hidden) for _ in range(args.layers)])
+    mesh = init_device_mesh("cpu", (world_size,))
+    if mode == "nvfp4":
+        nvfp4_fsdp.enable_nvfp4_param_gather(model, world_size)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(rank)
+    for _ in range(args.steps):
+        with Counter() as counter:
+            with nv.autocast(recipe):
+                model(torch.randn(TOKENS, args.hidden)).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if mode == "nvfp4":
+                nvfp4_fsdp.precompute_weight_amaxes(model)
+    weights = [module.weight for _, module in nvfp4_fsdp.nvfp4_layers(model)]
+    shapes = [(w.shape[0] // world_size, w.shape[1]) for w in weights]
+    return {"gathered_bytes_per_rank": counter.gathered, "amax_allreduces": counter.amax_reductions,
+            "nvfp4_weight_wire_bytes": sum(sharded_weight.wire_bytes(s, recipe) for s in shapes),
+            "bf16_weight_bytes": sum(2 * s[0] * s[1] for s in shapes)}
+
+
+def worker(rank: int, world_size: int, store: str, args, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for label, recipe in (("2d", nv.NVFP4Recipe()), ("1d", nv.NVFP4Recipe(weight_2d=False))):
+            results[label] = {mode: run(mode, recipe, args, rank, world_size) for mode in ("bf16", "nvfp4")}
+        if rank == 0:
+            queue.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel gloo processes")
+    parser.add_argument("--steps", type=int, default=2, help="steps run; the last one is counted")
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=REPOSITORY_ROOT / "benchmarks" / "results" / "param_gather_cpu.json")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: at least 2 (the counted step follows an optimizer step)")
+    sharded_weight.check_weight_sharding((args.hidden, args.hidden), args.dp, name="--hidden x --hidden weight")
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="param_gather_") as directory:
+        processes = mp.start_processes(worker, args=(args.dp, os.path.join(directory, "store"), args, queue),
+                                       nprocs=args.dp, join=False, start_method="spawn")
+        results = queue.get()
+        processes.join()
+    rows = []
+    for label, runs in results.items():
+        bf16, nvfp4 = runs["bf16"]["gathered_bytes_per_rank"], runs["nvfp4"]["gathered_bytes_per_rank"]
+        row = {"weight_blocks": "16x16" if label == "2d" else "1x16", "bf16_bytes_per_rank": bf16,
+               "nvfp4_bytes_per_rank": nvfp4, "ratio": nvfp4 / bf16,
+               "weights_only_ratio": runs["nvfp4"]["nvfp4_weight_wire_bytes"] / runs["nvfp4"]["bf16_weight_bytes"],
+               "amax_allreduces_per_step": runs["nvfp4"]["amax_allreduces"],
+               "target": TARGET_RATIO if label == "2d" else None}
+        rows.append(row)
+        print(f"{row['weight_blocks']:>5} blocks: BF16 gather {bf16 / 2**20:8.3f} MiB/rank/step, NVFP4 gather "
+              f"{nvfp4 / 2**20:8.3f} MiB/rank/step: {row['ratio']:.4f}x (weights alone "
+              f"{row['weights_only_ratio']:.4f}x), amax all-reduces per step {row['amax_allreduces_per_step']}"
+              + (f", target <= {TARGET_RATIO}" if row["target"] else ""))
+    record = {"benchmark": "param_gather", "device": "cpu (gloo)", "device_independent": True,
+              "world_size": args.dp, "hidden": args.hidden, "layers": args.layers, "tokens": TOKENS,
+              "parameter_dtype": "bfloat16", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "commit": git_commit()[:7], "torch": torch.__version__, "command": command_line(), "results": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
