@@ -207,3 +207,33 @@ def test_layernorm_layers_follow_the_map():
     with nv.autocast(base, recipes={"*.fc1": "bf16", "*.fc2": CHANGES}):
         mlp(torch.randn(16, 32, dtype=torch.bfloat16))
     assert mlp.fc1.last_recipe is None and mlp.fc2.last_recipe == base.replace(**CHANGES)
+
+
+def test_one_map_resolves_each_base_anew(monkeypatch):
+    """A map without a base of its own applies its entries to whatever base each call brings, in any order: nothing
+    resolved under one base is reused under another (autocast's recipe, the environment's, a layer's own map)."""
+    recipes = RecipeMap({"*.fc1": {"weight_2d": False}, "*.fc2": "bf16"})
+    bases = [nv.NVFP4Recipe(), nv.NVFP4Recipe(rht=False), nv.NVFP4Recipe(rht=False, stochastic_rounding=False)]
+    for base in bases + bases[::-1]:
+        assert recipes.resolve("layers.0.fc1", base) == base.replace(weight_2d=False)
+        assert recipes.resolve("layers.0.qkv", base) is base
+        assert recipes.resolve("layers.0.fc2", base) == BF16
+    # The environment's recipe is the base when nothing else gives one: a change of the environment is seen.
+    assert recipes.resolve("layers.0.fc1") == nv.NVFP4Recipe(weight_2d=False)
+    monkeypatch.setenv("NVFP4_DISABLE_RHT", "1")
+    assert recipes.resolve("layers.0.fc1") == nv.NVFP4Recipe(rht=False, weight_2d=False)
+    monkeypatch.delenv("NVFP4_DISABLE_RHT")
+    # Through the layers: the same map object under autocasts of different recipes, as autocast's map and as a
+    # layer's own map.
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fc1": nv.Linear(32, 32), "qkv": nv.Linear(32, 32),
+                                 "own": nv.Linear(32, 32, recipe=RecipeMap({"*.own": {"stochastic_rounding": False}}))})
+    nv.name_layers(torch.nn.ModuleDict({"block": model}))
+    x = torch.randn(16, 32)
+    for base in bases + bases[::-1]:
+        with nv.autocast(base, recipes=recipes):
+            for layer in model.values():
+                layer(x)
+        assert model["fc1"].last_recipe == base.replace(weight_2d=False)
+        assert model["qkv"].last_recipe is base
+        assert model["own"].last_recipe == base.replace(stochastic_rounding=False)

@@ -24,6 +24,7 @@ TOPOLOGY_CHECKS = ("tests/test_topology_layers.py::test_group_checks_stay_within
 TOPOLOGY_TRAIN = ("tests/test_topology_train.py",)
 CONSISTENCY = ("tests/test_parallel_consistency.py",)
 TIMEOUTS = ("tests/test_parallel_timeouts.py",)
+DEQUANTIZE = ("tests/test_reference_dequantize.py",)
 
 MUTATIONS = (
     # ------------------------------------------------------------------------------------------------ reference
@@ -285,5 +286,30 @@ MUTATIONS = (
              "the ones that did not", (("missing = [rank for rank in missing if not store.check([f\"{prefix}/{rank}\"])]",
                                         "missing = [rank for rank in missing if store.check([f\"{prefix}/{rank}\"])]"),),
              TIMEOUTS),
+    # -------------------------------------------------------------------------------------------- blind spots
+    Mutation("checkpoint_digest_first_chunk_only", "checkpoint", "a checkpoint file's digest and size cover only "
+             "its first read chunk", (("        while chunk := handle.read(READ_CHUNK):\n",
+                                        "        if chunk := handle.read(READ_CHUNK):\n"),),
+             ("tests/test_blind_spots_checkpoint.py",)),
+    Mutation("checkpoint_size_of_the_last_chunk", "checkpoint", "a checkpoint file's size counted as its last "
+             "chunk's", (("            size += len(chunk)\n", "            size = len(chunk)\n"),),
+             ("tests/test_blind_spots_checkpoint.py::test_digest_covers_every_chunk",)),
+    Mutation("recipe_map_cached_across_bases", "recipes", "a recipe map reuses what it resolved for a layer under "
+             "one base recipe under every other base", (("        key = (name, base)\n", "        key = name\n"),),
+             ("tests/test_recipe_map.py::test_one_map_resolves_each_base_anew",)),
+    Mutation("rht_dequantize_ignores_random_sign", "reference", "dequantizing an RHT columnwise copy made without "
+             "random signs applies the signs anyway",
+             (("return inverse_rht_chunks(chunks, random_sign).reshape(cols, rows).t()",
+               "return inverse_rht_chunks(chunks).reshape(cols, rows).t()"),), DEQUANTIZE),
+    Mutation("rht_dequantize_without_signs", "reference", "dequantizing an RHT columnwise copy leaves out the "
+             "random signs", (("    return torch.where(_signs(random_sign, y.device) < 0, 0.0 - sums, sums)\n",
+                               "    return sums\n"),), DEQUANTIZE),
+    Mutation("columnwise_dequantize_without_inverse_rht", "reference", "an RHT columnwise copy dequantized as if "
+             "it had no RHT", (("x2d = inverse_rht_transpose(x_t, q.rht_random_sign) if q.rht else x_t.t()",
+                                "x2d = x_t.t()"),), DEQUANTIZE),
+    Mutation("dequantize_ignores_the_4over6_bound", "reference", "the rowwise copy dequantized with the 448 bound "
+             "whatever it was quantized with",
+             (("x2d = dequantize_blocks(q.rowwise_data, q.rowwise_scale, q.amax_rowwise, e4m3_bound=q.e4m3_bound)",
+               "x2d = dequantize_blocks(q.rowwise_data, q.rowwise_scale, q.amax_rowwise)"),), DEQUANTIZE),
 )
 
