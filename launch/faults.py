@@ -15,13 +15,18 @@ everyone else's.
   all busy outside collectives before the first step of training are starting up too. A rank that hangs
   while starting up meets the process group's timeout instead.
 - The store's host closing its connections (repeated failures of store calls) means it is gone.
-On a verdict the lowest live rank prints it in one line and publishes it in the store; every live rank
-exits with WATCHDOG_EXIT_CODE, which makes torchrun, mpirun, srun or nvfp4-train's own launcher stop
-the job. Store values are plain text of a fixed format: nothing a peer sends is unpickled.
+On a verdict the lowest live rank prints it in one line and publishes it in the store, signed with the
+job's secret (random bytes of rank 0, broadcast over the process group, never put in the store); every
+live rank exits with WATCHDOG_EXIT_CODE, which makes torchrun, mpirun, srun or nvfp4-train's own launcher
+stop the job. The first process of each node that follows a verdict says whose it was; a verdict without the
+job's signature (written to the store by anything else that reaches its port) is ignored and said so. Store
+values are plain text of a fixed format: nothing a peer sends is unpickled.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import os
 import signal
 import sys
@@ -182,6 +187,22 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def sign_verdict(secret: bytes, rank: int, verdict: str) -> str:
+    """The store value of `rank`'s verdict: `rank|signature|verdict`, the signature an HMAC-SHA256 of the rest."""
+    signature = hmac.new(secret, f"{rank}|{verdict}".encode(), hashlib.sha256).hexdigest()
+    return f"{rank}|{signature}|{verdict}"
+
+
+def open_verdict(secret: bytes, published: str) -> tuple | None:
+    """(rank, verdict) of a value that sign_verdict made with `secret`, else None."""
+    rank, _, rest = published.partition("|")
+    signature, _, verdict = rest.partition("|")
+    if not rank.isdigit():
+        return None
+    expected = hmac.new(secret, f"{rank}|{verdict}".encode(), hashlib.sha256).hexdigest()
+    return (int(rank), verdict) if hmac.compare_digest(signature, expected) else None
+
+
 def _in_collective_module(frame) -> bool:
     name = frame.f_globals.get("__name__", "")
     return any(name == watched or name.startswith(watched + ".") for watched in _COLLECTIVE_MODULE_NAMES)
@@ -238,13 +259,20 @@ class Watchdog:
     store: a torch.distributed Store every rank reaches (its own keys: alive/R, step/R, activity/R, verdict).
     store_host_rank: the rank whose process hosts the store (its loss makes the store unreachable), or
     None when a launcher hosts it.
+    secret: the job's shared secret (process_group.shared_secret), which signs and checks verdicts.
+    announce: whether this rank prints the verdicts it follows and the forged ones it ignores (the first
+    process of each node, so that every node's output says why it stopped).
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float = 1.0,
-                 exit_fn=os._exit, store_host_rank: int | None = 0):
+                 exit_fn=os._exit, store_host_rank: int | None = 0, *, secret: bytes, announce: bool = False):
         if timeout_s <= 0 or interval_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}, interval_s={interval_s}: both must be > 0")
+        if not secret:
+            raise ValueError("secret: empty; the watchdog signs its verdicts with the job's shared secret")
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.secret, self.announce = secret, announce
+        self.ignored_verdict = None  # the last unsigned verdict found in the store (said once)
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.exit_fn = exit_fn
         self.store_host_rank = store_host_rank
@@ -298,8 +326,7 @@ class Watchdog:
             now = time.monotonic()
             try:
                 self._publish(counter)
-                if self.store.check([VERDICT_KEY]):
-                    self._follow(self.store.get(VERDICT_KEY).decode())
+                if self.store.check([VERDICT_KEY]) and self._follow(self.store.get(VERDICT_KEY).decode()):
                     return
                 self._read(ranks, now)
                 failures = 0
@@ -376,7 +403,7 @@ class Watchdog:
         if self.rank == reporter:
             print(f"nvfp4-train watchdog (rank {self.rank}): stopping the job: {verdict}", file=sys.stderr, flush=True)
             try:
-                self.store.set(VERDICT_KEY, f"{self.rank}|{verdict}")
+                self.store.set(VERDICT_KEY, sign_verdict(self.secret, self.rank, verdict))
             except Exception:  # the store is gone with its host: the others find out by themselves
                 pass
             time.sleep(2 * self.interval_s)  # the other ranks read the verdict and stop first
@@ -384,9 +411,21 @@ class Watchdog:
             time.sleep(3 * self.interval_s)  # the reporting rank prints first
         self.exit_fn(WATCHDOG_EXIT_CODE)
 
-    def _follow(self, published: str) -> None:
-        """Another rank's watchdog stopped the job: exit too (its report is the job's one line)."""
-        _, _, verdict = published.partition("|")
+    def _follow(self, published: str) -> bool:
+        """Exit too when another rank's watchdog signed the verdict in the store (and say whose it was, when
+        announcing); else ignore it, said once. Returns whether it followed."""
+        opened = open_verdict(self.secret, published)
+        if opened is None:
+            if self.announce and published != self.ignored_verdict:
+                print(f"nvfp4-train watchdog (rank {self.rank}): ignoring a verdict in the job's store that no rank "
+                      f"of this job signed: {published[:200]!r}", file=sys.stderr, flush=True)
+            self.ignored_verdict = published
+            return False
+        origin, verdict = opened
         self.verdict = verdict
         self._verdict_ready.set()
+        if self.announce:
+            print(f"nvfp4-train watchdog (rank {self.rank}): stopping: rank {origin}'s watchdog stopped the job: "
+                  f"{verdict}", file=sys.stderr, flush=True)
         self.exit_fn(WATCHDOG_EXIT_CODE)
+        return True

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import tempfile
 import warnings
 
 BYTE_VOCAB = 256
@@ -104,7 +105,8 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def check_writable_directory(flag: str, path: pathlib.Path) -> None:
-    """`path` is a directory this process can create files in, or can be created as one."""
+    """`path` is a directory this process can create files in, or can be created as one (by its permissions: a
+    clear message for the usual cases before anything is created)."""
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{flag}={path}: exists and is not a directory")
@@ -120,8 +122,24 @@ def check_writable_directory(flag: str, path: pathlib.Path) -> None:
         raise ValueError(f"{flag}={path}: cannot be created, {parent} is not writable")
 
 
+def probe_directory(flag: str, path: pathlib.Path) -> None:
+    """Create `path` (with its parents) and a file in it, then remove the file: what permissions do not show
+    (a file system such as /proc, a read-only mount, root's writes) fails here, before any process starts."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{flag}={path}: cannot be created ({error.strerror or error})") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".nvfp4-train-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag}={path}: cannot create a file in it ({error.strerror or error})") from None
+
+
 def check_out_dir(out_dir: pathlib.Path) -> None:
-    """The output directory, its log files and its checkpoint directory can be written."""
+    """The output directory, its log files and its checkpoint directory can be written: checked by permissions,
+    then tried (the directory is created, a file written in it and in an existing checkpoint directory, and the
+    existing log files opened for appending)."""
     check_writable_directory("--out-dir", out_dir)
     for name in OUTPUT_FILES:
         path = out_dir / name
@@ -133,6 +151,16 @@ def check_out_dir(out_dir: pathlib.Path) -> None:
             check_writable_directory("--out-dir", checkpoints)
         except ValueError as error:
             raise ValueError(f"--out-dir={out_dir}: {checkpoints} is not a writable directory") from error
+    probe_directory("--out-dir", out_dir)
+    for path in (out_dir / name for name in OUTPUT_FILES):
+        if path.exists():
+            try:
+                open(path, "a").close()  # appends nothing
+            except OSError as error:
+                raise ValueError(f"--out-dir={out_dir}: {path} is not a writable file ({error.strerror or error})"
+                                 ) from None
+    if checkpoints.exists():
+        probe_directory("--out-dir", checkpoints)
 
 
 def check_data(path: pathlib.Path, seq_length: int) -> None:
@@ -221,7 +249,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     check_shapes(args, tp, ffn, model)
     check_features(args, tp, model, device)
     check_data(args.data, args.seq_length)
-    check_out_dir(args.out_dir)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     fault = FaultInjection.parse(args.inject_fault) if args.inject_fault else None
     if fault is not None and fault.rank >= world_size:
@@ -229,6 +256,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     recipe = make_recipe(args)
     recipe_map = load_recipe_config(args.recipe_config, recipe) if args.recipe_config is not None else None
     fused_producers = args.fused_producers if args.fused_producers is not None else model == "megatron"
+    check_out_dir(args.out_dir)  # last: it creates the directory, which a refused flag must not leave behind
     return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map, fused_producers)
 
 

@@ -27,18 +27,21 @@ LOOPBACK_INTERFACE = "lo"
 SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 WATCHDOG_PREFIX = "nvfp4-train/watchdog"
 LISTEN_BACKLOG = 2048
+SECRET_BYTES = 32
 
 log = logging.getLogger("nvfp4_dist")
 
 
 @dataclasses.dataclass
 class Connection:
-    """What a worker holds once joined: its rank, device, a store for the watchdog and who hosts it."""
+    """What a worker holds once joined: its rank, device, a store for the watchdog and who hosts it, and the job's
+    secret (shared_secret: it signs the watchdog's verdicts)."""
 
     rank: int
     device: torch.device
     watchdog_store: object
     store_host_rank: int | None
+    secret: bytes
 
 
 def resolve(host: str) -> list:
@@ -119,9 +122,18 @@ def join(backend: str, *, rank: int, world_size: int, timeout_s: float) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+def shared_secret(device: torch.device) -> bytes:
+    """SECRET_BYTES random bytes drawn by rank 0 and broadcast over the process group (a collective): every rank
+    of the job knows them, and the store, which anything that reaches its port can read and write, never does."""
+    secret = torch.frombuffer(bytearray(os.urandom(SECRET_BYTES)), dtype=torch.uint8).to(device)
+    dist.broadcast(secret, src=0)
+    return bytes(secret.cpu().tolist())
+
+
 def init_process_group(*, device_kind: str, world_size: int, timeout_s: float,
                        watchdog_timeout_s: float) -> Connection:
-    """Join the job (environment as torchrun sets it, or from MPI), select the device, open the watchdog's store.
+    """Join the job (environment as torchrun sets it, or from MPI), select the device, open the watchdog's store,
+    share the job's secret.
 
     timeout_s: the process group's collective timeout; watchdog_timeout_s: that of the watchdog's store calls.
 
@@ -144,4 +156,5 @@ def init_process_group(*, device_kind: str, world_size: int, timeout_s: float,
     client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=watchdog_timeout_s))
     watchdog_store = dist.PrefixStore(f"{WATCHDOG_PREFIX}/{restart}", client)
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
-    return Connection(dist.get_rank(), device, watchdog_store, None if agent_hosts_store() else 0)
+    return Connection(dist.get_rank(), device, watchdog_store, None if agent_hosts_store() else 0,
+                      shared_secret(device))

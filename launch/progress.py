@@ -1,6 +1,7 @@
 """What rank 0 of nvfp4-train reports: the console (a progress bar or periodic lines), train.log and metrics.jsonl."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -83,6 +84,14 @@ def producers_note(plan) -> str:
     return ", norms and activation inside the linears, unfused casts (NVFP4_DISABLE_FUSED_PRODUCERS=1)"
 
 
+def recipe_summary(recipe) -> str:
+    """The recipe as the fields that differ from its class's defaults (`field=value`); train.log has it whole."""
+    changed = [f"{field.name}={getattr(recipe, field.name)!r}" for field in dataclasses.fields(recipe)
+               if getattr(recipe, field.name) != field.default]
+    name = type(recipe).__name__
+    return f"{name} defaults" + (f" except {', '.join(changed)}" if changed else "")
+
+
 def describe_job(plan, dp_size: int) -> str:
     """The one-line description of the job that starts rank 0's output."""
     args = plan.args
@@ -92,7 +101,7 @@ def describe_job(plan, dp_size: int) -> str:
             f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
             f"{'on' if args.overlap else 'off'}"
             + producers_note(plan)
-            + f"); recipe {plan.recipe}"
+            + f"); recipe: {recipe_summary(plan.recipe)}"
             + (f"; per-layer recipes from {args.recipe_config}" if args.recipe_config is not None else ""))
 
 

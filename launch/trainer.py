@@ -100,6 +100,7 @@ def train(plan, device, rank: int, watchdog) -> None:
     reporter = Reporter(args.out_dir, total_steps=args.steps, log_every=args.log_every,
                         progress_bar=not args.no_progress, enabled=rank == 0)
     reporter.line(describe_job(plan, dp_size))
+    reporter.line(f"recipe {plan.recipe!r}", echo=False)
     if resume_message:
         reporter.line(resume_message)
     if start_step >= args.steps:

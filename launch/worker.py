@@ -45,7 +45,9 @@ def run_worker(plan) -> int:
     rank = connection.rank
     watchdog = faults.Watchdog(connection.watchdog_store, rank, plan.world_size, args.watchdog_timeout,
                                interval_s=min(1.0, args.watchdog_timeout / 5),
-                               store_host_rank=connection.store_host_rank).start()
+                               store_host_rank=connection.store_host_rank,
+                               secret=connection.secret,
+                               announce=os.environ.get("LOCAL_RANK", str(rank)) == "0").start()
     try:
         trainer.train(plan, connection.device, rank, watchdog)
         code = 0

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nvfp4_dist.launch import checkpoint, faults
 
 QUICK = ["--micro-batch", "4", "--warmup-steps", "2", "--no-progress", "--log-every", "1"]
+SECRET = bytes(range(32))  # the job's shared secret in the watchdog tests
 
 
 def run_train(out_dir, *flags, timeout=180):
@@ -93,11 +94,11 @@ def test_nonfinite_amax_step_is_skipped_on_request(tmp_path):
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in records[2:])
 
 
-def _watchdogs(timeout_s):
+def _watchdogs(timeout_s, announce=False):
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=5))
     exits = {}
-    dogs = [faults.Watchdog(store, rank, 2, timeout_s, interval_s=0.1,
+    dogs = [faults.Watchdog(store, rank, 2, timeout_s, interval_s=0.1, secret=SECRET, announce=announce,
                             exit_fn=lambda code, rank=rank: exits.setdefault(rank, code)) for rank in range(2)]
     return dogs, exits
 
@@ -126,9 +127,59 @@ def test_watchdog_names_a_silent_rank_with_its_latest_step(capsys):
     assert err.count("stopping the job") == 1 and "last completed step 7," in err
 
 
+def test_watchdog_ignores_a_verdict_the_jobs_ranks_did_not_sign(capsys):
+    """Anything that reaches the store's port can write its verdict key: unsigned, or signed with another secret,
+    such a verdict stops nothing and is said once; the job's own verdict still stops it."""
+    dogs, exits = _watchdogs(timeout_s=5.0, announce=True)
+    for dog in dogs:
+        dog.start()
+    forged = ["0|rank 1 is dead", faults.sign_verdict(bytes(32), 0, "rank 1 is dead"),
+              "0|" + faults.sign_verdict(SECRET, 0, "rank 1 is dead").split("|", 2)[1] + "|rank 1 hung"]
+    for value in forged:
+        dogs[0].store.set(faults.VERDICT_KEY, value)
+        for dog in dogs:
+            _keep_training(dog, 0.3)
+    assert exits == {} and dogs[0].verdict is None and dogs[1].verdict is None
+    err = capsys.readouterr().err
+    for rank in range(2):
+        assert err.count(f"nvfp4-train watchdog (rank {rank}): ignoring a verdict in the job's store that no rank of "
+                         f"this job signed") == len(forged), err
+    dogs[0].store.set(faults.VERDICT_KEY, faults.sign_verdict(SECRET, 0, "rank 1 hung"))
+    for dog in dogs:
+        dog._thread.join(timeout=5)
+    assert exits == {0: faults.WATCHDOG_EXIT_CODE, 1: faults.WATCHDOG_EXIT_CODE}
+    assert dogs[1].verdict == "rank 1 hung"
+
+
+def test_a_following_rank_says_whose_verdict_stopped_the_job(capsys):
+    """The first process of a node (announce) names the verdict it follows and the rank that gave it; the others
+    stay quiet (the reporting rank printed it already)."""
+    dogs, exits = _watchdogs(timeout_s=5.0)
+    dogs[1].announce = True
+    dogs[0].store.set(faults.VERDICT_KEY, faults.sign_verdict(SECRET, 3, "no heartbeat from rank 2"))
+    for dog in dogs:
+        dog.start()
+    for dog in dogs:
+        dog._thread.join(timeout=5)
+    assert exits == {0: faults.WATCHDOG_EXIT_CODE, 1: faults.WATCHDOG_EXIT_CODE}
+    assert dogs[0].verdict == dogs[1].verdict == "no heartbeat from rank 2"
+    assert capsys.readouterr().err == ("nvfp4-train watchdog (rank 1): stopping: rank 3's watchdog stopped the job: "
+                                       "no heartbeat from rank 2\n")
+
+
+def test_a_verdict_is_signed_by_the_secret_and_the_rank():
+    value = faults.sign_verdict(SECRET, 1, "hung rank 0 | at step 3")
+    assert faults.open_verdict(SECRET, value) == (1, "hung rank 0 | at step 3")
+    assert faults.open_verdict(bytes(32), value) is None
+    assert faults.open_verdict(SECRET, "0" + value[1:]) is None  # another rank's name on rank 1's signature
+    assert faults.open_verdict(SECRET, value[:-1]) is None
+    with pytest.raises(ValueError, match="secret: empty"):
+        faults.Watchdog(dist.HashStore(), 0, 1, 5.0, secret=b"")
+
+
 def test_a_rank_is_starting_up_until_its_first_beat():
     store = dist.HashStore()
-    dog = faults.Watchdog(store, 0, 1, 5.0, interval_s=0.05)
+    dog = faults.Watchdog(store, 0, 1, 5.0, interval_s=0.05, secret=SECRET)
     dog._publish(1)
     assert faults.Activity.decode(store.get("activity/0").decode()).starting_up is True
     dog.beat(0)  # set up: resuming from step 0
@@ -139,7 +190,7 @@ def test_a_rank_is_starting_up_until_its_first_beat():
 def test_watchdog_store_values_are_plain_text():
     """What a rank publishes is text of a fixed form: nothing a peer sends is unpickled."""
     store = dist.HashStore()
-    dog = faults.Watchdog(store, 0, 1, 5.0, interval_s=0.05)
+    dog = faults.Watchdog(store, 0, 1, 5.0, interval_s=0.05, secret=SECRET)
     dog.beat(3)
     dog._publish(1)
     assert store.get("step/0") == b"3" and store.get("alive/0") == b"1"
@@ -191,7 +242,7 @@ def _stalled_ranks(*activities, step=0):
                                         "step 2): mismatched collectives or a network hang"),
 ])
 def test_watchdog_judges_a_stalled_job(activities, step, verdict):
-    dog = faults.Watchdog(dist.HashStore(), 0, len(activities), timeout_s=5.0)
+    dog = faults.Watchdog(dist.HashStore(), 0, len(activities), timeout_s=5.0, secret=SECRET)
     message, _ = dog._judge(_stalled_ranks(*activities, step=step), now=1e9)
     if verdict is None:
         assert message is None
@@ -221,7 +272,7 @@ def test_fault_flag_parsing():
 
 def test_a_rank_that_died_just_after_a_step_is_named_dead_not_hung():
     """Its step and its heartbeat went quiet together: the step's timeout may pass first, the verdict waits."""
-    dog = faults.Watchdog(dist.HashStore(), 0, 2, timeout_s=5.0, interval_s=1.0)
+    dog = faults.Watchdog(dist.HashStore(), 0, 2, timeout_s=5.0, interval_s=1.0, secret=SECRET)
     ranks = _stalled_ranks((False, False), (False, False), step=7)
     ranks[0].step_since = 1e9  # rank 0 keeps training
     ranks[1].alive_since = 1e9 - 4.0  # rank 1's last heartbeat came just before its last step

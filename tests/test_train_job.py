@@ -36,8 +36,10 @@ def test_short_run_trains_saves_and_resumes_exactly(tmp_path):
     assert all(loss == loss and abs(loss) < 1e3 for loss in losses), losses
     assert losses[-1] < losses[0] - 0.3, losses  # byte-level start ~ln(256)=5.5 falls quickly
     assert "summary:" in full.stdout and "loss " in full.stdout
+    assert full.stdout.splitlines()[0].endswith("; recipe: NVFP4Recipe defaults"), full.stdout
     log = (tmp_path / "full" / "train.log").read_text()
     assert "step 8/8" in log and "saved checkpoint" in log
+    assert f"recipe {plan.make_recipe(build_parser().parse_args([]))!r}" in log  # the whole recipe
     assert checkpoint.latest_step(tmp_path / "full" / "checkpoints") == 8
 
     # The same job killed during step 5 and started again: steps 5..8 reproduce the losses exactly.
@@ -114,6 +116,20 @@ def test_bad_flags_are_refused_before_any_process_starts(tmp_path, capsys, monke
     assert not (tmp_path / "out").exists()
 
 
+def test_the_first_line_shows_the_recipe_by_what_differs_from_its_defaults(tmp_path, monkeypatch):
+    """A short line a reader takes in (train.log keeps the whole recipe): the recipe's defaults are not repeated."""
+    for variable in [name for name in os.environ if name.startswith("NVFP4_")] + ["WORLD_SIZE"]:
+        monkeypatch.delenv(variable, raising=False)
+    for flags, recipe in (([], "NVFP4Recipe defaults"),
+                          (["--no-rht", "--backward-mode", "dequantized", "--nvfp4-4over6", "weights"],
+                           "NVFP4Recipe defaults except rht=False, nvfp4_4over6='weights', "
+                           "backward_mode='dequantized'")):
+        args = build_parser().parse_args(["--device", "cpu", "--out-dir", str(tmp_path), *flags])
+        line = progress.describe_job(plan.make_plan(args), dp_size=1)
+        assert line.startswith("gpt model: 2 layers, ") and line.endswith(f"); recipe: {recipe}"), line
+        assert len(line) < 250, line
+
+
 def test_a_corpus_shorter_than_a_sequence_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
@@ -140,6 +156,24 @@ def test_an_unusable_out_dir_is_refused(tmp_path, capsys, monkeypatch, make_out_
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"--out-dir={out_dir}" in err and message in err, err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("out_dir, message", [
+    ("/proc/nvfp4-train-out", "--out-dir=/proc/nvfp4-train-out: cannot be created (No such file or directory)"),
+    ("/proc", "--out-dir=/proc: cannot create a file in it"),
+])
+def test_an_out_dir_that_permissions_allow_but_writes_fail_is_refused_before_start(capsys, monkeypatch, out_dir,
+                                                                                   message):
+    """Root is allowed everything by os.access, yet /proc takes no new directory or file: the directory and a probe
+    file are tried before any process starts, and the refusal is one line."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)  # what root is told, whoever runs the test
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--device", "cpu", "--out-dir", out_dir])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"nvfp4-train: error: {message}"), err
+    assert err.count("\n") == 1, err
 
 
 def access_by_mode_bits(path, mode, *args, **kwargs) -> bool:
@@ -246,7 +280,7 @@ def test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them(t
     result = run_train(tmp_path, *common, "--steps", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "norms and activation fused into the NVFP4 casts" in result.stdout
-    assert "fused_producers=True" in result.stdout
+    assert "fused_producers=True" in (tmp_path / "train.log").read_text()
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 4 and losses[-1] < losses[0]
     refused = run_train(tmp_path, *common, "--no-fused-producers", "--steps", "6")
