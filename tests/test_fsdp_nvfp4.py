@@ -97,7 +97,7 @@ class GatherProbe:
         dist.all_gather_single, collectives.all_reduce_amax = self.gather, self.reduce
 
 
-def train(model, data_rank, steps, nvfp4_gather, optimizer=None, first_step=0):
+def train(model, data_rank, steps, nvfp4_gather, optimizer=None, first_step=0, recipe=RECIPE):
     """(losses, amax all-reduces per step, probe); precompute_weight_amaxes after each step but the last."""
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, reductions = [], []
@@ -106,7 +106,7 @@ def train(model, data_rank, steps, nvfp4_gather, optimizer=None, first_step=0):
             torch.manual_seed(1000 * step + data_rank)  # different data per replica; the same SR seeds per run
             x = torch.randn(32, 64)
             before = probe.amax_reductions
-            with nv.autocast(RECIPE):
+            with nv.autocast(recipe):
                 loss = model(x).float().square().mean()
             loss.backward()
             optimizer.step()
@@ -131,13 +131,13 @@ def assert_same_training(got, expected, what):
         assert torch.equal(weights[name], expected_weights[name]), (what, name)
 
 
-def _fsdp_equals_plain_gather(rank, world_size, param_dtype):
+def _fsdp_equals_plain_gather(rank, world_size, param_dtype, recipe):
     mesh = init_device_mesh("cpu", (world_size,))
     runs = {}
     for nvfp4_gather in (True, False):
         torch.manual_seed(0)
         model = shard(MLP(), mesh, nvfp4_gather, param_dtype)
-        losses, reductions, probe, _ = train(model, rank, 3, nvfp4_gather)
+        losses, reductions, probe, _ = train(model, rank, 3, nvfp4_gather, recipe=recipe)
         runs[nvfp4_gather] = (losses, master_weights(model)), probe, reductions, model
     (nvfp4_run, nvfp4_probe, reductions, model), (plain_run, plain_probe, _, _) = runs[True], runs[False]
     assert_same_training(nvfp4_run, plain_run, (world_size, param_dtype))
@@ -151,9 +151,14 @@ def _fsdp_equals_plain_gather(rank, world_size, param_dtype):
     assert nvfp4_probe.gathered_bytes < plain_probe.gathered_bytes
 
 
-@pytest.mark.parametrize("world_size,param_dtype", [(2, None), (4, torch.bfloat16)])
-def test_training_with_nvfp4_gather_equals_plain_gather(world_size, param_dtype):
-    run_distributed(_fsdp_equals_plain_gather, world_size, param_dtype)
+@pytest.mark.parametrize("world_size,param_dtype,recipe", [
+    (2, None, RECIPE), (4, torch.bfloat16, RECIPE),
+    (2, torch.bfloat16, nv.NVFP4Recipe(weight_2d=False)),        # 1x16 weight blocks: both copies travel
+    (2, torch.bfloat16, nv.NVFP4Recipe(nvfp4_4over6="weights")),  # 4over6 weights: both copies travel
+    (2, torch.bfloat16, nv.NVFP4Recipe(backward_mode="dequantized")),  # backward needs the rowwise copy only
+], ids=["dp2-fp32", "dp4-bf16", "dp2-1x16", "dp2-4over6", "dp2-dequantized"])
+def test_training_with_nvfp4_gather_equals_plain_gather(world_size, param_dtype, recipe):
+    run_distributed(_fsdp_equals_plain_gather, world_size, param_dtype, recipe)
 
 
 def _with_tensor_parallel(rank, world_size, tp):
