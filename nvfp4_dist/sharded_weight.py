@@ -36,11 +36,11 @@ def check_weight_sharding(shape, world_size: int, *, name: str = "weight") -> No
     if cols == 0 or cols % BLOCK_SIZE:
         raise ValueError(f"{name}.shape={shape}: in_features ({cols}) must be a positive multiple of {BLOCK_SIZE}")
     if rows == 0 or rows % (BLOCK_SIZE * world_size):
+        remedy = (f"pick a data-parallel size that divides its {rows // BLOCK_SIZE} row blocks, or pad the layer"
+                  if rows and rows % BLOCK_SIZE == 0 else "pad the layer")
         raise ValueError(f"{name}.shape={shape}: {rows} rows do not split into {world_size} shards that cut on "
                          f"{BLOCK_SIZE}x{BLOCK_SIZE} block boundaries; out_features must be a multiple of "
-                         f"{BLOCK_SIZE} * {world_size} = {BLOCK_SIZE * world_size} (pad the layer or pick a "
-                         f"data-parallel size that divides {rows // BLOCK_SIZE if rows % BLOCK_SIZE == 0 else rows} "
-                         f"{'blocks' if rows % BLOCK_SIZE == 0 else 'rows'})")
+                         f"{BLOCK_SIZE} * {world_size} = {BLOCK_SIZE * world_size} ({remedy})")
 
 
 def shard_rows(weight: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -95,7 +95,7 @@ def wire_pieces(q: NVFP4Tensor) -> dict:
 
 
 def wire_bytes(shape, recipe: NVFP4Recipe, *, columnwise: bool = True) -> int:
-    """Bytes that one shard of a [rows, cols] weight sends (wire_pieces of quantize_shard), for a shard of `shape`."""
+    """Bytes that a shard of `shape` [rows, cols] sends: its wire_pieces after quantize_shard with `recipe`."""
     rows, cols = shape
     total = rows * cols // 2
     total += (rows // BLOCK_SIZE if recipe.weight_2d else rows) * (cols // BLOCK_SIZE)

@@ -6,7 +6,8 @@ in one all-gather: 0.5 bytes per weight plus one E4M3 scale per 16x16 block, ins
 gathered copy equals, byte for byte, nvfp4_dist.quantize(whole weight, role="weight") (nvfp4_dist/sharded_weight.py).
 Under tensor parallelism the data-parallel group shards each rank's tensor-parallel weight, whose amax stays
 its own (docs/numerics.md §9): the result equals quantizing that rank's tensor-parallel shard.
-Plain functions over a process group, no autograd (parallel/collectives.py's conventions).
+Plain functions over a process group, no autograd (parallel/collectives.py's conventions); every rank passes
+shards of the same shapes, in the same order.
 """
 from __future__ import annotations
 
