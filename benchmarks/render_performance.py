@@ -283,6 +283,21 @@ def max_connections_setting(record: dict) -> list[str]:
     return [] if value == UNSET_MAX_CONNECTIONS else [f"CUDA_DEVICE_MAX_CONNECTIONS={value}"]
 
 
+def host_overhead_summary(record: dict) -> list[str]:
+    lines = []
+    for row in record["rows"]:
+        eager, graphed = row["nv.Linear eager"], row["nv.Linear graphed"]
+        lines.append(f"{row['tokens']}x{row['in']}x{row['out']}: `nv.Linear` host {eager['host_us']:.0f} us eager "
+                     f"({times(row['nv/nn host ratio eager'])} `nn.Linear`'s {row['nn.Linear eager']['host_us']:.0f} us), "
+                     f"{graphed['host_us']:.0f} us graphed ({times(row['nv/nn host ratio graphed'])}); its GPU time "
+                     f"{eager['gpu_us']:.0f} us (B200 projected: {row['b200 projected gpu_us']:.0f} us)")
+    return lines
+
+
+def host_overhead_command(record: dict) -> str:
+    return "python benchmarks/host_overhead.py"
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
     """How one benchmark's JSON becomes a row."""
@@ -299,6 +314,9 @@ BENCHMARKS = {  # row order
     "gemm": Benchmark("GEMM (Hopper emulation)", "cuBLAS BF16 `torch.matmul`, same shapes", gemm_summary, gemm_command),
     "linear": Benchmark("`nv.Linear` forward + backward", "`torch.nn.Linear` in BF16", linear_summary,
                         linear_command),
+    "host_overhead": Benchmark("host time of one forward + backward, eager and CUDA-graphed", "`torch.nn.Linear` "
+                               "in BF16, eager (host time; docs/cuda_graphs.md has the method and the B200 "
+                               "projection's assumptions)", host_overhead_summary, host_overhead_command),
     "fused_producers": Benchmark("norm / activation fused into the NVFP4 cast", "the unfused chain (BF16 output "
                                  "written, then quantized)", fused_producers_summary, fused_producers_command),
     "allgather": Benchmark("NVFP4 all-gather", "NCCL's BF16 all-gather of the same tensor", allgather_summary,

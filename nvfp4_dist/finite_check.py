@@ -22,6 +22,7 @@ whether this rank's shard or another rank's is at fault.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from typing import Callable
 
@@ -112,9 +113,26 @@ _CAPTURED = (" (checked inside a CUDA graph replay, read at a later optimizer st
              "nvfp4_dist.raise_pending_nonfinite())")
 
 
+_suspended = 0  # > 0: eager checks are skipped (suspended_outside_capture)
+
+
+@contextlib.contextmanager
+def suspended_outside_capture():
+    """Skip the checks of eager calls (those inside a CUDA graph capture are still recorded): for warm-up steps
+    that run backward on uninitialised output gradients (torch.cuda.make_graphed_callables)."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
 def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
     """Raise NonFiniteAmaxError(explain(values as floats)) when explain returns a message: at once for CPU
     tensors; for CUDA tensors at a later check, without waiting for the GPU now."""
+    if _suspended and not (values.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
     values = values.detach().reshape(-1).to(torch.float32)
     if not values.is_cuda:
         message = explain(values.tolist())

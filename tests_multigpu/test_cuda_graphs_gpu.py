@@ -1,4 +1,5 @@
-"""The NVFP4 layers in CUDA graphs (torch.cuda.make_graphed_callables) on one GPU, and the sync-free eager step.
+"""The NVFP4 layers in CUDA graphs (nvfp4_dist.make_graphed_callables: torch.cuda.make_graphed_callables with its
+warm-up's checks skipped) on one GPU, and the sync-free eager step.
 
 - Replayed training steps equal eager ones bit for bit over several optimizer steps, stochastic rounding on: the
   SR seed is drawn on the GPU (nvfp4_dist.ops.draw_sr_seed), so every replay draws a new one exactly as the eager
@@ -60,10 +61,9 @@ def train(layer, steps_inputs, step_fn) -> tuple:
 
 
 def graphed(layer, sample):
-    """make_graphed_callables of `layer`; the warm-up it runs consumes RNG (train() reseeds)."""
-    for p in layer.parameters():
-        p.grad = torch.zeros_like(p)  # graphed backward accumulates into .grad buffers that exist at capture
-    return torch.cuda.make_graphed_callables(layer, (sample,))
+    """make_graphed_callables of `layer` (`sample` becomes its static input: replays copy their input into it);
+    the warm-up it runs consumes RNG (train() reseeds)."""
+    return nv.make_graphed_callables(layer, (sample,))
 
 
 @pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "layernorm_mlp", "layernorm_mlp_swiglu"])
@@ -90,13 +90,14 @@ def test_replays_draw_new_stochastic_rounding_bits():
     layer = make_layer("linear", nv.NVFP4Recipe())
     layer.weight.requires_grad_(False)
     layer.bias.requires_grad_(False)
-    sample = inputs(1)[0]
-    graph = torch.cuda.make_graphed_callables(layer, (sample,))
+    x = inputs(1)[0]
+    graph = nv.make_graphed_callables(layer, (x.detach().clone().requires_grad_(),))
+    dy = torch.randn(TOKENS, OUT, device="cuda").to(torch.bfloat16)
     grads = []
     for _ in range(2):
-        x = sample.detach().clone().requires_grad_()
-        graph(x).float().sum().backward()
-        grads.append(x.grad.clone())
+        replay_input = x.detach().clone().requires_grad_()
+        graph(replay_input).backward(dy)
+        grads.append(replay_input.grad.clone())
     assert not torch.equal(grads[0], grads[1])
 
 
@@ -115,9 +116,10 @@ def test_replay_quantizes_the_updated_weight():
 
 def test_nan_inside_a_replay_is_reported_naming_the_layer():
     layer = make_layer("linear", nv.NVFP4Recipe())
-    sample = inputs(1)[0]
-    graph = graphed(layer, sample)
+    clean = inputs(1)[0]
+    graph = graphed(layer, clean.detach().clone().requires_grad_())
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    sample = clean.detach().clone()
     bad = sample.detach().clone()
     bad[3, 7] = float("nan")
     graph(bad.requires_grad_()).float().sum().backward()
