@@ -298,6 +298,17 @@ def host_overhead_command(record: dict) -> str:
     return "python benchmarks/host_overhead.py"
 
 
+def param_gather_summary(record: dict) -> list[str]:
+    mib = 2 ** 20
+    return [f"{row['weight_blocks']} weight blocks: {row['ratio']:.3f}x the bytes ({row['nvfp4_bytes_per_rank'] / mib:.2f} "
+            f"/ {row['bf16_bytes_per_rank'] / mib:.2f} MiB per rank and step), {row['amax_allreduces_per_step']} amax "
+            f"all-reduce per step" for row in record["results"]]
+
+
+def param_gather_command(record: dict) -> str:
+    return "python benchmarks/param_gather.py"
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
     """How one benchmark's JSON becomes a row."""
@@ -327,6 +338,9 @@ BENCHMARKS = {  # row order
                          overlap_command),
     "megatron_gpt": Benchmark("Megatron-Core GPT training step", "Megatron's BF16 linears, same model",
                               megatron_summary, megatron_command),
+    "param_gather": Benchmark("FSDP2 parameter all-gather in NVFP4 (bytes counted: the same on any device)",
+                              "FSDP2's BF16 parameter all-gather, same model", param_gather_summary,
+                              param_gather_command),
 }
 
 
