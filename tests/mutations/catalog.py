@@ -307,6 +307,10 @@ MUTATIONS = (
     Mutation("columnwise_dequantize_without_inverse_rht", "reference", "an RHT columnwise copy dequantized as if "
              "it had no RHT", (("x2d = inverse_rht_transpose(x_t, q.rht_random_sign) if q.rht else x_t.t()",
                                 "x2d = x_t.t()"),), DEQUANTIZE),
+    Mutation("columnwise_dequantize_not_transposed", "reference", "a columnwise copy without the RHT dequantized "
+             "without transposing it back (its values laid out as x^T in x's shape)",
+             (("x2d = inverse_rht_transpose(x_t, q.rht_random_sign) if q.rht else x_t.t()",
+               "x2d = inverse_rht_transpose(x_t, q.rht_random_sign) if q.rht else x_t"),), DEQUANTIZE),
     Mutation("dequantize_ignores_the_4over6_bound", "reference", "the rowwise copy dequantized with the 448 bound "
              "whatever it was quantized with",
              (("x2d = dequantize_blocks(q.rowwise_data, q.rowwise_scale, q.amax_rowwise, e4m3_bound=q.e4m3_bound)",
