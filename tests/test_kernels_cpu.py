@@ -432,6 +432,7 @@ def test_fast_divisor_quotients_are_exact(numerics):
 
 
 @needs_nvcc
+@pytest.mark.slow(reason="nvcc compiles every kernel for every target: 13 minutes on a busy 2-core machine")
 def test_compile_check_passes():
     """Every csrc/*.cu compiles for every target the toolkit has (the others named), and bindings.cpp, against
     the headers of the torch that runs the tests."""
