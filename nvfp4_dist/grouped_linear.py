@@ -1,0 +1,446 @@
+"""NVFP4 GroupedLinear: E experts' linear layers over one token tensor split by expert (mixture-of-experts).
+
+Definition: GroupedLinear(E, in, out)(x, split_sizes) equals, bit for bit, running x's rows
+[o_e, o_e + m_e) (m_e = split_sizes[e], o_e the sum of the earlier sizes) through expert e's own
+nvfp4_dist.Linear with the same recipe and concatenating the outputs; gradients likewise. So each expert's
+tokens are quantized with that expert's own amax (both copies, RHT on the columnwise one), each weight with
+its own amax (16x16 blocks by default), and an expert with no tokens gets no quantization and zero weight (and
+bias) gradients, as nv.Linear gives for an empty batch.
+
+Stochastic rounding: one seed per backward call (ops.draw_sr_seed, drawn once when at least one expert has
+tokens), shared by every expert; expert e quantizes its output gradient with sr_row_offset = o_e. Expert e's
+gradient therefore gets the random bits of rows [o_e, o_e + m_e) of the whole grouped gradient quantized with
+that seed (docs/numerics.md §7), and a loop of per-expert nv.Linear layers reproduces them when each layer's
+gradient quantization is given that seed and offset (tests/test_grouped_linear.py does so).
+
+Stages: quantization runs per expert (one ops.quantize per expert and operand). The GEMMs run as one grouped
+GEMM per stage where the backend is the Hopper emulation and torch has torch._grouped_mm: the operands' block
+values (FP4 value times E4M3 scale, exact in BF16, docs/numerics.md §8) go into one grouped BF16 GEMM with FP32
+output and each expert's global factors are applied in FP32 afterwards. Its accumulation order is not the
+per-expert GEMM's, so it matches the loop within the GEMM tolerance of docs/numerics.md §11;
+grouped_gemm=False (and every other backend: the CPU reference, Blackwell's cuBLASLt) runs one gemm() per expert
+with tokens, which is the bit-identical definition above.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+
+from nvfp4_dist import finite_check, ops
+from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
+from nvfp4_dist.formats import BLOCK_SIZE
+from nvfp4_dist.gemm import gemm, resolve_backend
+from nvfp4_dist.linear import (LinearComm, LinearOptions, WeightCache, WeightParameter, bf16_linear, check_activation,
+                               check_features, check_parameter_dtype, check_weight_dtype, deliver_weight_grad,
+                               quantize_operand)
+from nvfp4_dist.recipe import NVFP4Recipe
+from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
+from nvfp4_dist.reference.gemm import block_values
+from nvfp4_dist.reference.quantize import decode_scale
+from nvfp4_dist.tensor import NVFP4Tensor
+
+logger = logging.getLogger("nvfp4_dist")
+
+
+def split_offsets(split_sizes: list[int]) -> list[int]:
+    """The first row of each expert: [0, m_0, m_0 + m_1, ...] (one more entry than experts)."""
+    offsets = [0]
+    for size in split_sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def check_split_sizes(split_sizes, num_experts: int, rows: int) -> list[int]:
+    """split_sizes as a list of E non-negative ints summing to `rows`; ValueError naming the problem otherwise.
+    Takes a list or tuple of ints, or a 1D integer tensor (Megatron's tokens_per_expert; read on the host)."""
+    if isinstance(split_sizes, torch.Tensor):
+        if split_sizes.dim() != 1 or split_sizes.is_floating_point() or split_sizes.is_complex():
+            raise ValueError(f"split_sizes: a tensor must be 1D of integers, got {split_sizes.dtype} "
+                             f"{tuple(split_sizes.shape)}")
+        split_sizes = split_sizes.tolist()
+    if not isinstance(split_sizes, (list, tuple)):
+        raise ValueError(f"split_sizes={split_sizes!r}: must be a list of {num_experts} ints (tokens per expert)")
+    sizes = list(split_sizes)
+    if len(sizes) != num_experts:
+        raise ValueError(f"split_sizes has {len(sizes)} entries: the layer has num_experts={num_experts}")
+    for index, size in enumerate(sizes):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"split_sizes[{index}]={size!r}: must be an int >= 0")
+    if sum(sizes) != rows:
+        raise ValueError(f"split_sizes sum to {sum(sizes)}: the input has {rows} token rows")
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped GEMM on the Hopper emulation (torch._grouped_mm over exact block values).
+
+_GROUPED_MM_FP32_OUTPUT: dict = {}  # device type -> whether _grouped_mm takes BF16 operands with FP32 output
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def block_matrix(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 [rows, K] of fp4 value x E4M3 block scale (exact; no global factor) from packed [rows, K/2] data."""
+    rows = data.shape[0]
+    return block_values(data, scale).reshape(rows, data.shape[1] * 2)
+
+
+def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, b, offs) with FP32 output from FP32 operands holding BF16-exact values: BF16 operands
+    with out_dtype FP32 where torch offers it (tensor cores), else the FP32 operands themselves."""
+    key = a.device.type
+    if _GROUPED_MM_FP32_OUTPUT.get(key, True):
+        try:
+            out = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offs, out_dtype=torch.float32)
+            _GROUPED_MM_FP32_OUTPUT[key] = True
+            return out
+        except RuntimeError as error:
+            _GROUPED_MM_FP32_OUTPUT[key] = False
+            logger.info("torch._grouped_mm on %s: no FP32 output from BF16 operands (%s); using FP32 operands",
+                        key, str(error).splitlines()[0])
+    return torch._grouped_mm(a.contiguous(), b, offs=offs)
+
+
+def _row_decode_scales(operands: list, copy: str, counts: list[int], device) -> torch.Tensor:
+    """S_dec of each row of the concatenated `copy` of operands (one per expert with rows), FP32 [sum(counts)]."""
+    parts = []
+    for q, count in zip(operands, counts):
+        s_dec = decode_scale(getattr(q, f"amax_{copy}"), q.e4m3_bound).reshape(-1)
+        parts.append(s_dec.expand(count) if s_dec.numel() == 1 else s_dec)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=device)
+
+
+def grouped_fprop_like(a_ops: list, a_copy: str, b_ops: list, b_copy: str, counts: list[int]) -> torch.Tensor:
+    """FP32 [sum(counts), N]: rows of expert e = A_e . B_e^T for the experts with rows (fprop and dgrad shape:
+    A's copies concatenated along their rows, one B per expert)."""
+    a_values = torch.cat([block_matrix(getattr(q, f"{a_copy}_data"), getattr(q, f"{a_copy}_scale")) for q in a_ops])
+    b_values = torch.stack([block_matrix(getattr(q, f"{b_copy}_data"), getattr(q, f"{b_copy}_scale")) for q in b_ops])
+    device = a_values.device
+    offs = torch.tensor(split_offsets(counts)[1:], dtype=torch.int32, device=device)
+    acc = grouped_mm_fp32(a_values, b_values.transpose(1, 2), offs)
+    a_s_dec = _row_decode_scales(a_ops, a_copy, counts, device)
+    b_s_dec = torch.cat([decode_scale(getattr(q, f"amax_{b_copy}"), q.e4m3_bound).reshape(1, -1)
+                         .expand(1, acc.shape[1]) for q in b_ops])  # [experts, N]
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                            torch.tensor(counts, device=device), output_size=sum(counts))
+    return acc * (a_s_dec.reshape(-1, 1) * b_s_dec[expert_of_row])
+
+
+def grouped_wgrad(dy_ops: list, x_ops: list, counts: list[int]) -> torch.Tensor:
+    """FP32 [experts, N, K]: dW_e = dy_e^T . x_e from the columnwise copies (K of each GEMM: expert e's tokens)."""
+    dy_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in dy_ops], dim=1)
+    x_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in x_ops], dim=1)
+    offs = torch.tensor(split_offsets(counts)[1:], dtype=torch.int32, device=dy_values.device)
+    acc = grouped_mm_fp32(dy_values, x_values.t(), offs)
+    dy_s_dec = torch.stack([decode_scale(q.amax_columnwise, q.e4m3_bound).reshape(-1)
+                            .expand(acc.shape[1]) for q in dy_ops])  # [experts, N]
+    x_s_dec = torch.stack([decode_scale(q.amax_columnwise, q.e4m3_bound).reshape(-1)
+                           .expand(acc.shape[2]) for q in x_ops])  # [experts, K]
+    return acc * (dy_s_dec[:, :, None] * x_s_dec[:, None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The autograd Function.
+
+@dataclasses.dataclass
+class GroupedOptions:
+    """Per-call settings of GroupedLinearFunction besides its tensors."""
+
+    recipe: NVFP4Recipe
+    split_sizes: list
+    weight_qs: list            # per expert: the NVFP4Tensor of its weight, or None (no tokens)
+    num_experts: int
+    has_bias: bool
+    grouped_gemm: bool
+    accumulate_into_main_grad: bool = False
+    wgrad_store: list | None = None
+    grad_enabled: bool = True
+    layer_name: str = "GroupedLinear"
+
+
+def _uses_grouped_gemm(options: GroupedOptions, device: torch.device) -> bool:
+    if not (options.grouped_gemm and grouped_mm_available() and device.type == "cuda"):
+        return False
+    backend = options.recipe.gemm_backend if options.recipe.gemm_backend != "auto" else None
+    return resolve_backend(backend, device) == "emulated"
+
+
+def _active(split_sizes: list) -> list[int]:
+    """The experts that have tokens, in order."""
+    return [e for e, size in enumerate(split_sizes) if size]
+
+
+def _check_finite(operands: dict, layer_name: str) -> None:
+    finite_check.check_operands({f"the {role} of {layer_name}": q for role, q in operands.items()})
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """y = [x_e W_e^T + b_e]_e with every GEMM in NVFP4 (module docstring); args: x, options, weights, biases."""
+
+    @staticmethod
+    def forward(ctx, x, options: GroupedOptions, *params):
+        recipe, sizes = options.recipe, options.split_sizes
+        experts = options.num_experts
+        weights = params[:experts]
+        biases = params[experts:] if options.has_bias else (None,) * experts
+        x2d = x.reshape(-1, x.shape[-1])
+        offsets = split_offsets(sizes)
+        active = _active(sizes)
+        need_wgrad = any(ctx.needs_input_grad[2:2 + experts]) and options.grad_enabled
+        x_qs = {e: quantize_operand(x2d[offsets[e]:offsets[e + 1]], "activation", recipe, rowwise=True,
+                                    columnwise=need_wgrad) for e in active}
+        if recipe.check_finite:
+            operands = {}
+            for e in active:
+                operands[f"input (expert {e})"] = x_qs[e]
+                operands[f"weight (expert {e})"] = options.weight_qs[e]
+            _check_finite(operands, options.layer_name)
+        out_features = weights[0].shape[0]
+        y2d = torch.empty(x2d.shape[0], out_features, dtype=x.dtype, device=x.device)
+        if active and _uses_grouped_gemm(options, x.device):
+            acc = grouped_fprop_like([x_qs[e] for e in active], "rowwise",
+                                     [options.weight_qs[e] for e in active], "rowwise", [sizes[e] for e in active])
+            if options.has_bias:
+                bias_rows = torch.cat([biases[e].to(torch.float32).expand(sizes[e], -1) for e in active])
+                acc = acc + bias_rows
+            y2d.copy_(acc)
+        else:
+            for e in active:
+                gemm(x_qs[e].rowwise_only(), options.weight_qs[e], a_copy="rowwise", b_copy="rowwise",
+                     out_dtype=x.dtype, bias=biases[e], recipe=recipe, out=y2d[offsets[e]:offsets[e + 1]])
+        saved, metas = [], []
+        for e in range(experts):
+            if e in x_qs:
+                xs = x_qs[e].columnwise_only() if need_wgrad else NVFP4Tensor(shape=x_qs[e].shape, dtype=x.dtype)
+                ws = options.weight_qs[e].columnwise_only()
+            else:
+                xs = ws = NVFP4Tensor(shape=torch.Size((0, 0)), dtype=x.dtype)
+            saved += [*xs.tensors(), *ws.tensors()]
+            metas.append((xs.metadata(), ws.metadata()))
+        ctx.save_for_backward(*saved)
+        ctx.metas, ctx.options = metas, options
+        ctx.weights = weights
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
+        return y2d.reshape(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        options, weights = ctx.options, ctx.weights
+        recipe, sizes, experts = options.recipe, options.split_sizes, options.num_experts
+        offsets, active = split_offsets(sizes), _active(sizes)
+        need_dgrad = ctx.needs_input_grad[0]
+        need_wgrad = [ctx.needs_input_grad[2 + e] for e in range(experts)]
+        need_bgrad = [options.has_bias and ctx.needs_input_grad[2 + experts + e] for e in range(experts)]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        saved = ctx.saved_tensors
+        x_saved, w_saved = {}, {}
+        for e in range(experts):
+            x_meta, w_meta = ctx.metas[e]
+            x_saved[e] = x_meta.with_tensors(saved[12 * e:12 * e + 6])
+            w_saved[e] = w_meta.with_tensors(saved[12 * e + 6:12 * e + 12])
+        grad_biases = [dy2d[offsets[e]:offsets[e + 1]].sum(dim=0).to(ctx.bias_dtypes[e]) if need_bgrad[e] else None
+                       for e in range(experts)]
+        wgrad_active = [e for e in active if need_wgrad[e]]
+        quantized = need_dgrad or wgrad_active
+        sr_seed = ops.draw_sr_seed(dy2d) if recipe.stochastic_rounding and active and quantized else None
+        dy_qs = {}
+        for e in active:
+            rowwise, columnwise = need_dgrad, need_wgrad[e]
+            if rowwise or columnwise:
+                dy_qs[e] = quantize_operand(dy2d[offsets[e]:offsets[e + 1]], "gradient", recipe, rowwise=rowwise,
+                                            columnwise=columnwise, sr_seed=sr_seed, sr_row_offset=offsets[e])
+        if recipe.check_finite and dy_qs:
+            _check_finite({f"gradient (expert {e})": q for e, q in dy_qs.items()}, options.layer_name)
+        grouped = _uses_grouped_gemm(options, dy.device)
+        grad_x = None
+        if need_dgrad:
+            dx2d = torch.zeros(dy2d.shape[0], weights[0].shape[1], dtype=ctx.x_dtype, device=dy.device)
+            if active and grouped:
+                dx2d.copy_(grouped_fprop_like([dy_qs[e] for e in active], "rowwise", [w_saved[e] for e in active],
+                                              "columnwise", [sizes[e] for e in active]))
+            else:
+                for e in active:
+                    gemm(dy_qs[e].rowwise_only(), w_saved[e], a_copy="rowwise", b_copy="columnwise",
+                         out_dtype=ctx.x_dtype, recipe=recipe, out=dx2d[offsets[e]:offsets[e + 1]])
+            grad_x = dx2d.reshape(ctx.x_shape)
+        grad_weights = [None] * experts
+        if any(need_wgrad):
+            grad_weights = _weight_grads(options, weights, need_wgrad, wgrad_active, dy_qs, x_saved, grouped)
+        return (grad_x, None, *grad_weights, *(grad_biases if options.has_bias else ()))
+
+
+def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy_qs, x_saved, grouped) -> list:
+    """What backward returns for each weight: computed now, or (delay_wgrad) queued as one step for all experts."""
+    linear_options = LinearOptions(recipe=options.recipe, comm=LinearComm(),
+                                   accumulate_into_main_grad=options.accumulate_into_main_grad)
+    delayed = options.wgrad_store is not None
+
+    def computes() -> dict:
+        """expert -> compute(accumulate_into) of its weight gradient (docs of linear.deliver_weight_grad)."""
+        found = {}
+        products = None
+        if grouped and wgrad_active:
+            products = grouped_wgrad([dy_qs[e] for e in wgrad_active], [x_saved[e] for e in wgrad_active],
+                                     [options.split_sizes[e] for e in wgrad_active])
+        for e, weight in enumerate(weights):
+            if not need_wgrad[e]:
+                continue
+            if e not in wgrad_active:  # no tokens: a zero gradient, as nv.Linear gives for an empty batch
+                found[e] = (lambda acc, w=weight: acc if acc is not None
+                            else torch.zeros(w.shape, dtype=w.dtype, device=w.device))
+            elif products is not None:
+                product = products[wgrad_active.index(e)]
+                found[e] = (lambda acc, p=product, w=weight: acc.add_(p) if acc is not None else p.to(w.dtype))
+            else:
+                found[e] = (lambda acc, e=e, w=weight: gemm(dy_qs[e].columnwise_only(), x_saved[e], a_copy="columnwise",
+                                                            b_copy="columnwise", out_dtype=w.dtype,
+                                                            accumulate_into=acc, recipe=options.recipe))
+        return found
+
+    def deliver(now_delayed: bool) -> list:
+        grads = [None] * len(weights)
+        for e, compute in computes().items():
+            grads[e] = deliver_weight_grad(weights[e], compute, linear_options.accumulate_into_main_grad, now_delayed)
+        return grads
+
+    if delayed:
+        options.wgrad_store.append(lambda: deliver(True))
+        return [None] * len(weights)
+    return deliver(False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The module.
+
+class GroupedLinear(torch.nn.Module):
+    """E linear layers (experts) of the same shape run over one token tensor split by expert, all GEMMs in NVFP4.
+
+    forward(x [..., in_features], split_sizes) -> [..., out_features]: the token rows (leading dims flattened) of
+    expert e are the split_sizes[e] rows after those of experts 0..e-1 (split_sizes: E ints >= 0 summing to the
+    token count, or a 1D integer tensor such as Megatron's tokens_per_expert). Bit-identical to a loop of
+    per-expert nvfp4_dist.Linear layers (module docstring: stochastic-rounding seeds, grouped GEMMs).
+
+    Parameters weight0 .. weight{E-1} [out, in] and bias0 .. bias{E-1} (Transformer Engine's GroupedLinear names),
+    initialised like E torch.nn.Linear layers built in expert order. Other arguments as nvfp4_dist.Linear:
+    recipe (NVFP4Recipe, RecipeMap matched against layer_name, or None: autocast / environment), bf16_fallback,
+    accumulate_into_main_grad, delay_wgrad (backward_dw() runs every expert's wgrad later). grouped_gemm: one
+    grouped GEMM per stage on the Hopper emulation (within the GEMM tolerance of the loop); False: one gemm()
+    per expert (bit-identical on every backend).
+    Training with recipe.backward_mode "default" needs every split size to be a multiple of 16 (the wgrad copies
+    are blocked along tokens); pad each expert's tokens (parallel/megatron/moe.py does). The other backward
+    modes are refused.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, recipe: NVFP4Recipe | RecipeMap | None = None, bf16_fallback: bool = False,
+                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False, grouped_gemm: bool = True):
+        super().__init__()
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r}: must be an int >= 1")
+        if not bf16_fallback:
+            check_features("in_features", in_features)
+            check_features("out_features", out_features)
+            check_parameter_dtype(dtype)
+        check_layer_recipe(recipe)
+        ops.check_flag(grouped_gemm, "grouped_gemm")
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.recipe, self.bf16_fallback, self.grouped_gemm = recipe, bf16_fallback, grouped_gemm
+        self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
+        self.layer_name: str | None = None
+        self.last_recipe: NVFP4Recipe | None = None
+        self.use_bias = bias
+        factory = dict(device=device, dtype=dtype)
+        for e in range(num_experts):
+            self.register_parameter(f"weight{e}", WeightParameter(torch.empty((out_features, in_features), **factory)))
+            self.register_parameter(f"bias{e}", torch.nn.Parameter(torch.empty(out_features, **factory))
+                                    if bias else None)
+        self.weight_caches = [WeightCache() for _ in range(num_experts)]
+        self.wgrad_store: list = []
+        self.reset_parameters()
+
+    def weights(self) -> list:
+        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+
+    def biases(self) -> list:
+        return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+
+    def reset_parameters(self) -> None:
+        """torch.nn.Linear's initialisation of each expert in order (same RNG draws as E nn.Linear layers)."""
+        for weight, bias in zip(self.weights(), self.biases()):
+            torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            if bias is not None:
+                bound = 1 / math.sqrt(self.in_features)
+                torch.nn.init.uniform_(bias, -bound, bound)
+
+    def invalidate_weight_cache(self) -> None:
+        """Force requantizing every expert's weight at the next forward (after writes through weight.data)."""
+        for cache in self.weight_caches:
+            cache.invalidate()
+
+    def describe(self) -> str:
+        if self.layer_name:
+            return self.layer_name
+        return (f"GroupedLinear(num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features})")
+
+    def resolved_recipe(self) -> NVFP4Recipe | None:
+        """The recipe a forward now runs with (as nvfp4_dist.Linear); None: the BF16 fallback."""
+        if self.bf16_fallback or not nvfp4_enabled():
+            return None
+        return resolve_layer_recipe(self.recipe, self.layer_name, self.describe())
+
+    def forward(self, x: torch.Tensor, split_sizes) -> torch.Tensor:
+        weights, biases = self.weights(), self.biases()
+        recipe = self.resolved_recipe()
+        if recipe is not None:
+            for weight in weights:
+                check_weight_dtype(weight)
+        check_activation(x, self.in_features, weights[0])
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        sizes = check_split_sizes(split_sizes, self.num_experts, rows)
+        store = self.wgrad_store if self.delay_wgrad else None
+        self.last_recipe = recipe if x.numel() else None
+        if self.last_recipe is None:
+            return self._bf16_forward(x, sizes, store)
+        if recipe.backward_mode != "default":
+            raise ValueError(f"recipe.backward_mode={recipe.backward_mode!r}: GroupedLinear runs the NVFP4 backward "
+                             f"only; allowed: 'default'")
+        training = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        if training:
+            for e, size in enumerate(sizes):
+                if size % BLOCK_SIZE:
+                    raise ValueError(f"split_sizes[{e}]={size}: training needs each expert's token count to be a "
+                                     f"multiple of {BLOCK_SIZE} for the wgrad copies; pad each expert's tokens or "
+                                     f"run under torch.no_grad()")
+        weight_qs = [self.weight_caches[e].get(weights[e], recipe) if size else None for e, size in enumerate(sizes)]
+        options = GroupedOptions(recipe=recipe, split_sizes=sizes, weight_qs=weight_qs, num_experts=self.num_experts,
+                                 has_bias=self.use_bias, grouped_gemm=self.grouped_gemm,
+                                 accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
+                                 grad_enabled=torch.is_grad_enabled(), layer_name=self.describe())
+        params = weights + (biases if self.use_bias else [])
+        return GroupedLinearFunction.apply(x, options, *params)
+
+    def _bf16_forward(self, x: torch.Tensor, sizes: list, store) -> torch.Tensor:
+        """Each expert's rows through the unquantized linear (the BF16 fallback), concatenated."""
+        x2d = x.reshape(-1, x.shape[-1])
+        pieces = torch.split(x2d, sizes)
+        outputs = [bf16_linear(piece, weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
+                               wgrad_store=store)
+                   for piece, weight, bias in zip(pieces, self.weights(), self.biases())]
+        return torch.cat(outputs).reshape(*x.shape[:-1], self.out_features)
+
+    def backward_dw(self) -> None:
+        """Run the wgrad GEMMs that backward deferred (delay_wgrad=True), oldest first."""
+        while self.wgrad_store:
+            self.wgrad_store.pop(0)()
+
+    def extra_repr(self) -> str:
+        mode = "bf16_fallback" if self.bf16_fallback else "nvfp4"
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}, {mode}")
