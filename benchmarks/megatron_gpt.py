@@ -15,6 +15,10 @@ outputs written in BF16 and then cast (off), or both models in turn (both: "nvfp
 (recipe.overlap_transport: ring, collectives or auto; docs/slow_links.md), each as "nvfp4_<transport>"; "nvfp4"
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
 
+--host-table runs, on one GPU, four models from hidden 1024 to 8192 (HOST_TABLE) with both specs and records each
+step's host time beside its step time: where they are equal, the GPU waits for Python.
+
+    torchrun --nproc-per-node 1 benchmarks/megatron_gpt.py --host-table
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
                                                            [--overlap-transports collectives,auto]
@@ -69,12 +73,20 @@ def parse_args():
     parser.add_argument("--overlap-transports", type=transport_list, default=(),
                         help="comma-separated overlap transports (ring, collectives, auto) measured as extra NVFP4 "
                              "models (fused producers on), after the recipe's own")
+    parser.add_argument("--host-table", action="store_true",
+                        help="instead: one GPU (torchrun --nproc-per-node 1), the models of HOST_TABLE (small to "
+                             "large), each spec's step and host ms, fused producers on, into "
+                             "megatron_gpt_host_<gpu>.json")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one step per spec: GPU time by kernel kind, the top kernels, the compute "
                              "stream's gaps and the communication lane's idle stretches, into DIR")
     return parser.parse_args()
+
+
+# --host-table: (hidden, ffn, layers, seq, micro-batch) from small models, whose step the host can bound, to large
+HOST_TABLE = ((1024, 4096, 8, 2048, 8), (2048, 8192, 8, 2048, 4), (4096, 14336, 4, 4096, 2), (8192, 28672, 2, 4096, 2))
 
 
 def transport_list(text: str) -> tuple:
@@ -88,7 +100,7 @@ def transport_list(text: str) -> tuple:
 def build(spec_name: str, args, tp: int, fused_producers: bool = False, transport: str | None = None) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-        tensor_model_parallel_size=tp, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
@@ -133,12 +145,14 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
     start = time.perf_counter()
     for _ in range(args.iters):
         loss = step()
+    queued = time.perf_counter() - start  # the host's part: where it equals the step, the GPU waits for the host
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     if args.profile:
         profile_step(step, spec_name, args.profile)
     result = {"tokens_per_s": args.micro_batch * args.seq * args.iters / elapsed,
               "step_ms": 1000 * elapsed / args.iters,
+              "host_ms": 1000 * queued / args.iters,
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "memory_after_forward_gib": max(after_forward) / 2**30,
               "loss": float(loss)}
@@ -262,12 +276,46 @@ def communication_lane_lines(events: list, top: int = 12) -> list:
     return lines
 
 
+def host_table(args, tp: int) -> None:
+    """The HOST_TABLE models on one GPU: NVFP4 spec vs Megatron's local BF16 spec, step and host ms."""
+    if tp != 1:
+        raise SystemExit("--host-table runs on one GPU: torchrun --nproc-per-node 1")
+    rows = []
+    for hidden, ffn, layers, seq, micro_batch in HOST_TABLE:
+        args.hidden, args.ffn, args.layers, args.seq, args.micro_batch = hidden, ffn, layers, seq, micro_batch
+        args.heads = hidden // 128
+        bf16, nvfp4 = measure("local_bf16", args, tp), measure("nvfp4", args, tp, True)
+        row = {"hidden": hidden, "ffn": ffn, "layers": layers, "seq": seq, "micro_batch": micro_batch,
+               "heads": args.heads, "local_bf16": bf16, "nvfp4": nvfp4,
+               "tokens_per_s_ratio": nvfp4["tokens_per_s"] / bf16["tokens_per_s"],
+               "nvfp4_host_over_step": nvfp4["host_ms"] / nvfp4["step_ms"]}
+        rows.append(row)
+        print(f"hidden {hidden} ffn {ffn} layers {layers} seq {seq} x {micro_batch}: BF16 {bf16['step_ms']:.1f} ms "
+              f"(host {bf16['host_ms']:.1f}), NVFP4 {nvfp4['step_ms']:.1f} ms (host {nvfp4['host_ms']:.1f}); "
+              f"NVFP4/BF16 tokens/s {row['tokens_per_s_ratio']:.3f}x", flush=True)
+    record = {"benchmark": "megatron_gpt_host", "device": torch.cuda.get_device_name(), "gpus": 1,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
+              "command": command_line(), "megatron_core": MEGATRON_CORE_VERSION,
+              "iters": args.iters, "warmup": args.warmup, "rows": rows}
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"megatron_gpt_host_{gpu_label()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as handle:
+        json.dump(record, handle, indent=1)
+    print(f"wrote {out}")
+
+
 def main():
     args = parse_args()
     _, tp = init_nccl(args.links)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
+    if args.host_table:
+        host_table(args, tp)
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        return
     results = {"local_bf16": measure("local_bf16", args, tp)}
     for name, fused in FUSED_PRODUCER_CHOICES[args.fused_producers]:
         results[name] = measure(name, args, tp, fused)
@@ -284,10 +332,10 @@ def main():
               f"fused producers {args.fused_producers}, "
               f"CUDA_DEVICE_MAX_CONNECTIONS="
               f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset (8)')}")
-        print(f"{'spec':<18}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'fwd GiB':>9}{'loss':>9}")
+        print(f"{'spec':<18}{'tokens/s':>12}{'step ms':>10}{'host ms':>10}{'peak GiB':>10}{'fwd GiB':>9}{'loss':>9}")
         for name, r in results.items():
-            print(f"{name:<18}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['peak_memory_gib']:>10.2f}"
-                  f"{r['memory_after_forward_gib']:>9.2f}{r['loss']:>9.4f}")
+            print(f"{name:<18}{r['tokens_per_s']:>12.0f}{r['step_ms']:>10.1f}{r['host_ms']:>10.1f}"
+                  f"{r['peak_memory_gib']:>10.2f}{r['memory_after_forward_gib']:>9.2f}{r['loss']:>9.4f}")
         target = TOKENS_PER_S_TARGETS.get(args.links)
         print(f"NVFP4/BF16: tokens/s {speedup:.3f}x" + (f" (target >= {target:.2f})" if target else "")
               + f", peak memory {memory:.3f}x (target <= {MEMORY_TARGET:.2f})")

@@ -298,6 +298,20 @@ def host_overhead_command(record: dict) -> str:
     return "python benchmarks/host_overhead.py"
 
 
+def megatron_gpt_host_summary(record: dict) -> list[str]:
+    lines = []
+    for row in record["rows"]:
+        bf16, nvfp4 = row["local_bf16"], row["nvfp4"]
+        lines.append(f"hidden {row['hidden']}, {row['layers']} layers, {row['seq']} x {row['micro_batch']}: NVFP4/BF16 "
+                     f"tokens/s {times(row['tokens_per_s_ratio'])}; NVFP4 step {nvfp4['step_ms']:.1f} ms, host "
+                     f"{nvfp4['host_ms']:.1f} ms; BF16 step {bf16['step_ms']:.1f} ms")
+    return lines
+
+
+def megatron_gpt_host_command(record: dict) -> str:
+    return "torchrun --nproc-per-node 1 benchmarks/megatron_gpt.py --host-table"
+
+
 def param_gather_summary(record: dict) -> list[str]:
     mib = 2 ** 20
     return [f"{row['weight_blocks']} weight blocks: {row['ratio']:.3f}x the bytes ({row['nvfp4_bytes_per_rank'] / mib:.2f} "
@@ -338,6 +352,9 @@ BENCHMARKS = {  # row order
                          overlap_command),
     "megatron_gpt": Benchmark("Megatron-Core GPT training step", "Megatron's BF16 linears, same model",
                               megatron_summary, megatron_command),
+    "megatron_gpt_host": Benchmark("Megatron-Core GPT step on one GPU, eager: step and host time", "Megatron's local "
+                                   "BF16 spec, same model (both with SDPA attention)", megatron_gpt_host_summary,
+                                   megatron_gpt_host_command),
     "param_gather": Benchmark("FSDP2 parameter all-gather in NVFP4 (bytes counted: the same on any device)",
                               "FSDP2's BF16 parameter all-gather, same model", param_gather_summary,
                               param_gather_command),

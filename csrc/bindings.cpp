@@ -130,15 +130,41 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize");
 }
 
-void record_nonfinite(const at::Tensor& values, at::Tensor& record, int64_t stream) {
-  check_device_tensor(values, "values");
-  TORCH_CHECK(values.scalar_type() == at::kFloat && record.scalar_type() == at::kFloat,
-              "nvfp4_dist._C.record_nonfinite: values and record must be float32");
-  TORCH_CHECK(!record.is_cuda() && record.is_pinned() && record.is_contiguous() && record.numel() == values.numel(),
-              "nvfp4_dist._C.record_nonfinite: record must be a contiguous pinned host tensor of values' size");
-  check_launch(nvfp4::launch_record_nonfinite(values.data_ptr<float>(), values.numel(), record.data_ptr<float>(),
-                                              as_stream(stream)),
-               "record_nonfinite");
+// tensors: float32 CUDA tensors; each gives one value, its maximum, or (per_entry) each entry of the single tensor
+// gives one. record: pinned host float32 [values + 1]; any_record: pinned host float32 [1].
+void record_check(const std::vector<at::Tensor>& tensors, bool per_entry, at::Tensor& record, at::Tensor& any_record,
+                  int64_t stream) {
+  nvfp4::CheckedValues check{};
+  for (const at::Tensor& t : tensors) {
+    check_device_tensor(t, "values");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "nvfp4_dist._C.record_check: values must be float32");
+  }
+  if (per_entry) {
+    TORCH_CHECK(tensors.size() == 1 && tensors[0].numel() <= nvfp4::kMaxCheckedValues,
+                "nvfp4_dist._C.record_check: per_entry takes one tensor of at most ", nvfp4::kMaxCheckedValues, " values");
+    for (int64_t i = 0; i < tensors[0].numel(); ++i) {
+      check.values[i] = tensors[0].data_ptr<float>() + i;
+      check.counts[i] = 1;
+    }
+    check.count = static_cast<int>(tensors[0].numel());
+  } else {
+    TORCH_CHECK(!tensors.empty() && tensors.size() <= static_cast<size_t>(nvfp4::kMaxCheckedValues),
+                "nvfp4_dist._C.record_check: 1 to ", nvfp4::kMaxCheckedValues, " tensors");
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      check.values[j] = tensors[j].data_ptr<float>();
+      check.counts[j] = tensors[j].numel();
+    }
+    check.count = static_cast<int>(tensors.size());
+  }
+  for (const at::Tensor* t : {&record, &any_record}) {
+    TORCH_CHECK(!t->is_cuda() && t->is_pinned() && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "nvfp4_dist._C.record_check: record and any_record must be contiguous pinned float32 host tensors");
+  }
+  TORCH_CHECK(record.numel() == check.count + 1 && any_record.numel() == 1,
+              "nvfp4_dist._C.record_check: record must hold one float per value and a flag");
+  check_launch(nvfp4::launch_record_check(check, record.data_ptr<float>(), any_record.data_ptr<float>(),
+                                          as_stream(stream)),
+               "record_check");
 }
 
 void dequantize_rowwise(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool per_row_amax,
@@ -519,7 +545,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
   m.def("amax_columns", &amax_columns, "max |x| of each column (after the RHT of its 16-row chunks) into amax (cols,)");
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
-  m.def("record_nonfinite", &record_nonfinite, "keep NaN/Inf values in a pinned host record (CUDA graphs)");
+  m.def("record_check", &record_check, "fold a NaN/Inf check's values into a pinned host record");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
   m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");
   m.def("cublaslt_gemm", &cublaslt_gemm, "alpha * A . B^T (+ bias) or += it, alpha from the amaxes on the device");

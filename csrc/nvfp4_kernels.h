@@ -52,9 +52,16 @@ struct QuantizeArgs {
   bool four_over_six_fast_math;  // that error in the scaled domain (docs/numerics.md §12.4)
 };
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
-// nonfinite_record.cu: record[i] = values[i] where values[i] is NaN/Inf and record[i] is still finite; record in
-// pinned host memory (nvfp4_dist/finite_check.py, checks inside CUDA graphs).
-cudaError_t launch_record_nonfinite(const float* values, int64_t count, float* record, cudaStream_t stream);
+// nonfinite_record.cu: the NaN/Inf record of one check (nvfp4_dist/finite_check.py). Value j is the maximum of
+// values[j][0 .. counts[j]); when one is not finite and record (pinned host memory, count values and a flag) holds
+// none yet, the record takes them all and its flag and *any_record are set to 1.
+constexpr int kMaxCheckedValues = 32;
+struct CheckedValues {
+  const float* values[kMaxCheckedValues];
+  int64_t counts[kMaxCheckedValues];
+  int count;
+};
+cudaError_t launch_record_check(const CheckedValues& check, float* record, float* any_record, cudaStream_t stream);
 // quantize_4over6.cu: the cast of args.four_over_six (launch_quantize calls it).
 cudaError_t launch_quantize_4over6(const QuantizeArgs& args, cudaStream_t stream);
 

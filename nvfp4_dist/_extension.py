@@ -7,6 +7,7 @@ installed torch's headers require.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -167,6 +168,17 @@ def stream_handle(device: torch.device | None = None) -> int:
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(index) if raw else torch.cuda.current_stream(index).cuda_stream
+
+
+_ALREADY_CURRENT = contextlib.nullcontext()
+
+
+def on_device(device: torch.device):
+    """torch.cuda.device(device), or nothing when `device` is already the current one (the usual case: switching
+    costs microseconds of host time, paid at every launch)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return _ALREADY_CURRENT
+    return torch.cuda.device(device)
 
 
 def cublas_lt_flags() -> tuple[list[str], list[str]]:

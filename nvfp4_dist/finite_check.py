@@ -1,18 +1,17 @@
 """The NaN/Inf check of quantized amaxes (recipe.check_finite, docs/numerics.md §2), without a host sync per call on CUDA.
 
-A check hands over a small float32 tensor of values (amax maxima) and an `explain` function that turns their
-host copy into an error message, or None when they are fine. On the CPU the values are explained at once. On
-CUDA, reading them would make the host wait for the GPU at every quantize (the host could never run ahead of
-the kernels, and the overlapped layers' transfers could not be queued early): instead each check copies the
-values to pinned host memory behind an event, and the error is raised by the first later check (or
-raise_pending_nonfinite()) that sees the copy landed. At most MAX_PENDING checks wait; beyond that the
-oldest is waited for (a bound on memory the host never reaches in practice: the GPU's launch queue stops it first).
-
-Inside a CUDA graph capture a check launches a kernel that folds its values into a slice of pinned host memory
-(replays run no Python, so nothing could explain them at once): the first NaN/Inf of any replay stays there. The
-host reads those records without waiting for the GPU at every optimizer step (a pre-step hook, so the step that
-would apply the bad gradients is refused when the GPU got there first) and at every eager check, and raises naming
-the check as an eager call would; raise_pending_nonfinite() waits for the GPU, then reads both kinds.
+On the CPU a check's values are explained at once. On CUDA, reading them would make the host wait for the GPU at
+every quantize (the host could never run ahead of the kernels, and the overlapped layers' transfers could not be
+queued early), so the error is raised later, by a check (or optimizer step) that finds it landed:
+- A layer's operand check (check_operands) launches one kernel on the amax tensors that folds them into a record in
+  pinned host memory (_Records; csrc/nonfinite_record.cu): the values of the first call that found a NaN/Inf, and a
+  flag. The host reads the flags at every check and, through a pre-step hook, at every optimizer step (so that a
+  step whose gradients the GPU already found non-finite is refused), without waiting for the GPU. Inside a CUDA
+  graph capture every check records this way, into a record of its own that each replay folds into.
+- Other checks (check(values, explain): given amaxes, tensor-parallel groups) copy their values to pinned host memory
+  behind an event, explained once the copy landed. At most MAX_PENDING wait; beyond that the oldest is waited for
+  (a bound the host never reaches in practice: the GPU's launch queue stops it first).
+raise_pending_nonfinite() waits for the GPU, then reads both kinds.
 
 operand_values / explain_operands describe the amaxes of quantized tensors: which tensor (x, the input, the
 weight or the gradient of a layer), which copy, whether it holds NaN/Inf or is finite but overflows in the
@@ -60,56 +59,84 @@ def _settle(wait: bool) -> None:
             raise NonFiniteAmaxError(message + _DEFERRED + _ADVICE)
 
 
-class _CapturedChecks:
-    """The checks recorded inside CUDA graph captures: per check, a slice of a pinned host record that each replay
-    folds its values into (csrc/nonfinite_record.cu keeps the first NaN/Inf of every entry) and `explain`. The
-    host reads the record whenever it likes, without waiting for the GPU."""
+class _Records:
+    """Pinned host records that a kernel (csrc/nonfinite_record.cu) folds a check's values into: per record, the
+    values of the first call that found one not finite, and a flag; one more flag says any record holds one. The
+    host reads the flags whenever it likes, without waiting for the GPU.
 
-    POOL_VALUES = 4096  # pinned floats allocated at a time (before capture: pinned allocation is not capturable)
+    A keyed check (an eager call of a layer's operand check: the same labels each call) reuses its record; a check
+    inside a CUDA graph capture gets one of its own, which every replay folds into.
+    """
+
+    CHUNK = 16384  # pinned floats allocated at a time, before any capture (pinned allocation is not capturable)
 
     def __init__(self):
-        self.pool, self.used = None, 0
-        self.slots: list = []  # (record slice, explain)
+        self.pool = self.any = None
+        self.used = 0
+        self.keyed: dict = {}
+        self.records: list = []  # [record tensor, its numpy view, explain]
         self.hook = None
 
     def reserve(self) -> None:
-        """Allocate the pinned pool ahead of any capture (called by every eager CUDA check)."""
-        if self.pool is None or self.used > self.POOL_VALUES // 2:
-            self.pool, self.used = torch.zeros(self.POOL_VALUES, dtype=torch.float32, pin_memory=True), 0
+        """Allocate pinned memory ahead of any capture (every eager CUDA check calls this)."""
+        if self.any is None:
+            self.any = torch.zeros(1, dtype=torch.float32, pin_memory=True)
+            self.any_view = self.any.numpy()
+        if self.pool is None or self.used > self.CHUNK // 2:
+            self.pool, self.used = torch.zeros(self.CHUNK, dtype=torch.float32, pin_memory=True), 0
 
-    def record(self, values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
-        if self.pool is None or self.used + values.numel() > self.pool.numel():
-            raise RuntimeError("a NaN/Inf check inside a CUDA graph capture found no free pinned record: run the "
-                               "captured layers once eagerly before capturing them (warm-up), as "
-                               "torch.cuda.make_graphed_callables does")
-        record = self.pool[self.used:self.used + values.numel()]
-        self.used += values.numel()
-        from nvfp4_dist._extension import load_extension, stream_handle
-        load_extension().record_nonfinite(values.contiguous(), record, stream_handle(values.device))
-        self.slots.append((record, explain))
+    def _new_record(self, values: int, explain) -> list:
+        if self.pool is None or self.used + values + 1 > self.CHUNK:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a NaN/Inf check inside a CUDA graph capture found no free pinned record: run the "
+                                   "captured layers once eagerly before capturing them (warm-up), as "
+                                   "torch.cuda.make_graphed_callables does")
+            self.pool, self.used = None, 0
+            self.reserve()
+        record = self.pool[self.used:self.used + values + 1]
+        self.used += values + 1
+        entry = [record, record.numpy(), explain]
+        self.records.append(entry)
         if self.hook is None:
             self.hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: self.settle(wait=False))
+        return entry
+
+    def record(self, tensors: list, per_entry: bool, explain: Callable[[list], str | None], key=None) -> None:
+        """Queue the kernel that folds the check's values into its record (see csrc/nonfinite_record.cu)."""
+        from nvfp4_dist._extension import load_extension, stream_handle
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self.reserve()
+        values = tensors[0].numel() if per_entry else len(tensors)
+        if key is None or capturing:
+            entry = self._new_record(values, explain)
+        else:
+            entry = self.keyed.get((key, values))
+            if entry is None:
+                entry = self.keyed[(key, values)] = self._new_record(values, explain)
+            entry[2] = explain
+        load_extension().record_check(tensors, per_entry, entry[0], self.any, stream_handle(tensors[0].device))
 
     def settle(self, wait: bool) -> None:
-        """Raise for the first captured check whose record holds a NaN/Inf (after the GPU's queued work when
-        `wait`), and clear the records."""
-        if not self.slots or torch.cuda.is_current_stream_capturing():
+        """Raise for the first record holding a NaN/Inf (after the GPU's queued work when `wait`), clearing them all."""
+        if self.any is None or torch.cuda.is_current_stream_capturing():
             return
         if wait:
             torch.cuda.synchronize()
-        for record, explain in self.slots:
-            values = record.tolist()
-            if all(math.isfinite(value) for value in values):
-                continue
-            message = explain(values)
-            for other, _ in self.slots:
-                other.zero_()  # reported once; later replays record their own values
+        if self.any_view[0] == 0:
+            return
+        self.any_view[0] = 0
+        found = [entry for entry in self.records if entry[1][-1] != 0]
+        for entry in found:
+            entry[1][-1] = 0  # reported once; later calls and replays record their own values
+        for _, view, explain in found:
+            message = explain(view[:-1].tolist())
             if message is not None:
-                raise NonFiniteAmaxError(message + _CAPTURED + _ADVICE)
+                raise NonFiniteAmaxError(message + _RECORDED + _ADVICE)
 
 
-_captured = _CapturedChecks()
-_CAPTURED = (" (checked inside a CUDA graph replay, read at a later optimizer step, eager check or "
+_records = _Records()
+_RECORDED = (" (checked on the GPU without waiting for it, reported at a later check or optimizer step or by "
              "nvfp4_dist.raise_pending_nonfinite())")
 
 
@@ -140,23 +167,23 @@ def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
             raise NonFiniteAmaxError(message + _ADVICE)
         return
     if torch.cuda.is_current_stream_capturing():
-        _captured.record(values, explain)
+        _records.record([values.contiguous()], True, explain)
         return
-    _captured.reserve()
+    _records.reserve()
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     _pending.append((event, host, explain))
     _settle(wait=False)
-    _captured.settle(wait=False)
+    _records.settle(wait=False)
 
 
 def raise_pending_nonfinite() -> None:
     """Wait for every pending CUDA check, and for the values of the checks captured in CUDA graphs as their last
     replays left them; raise NonFiniteAmaxError if one found a NaN/Inf amax."""
     _settle(wait=True)
-    _captured.settle(wait=True)
+    _records.settle(wait=True)
 
 
 def _maximum(amax: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -224,6 +251,27 @@ def check_operands(operands: dict) -> None:
     if not present:
         return
     specs = [spec(label, q) for label, q in present.items()]
+    device = next(iter(present.values())).device
+    if device.type == "cuda":
+        if _suspended and not torch.cuda.is_current_stream_capturing():
+            return
+        # One kernel on the amax tensors themselves, into the record of these labels (see _Records).
+        slots, tensors = [], []
+        for index, q in enumerate(present.values()):
+            for copy, amax in enumerate((q.amax_rowwise, q.amax_columnwise)):
+                if amax is not None and amax.numel():
+                    slots.append(2 * index + copy)
+                    tensors.append(amax.detach().reshape(-1).contiguous())
+
+        def explain(recorded):
+            values = [0.0] * (2 * len(specs))
+            for slot, value in zip(slots, recorded):
+                values[slot] = value
+            return explain_operands(specs, values)
+        _records.record(tensors, False, explain, key=tuple(specs))
+        _settle(wait=False)
+        _records.settle(wait=False)
+        return
     values = torch.cat([operand_values(q) for q in present.values()])
     check(values, lambda host: explain_operands(specs, host))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nvfp4_dist._extension import load_extension, stream_handle
+from nvfp4_dist._extension import load_extension, on_device, stream_handle
 from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
 from nvfp4_dist.reference.fused_producers import ACTIVATIONS, NORMALIZATIONS, activation_output_shape
 from nvfp4_dist.tensor import NVFP4Tensor
@@ -89,7 +89,7 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"out_dtype={out_dtype}: the kernels write {INPUT_DTYPES}")
     mean, rstd = _norm_statistics(x2d, normalization)
     y = torch.empty(x2d.shape, dtype=out_dtype, device=x2d.device)
-    with torch.cuda.device(x2d.device):
+    with on_device(x2d.device):
         load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], float(eps), mean, rstd,
                                    None, y, None, False, None, True, stream_handle(x2d.device))
     return y.reshape(x.shape), mean, rstd
@@ -107,7 +107,7 @@ def norm_row_sums(x: torch.Tensor, *, normalization: str):
     _check_norm(x2d, normalization, bias)
     mean, rstd = _norm_statistics(x2d, normalization)
     sum_of_squares = torch.empty_like(rstd)
-    with torch.cuda.device(x2d.device):
+    with on_device(x2d.device):
         load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], 0.0, mean, rstd,
                                    sum_of_squares, None, None, False, None, True, stream_handle(x2d.device))
     return mean, sum_of_squares
@@ -131,7 +131,7 @@ def norm_amaxes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     mean, rstd = _norm_statistics(x2d, normalization)
     amax_rowwise = _amax(x2d, rows if row_scaled else 1)
     amax_rht = _amax(x2d) if columnwise and rht else None
-    with torch.cuda.device(x2d.device):
+    with on_device(x2d.device):
         load_extension().norm_rows(x2d, weight, bias, _NORMALIZATION_CODES[normalization], float(eps), mean, rstd,
                                    None, None, amax_rowwise, row_scaled, amax_rht, rht_random_sign,
                                    stream_handle(x2d.device))
@@ -179,7 +179,7 @@ def norm_quantize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     q = _copies(x.shape, x2d.device, rowwise=rowwise, columnwise=columnwise, rht=rht, rht_random_sign=rht_random_sign,
                 row_scaled=row_scaled, amax_rowwise=amax_rowwise, amax_columnwise=amax_columnwise)
     code = _NORMALIZATION_CODES["LayerNorm" if mean is not None else "RMSNorm"]
-    with torch.cuda.device(x2d.device):
+    with on_device(x2d.device):
         load_extension().norm_cast(x2d, weight, bias, code, mean, rstd, q.amax_rowwise, q.amax_columnwise,
                                    q.rowwise_data, _raw(q.rowwise_scale), q.columnwise_data, _raw(q.columnwise_scale),
                                    row_scaled, rht, rht_random_sign, stream_handle(x2d.device))
@@ -208,7 +208,7 @@ def activation_table(device: torch.device, activation: str) -> torch.Tensor | No
             return None
         extension = load_extension()
         code = _ACTIVATION_CODES[activation]
-        with torch.cuda.device(key[0]):
+        with on_device(key[0]):
             table = torch.empty(extension.activation_table_bytes(code), dtype=torch.uint8, device=key[0])
             extension.activation_table(code, table, stream_handle(key[0]))
             torch.cuda.current_stream(key[0]).synchronize()  # other streams may read it first
@@ -227,7 +227,7 @@ def activation_forward(h: torch.Tensor, *, activation: str, out_dtype: torch.dty
         raise ValueError(f"out_dtype={out_dtype}: the activation kernel writes h's dtype ({h.dtype})")
     shape = activation_output_shape(h.shape, activation)
     out = torch.empty(shape, dtype=out_dtype, device=h2d.device)
-    with torch.cuda.device(h2d.device):
+    with on_device(h2d.device):
         load_extension().activation_forward(h2d, _ACTIVATION_CODES[activation], out, _table_for(h2d, activation),
                                             stream_handle(h2d.device))
     return out
@@ -241,7 +241,7 @@ def activation_amaxes(h: torch.Tensor, *, activation: str, columnwise: bool = Tr
     _check_rows(rows, columnwise, row_scaled)
     amax_rowwise = _amax(h2d, rows if row_scaled else 1)
     amax_rht = _amax(h2d) if columnwise and rht else None
-    with torch.cuda.device(h2d.device):
+    with on_device(h2d.device):
         load_extension().activation_amaxes(h2d, _ACTIVATION_CODES[activation], amax_rowwise, row_scaled, amax_rht,
                                            rht_random_sign, _table_for(h2d, activation), stream_handle(h2d.device))
     amax_columnwise = amax_rht if amax_rht is not None else (amax_rowwise.clone() if columnwise else None)
@@ -259,7 +259,7 @@ def activation_quantize(h: torch.Tensor, *, activation: str, amax_rowwise: torch
     q = _copies(activation_output_shape(h.shape, activation), h2d.device, rowwise=rowwise, columnwise=columnwise,
                 rht=rht, rht_random_sign=rht_random_sign, row_scaled=row_scaled, amax_rowwise=amax_rowwise,
                 amax_columnwise=amax_columnwise)
-    with torch.cuda.device(h2d.device):
+    with on_device(h2d.device):
         load_extension().activation_cast(h2d, _ACTIVATION_CODES[activation], q.amax_rowwise, q.amax_columnwise,
                                          q.rowwise_data, _raw(q.rowwise_scale), q.columnwise_data,
                                          _raw(q.columnwise_scale), row_scaled, rht, rht_random_sign,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from nvfp4_dist._extension import load_extension, stream_handle
+from nvfp4_dist._extension import load_extension, on_device, stream_handle
 from nvfp4_dist.formats import BLOCK_SIZE, E4M3_BOUND, SCALE_DTYPE
 from nvfp4_dist.reference.copies import check_copy_options
 from nvfp4_dist.reference.fourover6 import FourOverSix
@@ -59,7 +59,7 @@ def compute_amaxes(x2d: torch.Tensor, *, rowwise: bool = True, columnwise: bool 
     x2d = _kernel_input(x2d)
     extension, stream = load_extension(), stream_handle(x2d.device)
     amax_rowwise = amax_columnwise = None
-    with torch.cuda.device(x2d.device):
+    with on_device(x2d.device):
         if rowwise and row_scaled:
             amax_rowwise = _new_amax(x2d, x2d.shape[0])
             extension.amax_rows(x2d, amax_rowwise, stream)
@@ -139,7 +139,7 @@ def quantize_tensor(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool =
         q.columnwise_data = torch.empty(cols, rows // 2, dtype=torch.uint8, device=device)
         q.columnwise_scale = torch.empty(cols, rows // BLOCK_SIZE, dtype=SCALE_DTYPE, device=device)
         q.amax_columnwise = amax_columnwise
-    with torch.cuda.device(device):
+    with on_device(device):
         launch_quantize(x2d, q.amax_rowwise, q.amax_columnwise, q.rowwise_data, q.rowwise_scale, q.columnwise_data,
                         q.columnwise_scale, row_scaled=row_scaled, block_2d=block_2d, rht=rht,
                         rht_random_sign=rht_random_sign, sr_seed=sr_seed, sr_row_offset=sr_row_offset,
@@ -179,7 +179,7 @@ def dequantize_tensor(q: NVFP4Tensor, dtype: torch.dtype, copy: str) -> torch.Te
         raise ValueError(f"copy={copy!r}: this NVFP4Tensor holds no {copy} copy")
     out = torch.empty(rows, cols, dtype=dtype, device=data.device)
     scale = getattr(q, f"{copy}_scale").contiguous().view(torch.uint8)
-    with torch.cuda.device(data.device):
+    with on_device(data.device):
         if copy == "rowwise":
             load_extension().dequantize_rowwise(data.contiguous(), scale, q.amax_rowwise.contiguous(), q.row_scaled,
                                                 q.e4m3_bound, out, stream_handle(out.device))
@@ -198,7 +198,7 @@ def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     gathered = gathered.contiguous()
     rows = gathered.shape[0] // world_size
     out = torch.empty(rows, world_size * gathered.shape[1], dtype=gathered.dtype, device=gathered.device)
-    with torch.cuda.device(gathered.device):
+    with on_device(gathered.device):
         load_extension().swap_first_dims(gathered, world_size, out, stream_handle(out.device))
     return out
 
@@ -210,6 +210,6 @@ def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
     raw = scale.contiguous().view(torch.uint8)
     padded_rows, padded_cols = padded_scale_shape(*raw.shape)
     out = torch.empty(padded_rows * padded_cols, dtype=torch.uint8, device=raw.device)
-    with torch.cuda.device(raw.device):
+    with on_device(raw.device):
         load_extension().swizzle_scales(raw, out, stream_handle(out.device))
     return out.view(SCALE_DTYPE)

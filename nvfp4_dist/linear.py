@@ -75,9 +75,9 @@ def quantize_operand(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwi
     column = ops.quantize(x2d.to(torch.bfloat16), role, rowwise=False, columnwise=True,
                           amax_columnwise=amax_columnwise, **common)
     if not rowwise:
-        return dataclasses.replace(column, dtype=x2d.dtype)
+        return column.replace(dtype=x2d.dtype)
     row = ops.quantize(x2d, role, rowwise=True, columnwise=False, amax_rowwise=amax_rowwise, **common)
-    return dataclasses.replace(row, columnwise_data=column.columnwise_data, columnwise_scale=column.columnwise_scale,
+    return row.replace(columnwise_data=column.columnwise_data, columnwise_scale=column.columnwise_scale,
                                amax_columnwise=column.amax_columnwise, rht=column.rht)
 
 

@@ -2,6 +2,7 @@
 import dataclasses
 import functools
 import hashlib
+import os
 import types
 import typing
 
@@ -33,6 +34,9 @@ _VALUE_OVERRIDES = (
     (environment.FOUR_OVER_SIX_ERR_MODE, "nvfp4_4over6_err_mode"),
     (environment.BACKWARD_MODE, "backward_mode"),
 )
+# Every variable from_env reads (its cache key), and the recipes it built, by their settings.
+_RECIPE_VARIABLES = tuple(dict.fromkeys(entry[0] for entry in _FLAG_OVERRIDES + _VALUE_OVERRIDES))
+_FROM_ENV_RECIPES: dict = {}
 
 
 class RecipeTypeError(TypeError, ValueError):
@@ -195,7 +199,28 @@ class NVFP4Recipe:
 
     @classmethod
     def from_env(cls, **overrides) -> "NVFP4Recipe":
-        """Defaults, then the NVFP4_* environment variables (nvfp4_dist.environment), then explicit keyword overrides."""
+        """Defaults, then the NVFP4_* environment variables (nvfp4_dist.environment), then explicit keyword overrides.
+
+        The variables are read at every call (a change takes effect at the next one); the recipe built from the same
+        settings and overrides is reused, since layers without a recipe of their own call this at every forward."""
+        try:
+            key = (cls, tuple(os.environ.get(variable.name) for variable in _RECIPE_VARIABLES),
+                   tuple(sorted(overrides.items())))
+            hash(key)
+        except TypeError:  # an unhashable override: build it (and let the constructor say what is wrong)
+            key = None
+        cached = _FROM_ENV_RECIPES.get(key) if key is not None else None
+        if cached is not None:
+            return cached
+        recipe = cls._build_from_env(overrides)
+        if key is not None:
+            if len(_FROM_ENV_RECIPES) >= 64:
+                _FROM_ENV_RECIPES.clear()
+            _FROM_ENV_RECIPES[key] = recipe
+        return recipe
+
+    @classmethod
+    def _build_from_env(cls, overrides: dict) -> "NVFP4Recipe":
         values = {}
         for variable, field, value in _FLAG_OVERRIDES:
             if variable.read():

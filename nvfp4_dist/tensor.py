@@ -1,6 +1,7 @@
 """NVFP4Tensor: packed FP4 codes, E4M3 block scales and FP32 amax of one tensor (docs/numerics.md §1-3)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -69,9 +70,19 @@ class NVFP4Tensor:
         """The six storage tensors (None where a copy is absent), for autograd's save_for_backward."""
         return tuple(getattr(self, name) for name in _TENSOR_FIELDS)
 
+    def replace(self, **changes) -> NVFP4Tensor:
+        """A copy with `changes` to its fields (dataclasses.replace without re-running __init__: the layers make
+        several per call, so it stays cheap)."""
+        unknown = changes.keys() - _FIELD_NAMES
+        if unknown:
+            raise TypeError(f"NVFP4Tensor has no field(s) {sorted(unknown)}")
+        copied = copy.copy(self)
+        copied.__dict__.update(changes)
+        return copied
+
     def with_tensors(self, tensors) -> NVFP4Tensor:
         """The same metadata around other storage tensors (the inverse of tensors())."""
-        return dataclasses.replace(self, **dict(zip(_TENSOR_FIELDS, tensors)))
+        return self.replace(**dict(zip(_TENSOR_FIELDS, tensors)))
 
     def metadata(self) -> NVFP4Tensor:
         """A copy that holds no storage, to keep beside save_for_backward."""
@@ -85,18 +96,17 @@ class NVFP4Tensor:
         return self.with_tensors(tuple(None if t is None else t.to(device) for t in self.tensors()))
 
     def rowwise_only(self) -> NVFP4Tensor:
-        return dataclasses.replace(self, columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
+        return self.replace(columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
 
     def columnwise_only(self) -> NVFP4Tensor:
-        return dataclasses.replace(self, rowwise_data=None, rowwise_scale=None, amax_rowwise=None)
+        return self.replace(rowwise_data=None, rowwise_scale=None, amax_rowwise=None)
 
     def rowwise_rows(self, start: int, stop: int) -> NVFP4Tensor:
         """Rows [start, stop) of the 2D view, rowwise copy only (a chunk for pipelined GEMMs)."""
         amax = self.amax_rowwise[start:stop] if self.row_scaled else self.amax_rowwise
-        return dataclasses.replace(self, shape=torch.Size((stop - start, self.cols)),
-                                   rowwise_data=self.rowwise_data[start:stop],
-                                   rowwise_scale=self.rowwise_scale[start:stop], amax_rowwise=amax,
-                                   columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
+        return self.replace(shape=torch.Size((stop - start, self.cols)), rowwise_data=self.rowwise_data[start:stop],
+                            rowwise_scale=self.rowwise_scale[start:stop], amax_rowwise=amax,
+                            columnwise_data=None, columnwise_scale=None, amax_columnwise=None)
 
     def rowwise_row_ranges(self, ranges) -> NVFP4Tensor:
         """Rows [start, stop) of each (start, stop) in `ranges`, stacked in order, rowwise copy only: one GEMM
@@ -107,8 +117,8 @@ class NVFP4Tensor:
         data = torch.cat([chunk.rowwise_data for chunk in chunks])
         scale = torch.cat([chunk.rowwise_scale.view(torch.uint8) for chunk in chunks]).view(self.rowwise_scale.dtype)
         amax = torch.cat([chunk.amax_rowwise for chunk in chunks]) if self.row_scaled else self.amax_rowwise
-        return dataclasses.replace(chunks[0], shape=torch.Size((data.shape[0], self.cols)), rowwise_data=data,
-                                   rowwise_scale=scale, amax_rowwise=amax)
+        return chunks[0].replace(shape=torch.Size((data.shape[0], self.cols)), rowwise_data=data,
+                                 rowwise_scale=scale, amax_rowwise=amax)
 
     def __repr__(self) -> str:
         copies = [name for name, present in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if present]
@@ -117,3 +127,6 @@ class NVFP4Tensor:
             flags.append(f"e4m3_bound={self.e4m3_bound}")
         return (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, copies={copies}, "
                 f"flags={flags}, nbytes={self.nbytes()})")
+
+
+_FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(NVFP4Tensor))

@@ -44,15 +44,15 @@ def test_a_later_quantize_raises_once_the_check_landed():
     poisoned[0, 0] = float("nan")
     torch.cuda._sleep(200_000_000)  # the GPU is busy: the check cannot have landed when quantize returns
     nv.quantize(poisoned, "weight")
-    assert len(finite_check._pending) == 1
+    assert not finite_check._records.any_view[0]
     torch.cuda.synchronize()
-    with pytest.raises(nv.NonFiniteAmaxError, match="checked asynchronously"):
+    with pytest.raises(nv.NonFiniteAmaxError, match="checked on the GPU without waiting"):
         nv.quantize(finite(), "weight")
     nv.raise_pending_nonfinite()
 
 
 def test_quantize_does_not_wait_for_the_gpu():
-    """With the GPU busy for ~1 s, 20 checked quantizes return at once and at most MAX_PENDING checks wait."""
+    """With the GPU busy for ~1 s, 20 checked quantizes return at once."""
     x = finite(1024, 1024)
     nv.quantize(x, "activation")
     nv.raise_pending_nonfinite()
@@ -62,6 +62,17 @@ def test_quantize_does_not_wait_for_the_gpu():
         nv.quantize(x, "activation")
     host_seconds = time.perf_counter() - began
     assert host_seconds < 0.5, host_seconds
+    nv.raise_pending_nonfinite()
+
+
+def test_given_amax_checks_wait_in_order_and_are_bounded():
+    """Checks of given amaxes queue copies behind events: at most MAX_PENDING wait, all settled by raise_pending."""
+    x = finite(1024, 1024)
+    amax = x.abs().amax().float().reshape(1)
+    nv.raise_pending_nonfinite()
+    torch.cuda._sleep(200_000_000)
+    for _ in range(5):
+        nv.quantize(x, "weight", amax_rowwise=amax, amax_columnwise=amax)
     assert 0 < len(finite_check._pending) <= finite_check.MAX_PENDING
     nv.raise_pending_nonfinite()
     assert not finite_check._pending
