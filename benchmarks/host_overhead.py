@@ -1,5 +1,6 @@
 """Host time against GPU time of one linear layer's forward+backward: torch.nn.Linear (BF16) and nvfp4_dist.Linear,
-eager and captured in a CUDA graph (torch.cuda.make_graphed_callables), on one GPU.
+eager and captured in a CUDA graph (torch.cuda.make_graphed_callables; nvfp4_dist.make_graphed_callables for the
+NVFP4 layer), on one GPU.
 
 Per shape (tokens, in, out) and layer: the host microseconds one forward+backward call takes to return, and the GPU
 microseconds its kernels take. Both come from one timed loop run while the GPU is held busy by a sleep kernel queued
@@ -85,7 +86,8 @@ def run_shape(tokens: int, k: int, n: int, sleep_cycles: int) -> dict:
     row = {"tokens": tokens, "in": k, "out": n}
     for name, layer in layers.items():
         row[f"{name} eager"] = measure(layer_step(layer, x, dy), sleep_cycles)
-        graphed = torch.cuda.make_graphed_callables(layer, (x,))
+        graph = nv.make_graphed_callables if isinstance(layer, nv.Linear) else torch.cuda.make_graphed_callables
+        graphed = graph(layer, (x,))
         row[f"{name} graphed"] = measure(layer_step(graphed, x, dy), sleep_cycles)
     nv.raise_pending_nonfinite()
     base = row["nn.Linear eager"]["host_us"]

@@ -18,7 +18,7 @@ itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
 --host-table runs, on one GPU, four models from hidden 1024 to 8192 (HOST_TABLE) with both specs and records each
 step's host time beside its step time: where they are equal, the GPU waits for Python.
 
-    torchrun --nproc-per-node 1 benchmarks/megatron_gpt.py --host-table
+    torchrun --nproc-per-node 1 benchmarks/megatron_gpt.py --host-table [--cuda-graphs]
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
                                                            [--fused-producers on|off|both] [--out PATH]
                                                            [--overlap-transports collectives,auto]
@@ -37,6 +37,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.cuda_graphs import create_cudagraphs, delete_cuda_graphs
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -77,12 +78,31 @@ def parse_args():
                         help="instead: one GPU (torchrun --nproc-per-node 1), the models of HOST_TABLE (small to "
                              "large), each spec's step and host ms, fused producers on, into "
                              "megatron_gpt_host_<gpu>.json")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="with --host-table: both specs under Megatron's own per-layer CUDA graphs "
+                             "(cuda_graph_impl='local'), captured after its warm-up steps as its schedules do")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one step per spec: GPU time by kernel kind, the top kernels, the compute "
                              "stream's gaps and the communication lane's idle stretches, into DIR")
     return parser.parse_args()
+
+
+def graph_runners(model) -> list:
+    return [runner for module in model.modules() for runner in
+            getattr(getattr(module, "cudagraph_manager", None), "cudagraph_runners", [])]
+
+
+def captured_graphs(model) -> int:
+    """Forward and backward CUDA graphs Megatron captured for the model's layers."""
+    return sum((runner.fwd_graph is not None) + (runner.bwd_graph is not None) for runner in graph_runners(model))
+
+
+def replayed_graphs(model) -> bool:
+    """Whether the timed steps ran the layers through their graphs (Megatron's global switch, set once captured)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+    return bool(_CudagraphGlobalRecord.cudagraph_created) and bool(graph_runners(model))
 
 
 # --host-table: (hidden, ffn, layers, seq, micro-batch) from small models, whose step the host can bound, to large
@@ -104,7 +124,7 @@ def build(spec_name: str, args, tp: int, fused_producers: bool = False, transpor
         pipeline_dtype=torch.bfloat16, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False)
+        apply_rope_fusion=False, **({"cuda_graph_impl": "local"} if args.cuda_graphs else {}))
     if spec_name.startswith("nvfp4"):
         recipe = NVFP4Recipe.from_env(**({"overlap": True} if args.overlap else {}), fused_producers=fused_producers,
                                       overlap_transport=transport)
@@ -140,6 +160,14 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
 
     for _ in range(args.warmup):
         step()
+    graphs = 0
+    if args.cuda_graphs:  # Megatron's schedules call create_cudagraphs() after every step; so does this
+        for _ in range(model.config.cuda_graph_warmup_steps + 1):
+            step()
+            create_cudagraphs()
+        graphs = captured_graphs(model)
+        if not graphs:
+            raise RuntimeError(f"{spec_name}: no CUDA graph was captured")
     torch.cuda.synchronize()
     torch.distributed.barrier()
     start = time.perf_counter()
@@ -156,6 +184,10 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "memory_after_forward_gib": max(after_forward) / 2**30,
               "loss": float(loss)}
+    if args.cuda_graphs:
+        result["cuda_graphs"] = graphs
+        result["replayed"] = replayed_graphs(model)
+        delete_cuda_graphs()
     if spec_name.startswith("nvfp4"):
         result["fused_producers"] = fused_producers
         result["overlap_transport"] = transport
@@ -293,12 +325,14 @@ def host_table(args, tp: int) -> None:
         print(f"hidden {hidden} ffn {ffn} layers {layers} seq {seq} x {micro_batch}: BF16 {bf16['step_ms']:.1f} ms "
               f"(host {bf16['host_ms']:.1f}), NVFP4 {nvfp4['step_ms']:.1f} ms (host {nvfp4['host_ms']:.1f}); "
               f"NVFP4/BF16 tokens/s {row['tokens_per_s_ratio']:.3f}x", flush=True)
-    record = {"benchmark": "megatron_gpt_host", "device": torch.cuda.get_device_name(), "gpus": 1,
+    record = {"benchmark": "megatron_gpt_host_graphed" if args.cuda_graphs else "megatron_gpt_host",
+              "device": torch.cuda.get_device_name(), "gpus": 1,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
               "command": command_line(), "megatron_core": MEGATRON_CORE_VERSION,
               "iters": args.iters, "warmup": args.warmup, "rows": rows}
+    graphed = "_graphed" if args.cuda_graphs else ""
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"megatron_gpt_host_{gpu_label()}.json")
+                                   f"megatron_gpt_host{graphed}_{gpu_label()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as handle:
         json.dump(record, handle, indent=1)
@@ -310,7 +344,9 @@ def main():
     _, tp = init_nccl(args.links)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=args.cuda_graphs)
+    if args.cuda_graphs and not args.host_table:
+        raise SystemExit("--cuda-graphs goes with --host-table")
     if args.host_table:
         host_table(args, tp)
         parallel_state.destroy_model_parallel()

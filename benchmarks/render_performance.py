@@ -355,6 +355,10 @@ BENCHMARKS = {  # row order
     "megatron_gpt_host": Benchmark("Megatron-Core GPT step on one GPU, eager: step and host time", "Megatron's local "
                                    "BF16 spec, same model (both with SDPA attention)", megatron_gpt_host_summary,
                                    megatron_gpt_host_command),
+    "megatron_gpt_host_graphed": Benchmark("Megatron-Core GPT step on one GPU, Megatron's CUDA graphs "
+                                           "(cuda_graph_impl='local'): step and host time", "Megatron's local BF16 "
+                                           "spec, same model, graphed the same way", megatron_gpt_host_summary,
+                                           lambda record: megatron_gpt_host_command(record) + " --cuda-graphs"),
     "param_gather": Benchmark("FSDP2 parameter all-gather in NVFP4 (bytes counted: the same on any device)",
                               "FSDP2's BF16 parameter all-gather, same model", param_gather_summary,
                               param_gather_command),

@@ -12,6 +12,14 @@ def make_graphed_callables(callables, sample_args, **kwargs):
     torch's warm-up runs backward on uninitialised output gradients (torch.empty_like), whose garbage the NaN/Inf
     check of the gradients' amaxes would report, later, as an error of the next step; here the warm-up's eager
     checks are skipped. The captured graphs check every replay (nvfp4_dist/finite_check.py).
+    Parameters without a .grad get a zero one: the graphed backward hands autograd its static gradient buffers,
+    which a parameter with no .grad would take as its own, so the next replay would overwrite (and, with
+    zero_grad(set_to_none=False), double) it. Keep them: zero_grad(set_to_none=False).
     """
+    modules = callables if isinstance(callables, tuple) else (callables,)
+    for module in modules:
+        for parameter in (module.parameters() if isinstance(module, torch.nn.Module) else ()):
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
     with finite_check.suspended_outside_capture():
         return torch.cuda.make_graphed_callables(callables, sample_args, **kwargs)
