@@ -331,7 +331,8 @@ class GroupedLinear(torch.nn.Module):
     recipe (NVFP4Recipe, RecipeMap matched against layer_name, or None: autocast / environment), bf16_fallback,
     accumulate_into_main_grad, delay_wgrad (backward_dw() runs every expert's wgrad later). grouped_gemm: one
     grouped GEMM per stage on the Hopper emulation (within the GEMM tolerance of the loop); False: one gemm()
-    per expert (bit-identical on every backend).
+    per expert (bit-identical on every backend). skip_bias_add: forward returns (output without the biases,
+    [bias0, ...]) for the caller to add (Megatron's MoE experts scale them by the routing probability).
     Training with recipe.backward_mode "default" needs every split size to be a multiple of 16 (the wgrad copies
     are blocked along tokens); pad each expert's tokens (parallel/megatron/moe.py does). The other backward
     modes are refused.
@@ -339,7 +340,8 @@ class GroupedLinear(torch.nn.Module):
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, recipe: NVFP4Recipe | RecipeMap | None = None, bf16_fallback: bool = False,
-                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False, grouped_gemm: bool = True):
+                 accumulate_into_main_grad: bool = False, delay_wgrad: bool = False, grouped_gemm: bool = True,
+                 skip_bias_add: bool = False):
         super().__init__()
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
             raise ValueError(f"num_experts={num_experts!r}: must be an int >= 1")
@@ -349,6 +351,8 @@ class GroupedLinear(torch.nn.Module):
             check_parameter_dtype(dtype)
         check_layer_recipe(recipe)
         ops.check_flag(grouped_gemm, "grouped_gemm")
+        ops.check_flag(skip_bias_add, "skip_bias_add")
+        self.skip_bias_add = skip_bias_add
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.recipe, self.bf16_fallback, self.grouped_gemm = recipe, bf16_fallback, grouped_gemm
         self.accumulate_into_main_grad, self.delay_wgrad = accumulate_into_main_grad, delay_wgrad
@@ -395,8 +399,14 @@ class GroupedLinear(torch.nn.Module):
             return None
         return resolve_layer_recipe(self.recipe, self.layer_name, self.describe())
 
-    def forward(self, x: torch.Tensor, split_sizes) -> torch.Tensor:
-        weights, biases = self.weights(), self.biases()
+    def forward(self, x: torch.Tensor, split_sizes):
+        if self.skip_bias_add:
+            return self._forward(x, split_sizes, add_bias=False), self.biases()
+        return self._forward(x, split_sizes, add_bias=self.use_bias)
+
+    def _forward(self, x: torch.Tensor, split_sizes, add_bias: bool) -> torch.Tensor:
+        weights = self.weights()
+        biases = self.biases() if add_bias else [None] * self.num_experts
         recipe = self.resolved_recipe()
         if recipe is not None:
             for weight in weights:
@@ -407,7 +417,7 @@ class GroupedLinear(torch.nn.Module):
         store = self.wgrad_store if self.delay_wgrad else None
         self.last_recipe = recipe if x.numel() else None
         if self.last_recipe is None:
-            return self._bf16_forward(x, sizes, store)
+            return self._bf16_forward(x, sizes, biases, store)
         if recipe.backward_mode != "default":
             raise ValueError(f"recipe.backward_mode={recipe.backward_mode!r}: GroupedLinear runs the NVFP4 backward "
                              f"only; allowed: 'default'")
@@ -420,19 +430,19 @@ class GroupedLinear(torch.nn.Module):
                                      f"run under torch.no_grad()")
         weight_qs = [self.weight_caches[e].get(weights[e], recipe) if size else None for e, size in enumerate(sizes)]
         options = GroupedOptions(recipe=recipe, split_sizes=sizes, weight_qs=weight_qs, num_experts=self.num_experts,
-                                 has_bias=self.use_bias, grouped_gemm=self.grouped_gemm,
+                                 has_bias=add_bias, grouped_gemm=self.grouped_gemm,
                                  accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
                                  grad_enabled=torch.is_grad_enabled(), layer_name=self.describe())
-        params = weights + (biases if self.use_bias else [])
+        params = weights + (biases if add_bias else [])
         return GroupedLinearFunction.apply(x, options, *params)
 
-    def _bf16_forward(self, x: torch.Tensor, sizes: list, store) -> torch.Tensor:
+    def _bf16_forward(self, x: torch.Tensor, sizes: list, biases: list, store) -> torch.Tensor:
         """Each expert's rows through the unquantized linear (the BF16 fallback), concatenated."""
         x2d = x.reshape(-1, x.shape[-1])
         pieces = torch.split(x2d, sizes)
         outputs = [bf16_linear(piece, weight, bias, accumulate_into_main_grad=self.accumulate_into_main_grad,
                                wgrad_store=store)
-                   for piece, weight, bias in zip(pieces, self.weights(), self.biases())]
+                   for piece, weight, bias in zip(pieces, self.weights(), biases)]
         return torch.cat(outputs).reshape(*x.shape[:-1], self.out_features)
 
     def backward_dw(self) -> None:

@@ -248,3 +248,20 @@ def test_bf16_fallback_is_the_unquantized_loop():
                           for piece, w, b in zip(torch.split(x, sizes), layer.weights(), layer.biases())])
     assert torch.equal(y, expected) and layer.last_recipe is None
     assert torch.count_nonzero(grads[1]) == 0
+
+
+def test_skip_bias_add_returns_the_biases():
+    sizes = [16, 32]
+    torch.manual_seed(2)
+    plain = nv.GroupedLinear(2, IN, OUT, recipe=nv.NVFP4Recipe(stochastic_rounding=False))
+    torch.manual_seed(2)
+    skipping = nv.GroupedLinear(2, IN, OUT, recipe=nv.NVFP4Recipe(stochastic_rounding=False), skip_bias_add=True)
+    x, _ = _inputs(48, seed=3)
+    output, biases = skipping(x, sizes)
+    assert biases == skipping.biases()
+    with torch.no_grad():
+        without = nv.GroupedLinear(2, IN, OUT, bias=False, recipe=plain.recipe)
+        for source, target in zip(plain.weights(), without.weights()):
+            target.copy_(source)
+    assert torch.equal(output, without(x, sizes))
+    assert not torch.equal(output, plain(x, sizes))

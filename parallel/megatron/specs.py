@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -20,6 +21,7 @@ from nvfp4_dist.parallel.megatron.adapters import (NVFP4ColumnParallelLinear, NV
                                                    NVFP4RowParallelLinear)
 from nvfp4_dist.parallel.megatron.attention import SDPACoreAttention
 from nvfp4_dist.parallel.megatron.mlp import NVFP4MLP
+from nvfp4_dist.parallel.megatron.moe import NVFP4GroupedMLP
 from nvfp4_dist.parallel.megatron.norm import NVFP4Norm
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap, as_recipe_map
@@ -35,6 +37,8 @@ except ImportError:  # pragma: no cover
 
 # Submodule fields of Megatron's attention / MLP submodule dataclasses that hold the linears.
 _LINEAR_FIELDS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# Megatron's MoE experts modules, replaced by NVFP4GroupedMLP in the field MoESubmodules.experts.
+_MEGATRON_EXPERTS = (SequentialMLP, GroupedMLP, TEGroupedMLP)
 
 
 def _swap_submodules(spec, replacements: Callable[[str, Any], Any]):
@@ -70,8 +74,11 @@ def _nvfp4_replacements(recipe: Optional[NVFP4Recipe], bf16: bool) -> Callable[[
     params = {"recipe": recipe, "bf16_fallback": bf16}
     column = ModuleSpec(module=NVFP4ColumnParallelLinear, params=params)
     row = ModuleSpec(module=NVFP4RowParallelLinear, params=params)
+    experts = ModuleSpec(module=NVFP4GroupedMLP, params=params)
 
     def replace(field: str, value):
+        if field == "experts" and isinstance(value, ModuleSpec) and value.module in _MEGATRON_EXPERTS:
+            return experts
         if field in _LINEAR_FIELDS and value is megatron_layers.ColumnParallelLinear:
             return column
         if field in _LINEAR_FIELDS and value is megatron_layers.RowParallelLinear:
@@ -117,9 +124,10 @@ def _named_linears(spec, path: tuple, recipe, names: list):
     name is appended to `names`."""
     if isinstance(spec, ModuleSpec):
         if isinstance(spec.module, type) and issubclass(spec.module, (NVFP4ColumnParallelLinear,
-                                                                      NVFP4RowParallelLinear)):
+                                                                      NVFP4RowParallelLinear, NVFP4GroupedMLP)):
             name = ".".join(path)
-            names.append(name)
+            grouped = issubclass(spec.module, NVFP4GroupedMLP)
+            names.extend([f"{name}.linear_fc1", f"{name}.linear_fc2"] if grouped else [name])
             params = dict(spec.params, layer_name=name)
             if recipe is not None:
                 params["recipe"] = recipe
@@ -206,6 +214,20 @@ def bf16_layer_counts(config, recipe: Optional[NVFP4Recipe] = None,
     return first, last
 
 
+def moe_layer_pattern(config) -> list[bool]:
+    """Which transformer layers are MoE layers: none without config.num_moe_experts, else config.moe_layer_freq as
+    Megatron reads it (an int N: every N-th layer from the first; a list of 0/1 per layer)."""
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * config.num_layers
+    frequency = config.moe_layer_freq
+    if isinstance(frequency, int) and not isinstance(frequency, bool) and frequency >= 1:
+        return [index % frequency == 0 for index in range(config.num_layers)]
+    if isinstance(frequency, list) and len(frequency) == config.num_layers and set(frequency) <= {0, 1}:
+        return [bool(flag) for flag in frequency]
+    raise ValueError(f"config.moe_layer_freq={frequency!r}: allowed are an int >= 1 or a list of "
+                     f"{config.num_layers} zeros and ones")
+
+
 def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = None,
                                      recipe_map: Optional[Union[RecipeMap, Mapping]] = None,
                                      bf16_first_layers: Optional[int] = None,
@@ -217,7 +239,10 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
 
     Pass it to GPTModel(transformer_layer_spec=...). Only this pipeline stage's layers are listed
     (vp_stage / pp_rank as in Megatron's get_gpt_decoder_block_spec). local_spec_kwargs default to
-    the config's normalization, qk_layernorm and multi_latent_attention. sdpa_attention (None: SDPA unless
+    the config's normalization, qk_layernorm and multi_latent_attention. MoE configs (config.num_moe_experts): the
+    layers moe_layer_pattern marks are MoE layers (Megatron's MoELayer with its router in the model's precision and
+    its token dispatcher, NVFP4GroupedMLP experts named "decoder.layers.<n>.mlp.experts" with their linear_fc1 /
+    linear_fc2, NVFP4 shared experts), the others dense. sdpa_attention (None: SDPA unless
     config.context_parallel_size > 1), fused_producers: see get_gpt_layer_nvfp4_spec.
     Each linear is named as GPTModel's module, "decoder.layers.<n>.self_attention.linear_qkv" (n: the global,
     0-based layer number), in its layer_name. recipe_map: per-layer recipes by glob over those names (a RecipeMap
@@ -225,19 +250,19 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
     and the recipe of the linears it does not match (None: autocast, then environment). Layers kept in BF16 by
     the counts stay BF16 whatever the map says. Globs that match no linear of this stage are logged as warnings.
     """
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError(f"config.num_moe_experts={config.num_moe_experts}: the block builder is for "
-                         "dense GPT models; build MoE layers with get_gpt_layer_nvfp4_spec(num_experts=...)")
     first, last = bf16_layer_counts(config, recipe, bf16_first_layers, bf16_last_layers)
     if sdpa_attention is None:
         sdpa_attention = getattr(config, "context_parallel_size", 1) == 1
     local_spec_kwargs.setdefault("normalization", config.normalization)
     local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
     local_spec_kwargs.setdefault("multi_latent_attention", config.multi_latent_attention)
-    nvfp4_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, sdpa_attention=sdpa_attention,
-                                           fused_producers=fused_producers, **local_spec_kwargs)
-    bf16_layer = get_gpt_layer_nvfp4_spec(recipe=recipe, bf16=True, sdpa_attention=sdpa_attention,
-                                          fused_producers=fused_producers, **local_spec_kwargs)
+    moe_pattern = moe_layer_pattern(config)
+
+    def layer_spec(moe: bool, bf16: bool):
+        kwargs = dict(local_spec_kwargs, num_experts=config.num_moe_experts) if moe else local_spec_kwargs
+        return get_gpt_layer_nvfp4_spec(recipe=recipe, bf16=bf16, sdpa_attention=sdpa_attention,
+                                        fused_producers=fused_producers, **kwargs)
+    layer_specs = {(moe, bf16): layer_spec(moe, bf16) for moe in set(moe_pattern) for bf16 in (False, True)}
     recipe_map = as_recipe_map(recipe_map, "recipe_map")
     layer_recipe = recipe
     if recipe_map is not None:
@@ -253,7 +278,7 @@ def get_gpt_decoder_block_nvfp4_spec(config, *, recipe: Optional[NVFP4Recipe] = 
         local_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
     names, local_specs = [], []
     for index in local_ids:
-        spec = bf16_layer if (index < first or index >= num_layers - last) else nvfp4_layer
+        spec = layer_specs[(moe_pattern[index], index < first or index >= num_layers - last)]
         local_specs.append(_named_linears(spec, ("decoder", "layers", str(index)), layer_recipe, names))
     for pattern in recipe_map.unmatched(names) if recipe_map is not None else ():
         logger.warning("recipe_map: %r matches none of this pipeline stage's NVFP4 linears (%s, ...)", pattern,
