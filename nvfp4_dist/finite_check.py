@@ -269,8 +269,9 @@ def check_operands(operands: dict) -> None:
                 values[slot] = value
             return explain_operands(specs, values)
         _records.record(tensors, False, explain, key=tuple(specs))
-        _settle(wait=False)
-        _records.settle(wait=False)
+        if not torch.cuda.is_current_stream_capturing():  # no host reads inside a capture
+            _settle(wait=False)
+            _records.settle(wait=False)
         return
     values = torch.cat([operand_values(q) for q in present.values()])
     check(values, lambda host: explain_operands(specs, host))
