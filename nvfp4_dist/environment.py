@@ -17,6 +17,7 @@ BACKWARD_MODES = ("default", "high_precision", "dequantized")
 HOPPER_GEMM_PATHS = ("fused", "dequantize")
 OVERLAP_TRANSPORTS = ("auto", "ring", "collectives")
 SYMMETRIC_MEMORY_SWITCHES = ("auto", "1", "on", "0", "off")
+MOE_DISPATCH_DTYPES = ("bf16", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,9 @@ FOUR_OVER_SIX_ERR_USE_FAST_MATH = Variable("NVFP4_4OVER6_ERR_USE_FAST_MATH", "1:
 BACKWARD_MODE = Variable("NVFP4_BACKWARD_MODE", "recipe backward_mode: the operands of the dgrad and wgrad GEMMs "
                          "(default: NVFP4; high_precision: the unquantized input and weight; dequantized: the "
                          "forward's NVFP4 copies dequantized)", ", ".join(BACKWARD_MODES), _choice(BACKWARD_MODES))
+MOE_DISPATCH = Variable("NVFP4_MOE_DISPATCH", "recipe moe_dispatch: what MoE layers send to their experts' ranks "
+                        "(bf16: the tokens as given; nvfp4: each token quantized once with its own amax, "
+                        "docs/numerics.md §13)", ", ".join(MOE_DISPATCH_DTYPES), _choice(MOE_DISPATCH_DTYPES))
 
 # Implementation switches.
 FORCE_REFERENCE = Variable("NVFP4_FORCE_REFERENCE", "1: run the pure-torch reference instead of the CUDA kernels, "
@@ -153,5 +157,5 @@ BUILD_DIR = Variable("NVFP4_BUILD_DIR", "folder of the CUDA extension's build ca
 VARIABLES = (DISABLE_RHT, DISABLE_SR, DISABLE_2D, ROW_SCALED_ACTIVATION, RHT_NO_RANDOM_SIGN, DISABLE_FUSED_PRODUCERS,
              BF16_FIRST_LAYERS, BF16_LAST_LAYERS, OVERLAP, OVERLAP_MIN_CHUNK_GFLOPS, OVERLAP_TRANSPORT,
              OVERLAP_IGNORE_LINKS, GEMM_BACKEND, FOUR_OVER_SIX, FOUR_OVER_SIX_E4M3_USE_256, FOUR_OVER_SIX_ERR_MODE,
-             FOUR_OVER_SIX_ERR_USE_FAST_MATH, BACKWARD_MODE, FORCE_REFERENCE, HOPPER_GEMM, SYMMETRIC_MEMORY,
-             VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)
+             FOUR_OVER_SIX_ERR_USE_FAST_MATH, BACKWARD_MODE, MOE_DISPATCH, FORCE_REFERENCE, HOPPER_GEMM,
+             SYMMETRIC_MEMORY, VERIFY_WEIGHT_CACHE, CHECK_TP_CONSISTENCY, BUILD_DIR)

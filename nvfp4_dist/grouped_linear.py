@@ -161,6 +161,7 @@ class GroupedOptions:
     wgrad_store: list | None = None
     grad_enabled: bool = True
     layer_name: str = "GroupedLinear"
+    rowwise_input: NVFP4Tensor | None = None  # fprop's input copy, given (NVFP4 MoE dispatch)
 
 
 def _uses_grouped_gemm(options: GroupedOptions, device: torch.device) -> bool:
@@ -192,18 +193,32 @@ class GroupedLinearFunction(torch.autograd.Function):
         offsets = split_offsets(sizes)
         active = _active(sizes)
         need_wgrad = any(ctx.needs_input_grad[2:2 + experts]) and options.grad_enabled
-        x_qs = {e: quantize_operand(x2d[offsets[e]:offsets[e + 1]], "activation", recipe, rowwise=True,
-                                    columnwise=need_wgrad) for e in active}
+        given = options.rowwise_input
+        x_qs = {}
+        for e in active:
+            piece = x2d[offsets[e]:offsets[e + 1]]
+            if given is None:
+                x_qs[e] = quantize_operand(piece, "activation", recipe, rowwise=True, columnwise=need_wgrad)
+            else:  # fprop takes the given rowwise copy; the wgrad copy is quantized from x
+                row = given.rowwise_rows(offsets[e], offsets[e + 1])
+                column = quantize_operand(piece, "activation", recipe, rowwise=False, columnwise=True) \
+                    if need_wgrad else None
+                x_qs[e] = (row, column)
+        x_rows = {e: q[0] if isinstance(q, tuple) else q.rowwise_only() for e, q in x_qs.items()}
+        x_columns = {e: q[1] if isinstance(q, tuple) else (q.columnwise_only() if need_wgrad else None)
+                     for e, q in x_qs.items()}
         if recipe.check_finite:
             operands = {}
             for e in active:
-                operands[f"input (expert {e})"] = x_qs[e]
+                operands[f"input (expert {e})"] = x_rows[e]
+                if x_columns[e] is not None:
+                    operands[f"input's wgrad copy (expert {e})"] = x_columns[e]
                 operands[f"weight (expert {e})"] = options.weight_qs[e]
             _check_finite(operands, options.layer_name)
         out_features = weights[0].shape[0]
         y2d = torch.empty(x2d.shape[0], out_features, dtype=x.dtype, device=x.device)
         if active and _uses_grouped_gemm(options, x.device):
-            acc = grouped_fprop_like([x_qs[e] for e in active], "rowwise",
+            acc = grouped_fprop_like([x_rows[e] for e in active], "rowwise",
                                      [options.weight_qs[e] for e in active], "rowwise", [sizes[e] for e in active])
             if options.has_bias:
                 bias_rows = torch.cat([biases[e].to(torch.float32).expand(sizes[e], -1) for e in active])
@@ -211,12 +226,12 @@ class GroupedLinearFunction(torch.autograd.Function):
             y2d.copy_(acc)
         else:
             for e in active:
-                gemm(x_qs[e].rowwise_only(), options.weight_qs[e], a_copy="rowwise", b_copy="rowwise",
+                gemm(x_rows[e], options.weight_qs[e], a_copy="rowwise", b_copy="rowwise",
                      out_dtype=x.dtype, bias=biases[e], recipe=recipe, out=y2d[offsets[e]:offsets[e + 1]])
         saved, metas = [], []
         for e in range(experts):
             if e in x_qs:
-                xs = x_qs[e].columnwise_only() if need_wgrad else NVFP4Tensor(shape=x_qs[e].shape, dtype=x.dtype)
+                xs = x_columns[e] if need_wgrad else NVFP4Tensor(shape=x_rows[e].shape, dtype=x.dtype)
                 ws = options.weight_qs[e].columnwise_only()
             else:
                 xs = ws = NVFP4Tensor(shape=torch.Size((0, 0)), dtype=x.dtype)
@@ -331,7 +346,9 @@ class GroupedLinear(torch.nn.Module):
     recipe (NVFP4Recipe, RecipeMap matched against layer_name, or None: autocast / environment), bf16_fallback,
     accumulate_into_main_grad, delay_wgrad (backward_dw() runs every expert's wgrad later). grouped_gemm: one
     grouped GEMM per stage on the Hopper emulation (within the GEMM tolerance of the loop); False: one gemm()
-    per expert (bit-identical on every backend). skip_bias_add: forward returns (output without the biases,
+    per expert (bit-identical on every backend). forward's rowwise_input: an NVFP4Tensor holding the rowwise copy
+    of x's rows that fprop takes instead of quantizing x (the tokens of an NVFP4 MoE dispatch, one amax per token;
+    the wgrad copy is still quantized from x, docs/numerics.md §13). skip_bias_add: forward returns (output without the biases,
     [bias0, ...]) for the caller to add (Megatron's MoE experts scale them by the routing probability).
     Training with recipe.backward_mode "default" needs every split size to be a multiple of 16 (the wgrad copies
     are blocked along tokens); pad each expert's tokens (parallel/megatron/moe.py does). The other backward
@@ -399,12 +416,12 @@ class GroupedLinear(torch.nn.Module):
             return None
         return resolve_layer_recipe(self.recipe, self.layer_name, self.describe())
 
-    def forward(self, x: torch.Tensor, split_sizes):
+    def forward(self, x: torch.Tensor, split_sizes, rowwise_input: NVFP4Tensor | None = None):
         if self.skip_bias_add:
-            return self._forward(x, split_sizes, add_bias=False), self.biases()
-        return self._forward(x, split_sizes, add_bias=self.use_bias)
+            return self._forward(x, split_sizes, False, rowwise_input), self.biases()
+        return self._forward(x, split_sizes, self.use_bias, rowwise_input)
 
-    def _forward(self, x: torch.Tensor, split_sizes, add_bias: bool) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, split_sizes, add_bias: bool, rowwise_input) -> torch.Tensor:
         weights = self.weights()
         biases = self.biases() if add_bias else [None] * self.num_experts
         recipe = self.resolved_recipe()
@@ -418,6 +435,10 @@ class GroupedLinear(torch.nn.Module):
         self.last_recipe = recipe if x.numel() else None
         if self.last_recipe is None:
             return self._bf16_forward(x, sizes, biases, store)
+        if rowwise_input is not None and (not isinstance(rowwise_input, NVFP4Tensor) or not rowwise_input.has_rowwise
+                                          or tuple(rowwise_input.shape) != (rows, self.in_features)):
+            raise ValueError(f"rowwise_input={rowwise_input!r}: expected an NVFP4Tensor with a rowwise copy of shape "
+                             f"{(rows, self.in_features)} (the input's token rows)")
         if recipe.backward_mode != "default":
             raise ValueError(f"recipe.backward_mode={recipe.backward_mode!r}: GroupedLinear runs the NVFP4 backward "
                              f"only; allowed: 'default'")
@@ -432,7 +453,8 @@ class GroupedLinear(torch.nn.Module):
         options = GroupedOptions(recipe=recipe, split_sizes=sizes, weight_qs=weight_qs, num_experts=self.num_experts,
                                  has_bias=add_bias, grouped_gemm=self.grouped_gemm,
                                  accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
-                                 grad_enabled=torch.is_grad_enabled(), layer_name=self.describe())
+                                 grad_enabled=torch.is_grad_enabled(), layer_name=self.describe(),
+                                 rowwise_input=rowwise_input)
         params = weights + (biases if add_bias else [])
         return GroupedLinearFunction.apply(x, options, *params)
 

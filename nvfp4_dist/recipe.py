@@ -8,7 +8,7 @@ import typing
 
 from nvfp4_dist import environment
 from nvfp4_dist.environment import (BACKWARD_MODES, FOUR_OVER_SIX_ERR_MODES, FOUR_OVER_SIX_SCOPES, GEMM_BACKENDS,
-                                    OVERLAP_TRANSPORTS)
+                                    MOE_DISPATCH_DTYPES, OVERLAP_TRANSPORTS)
 
 # Flag variable -> (field, value it sets when the variable is 1).
 _FLAG_OVERRIDES = (
@@ -33,6 +33,7 @@ _VALUE_OVERRIDES = (
     (environment.FOUR_OVER_SIX_E4M3_USE_256, "nvfp4_4over6_e4m3_use_256"),
     (environment.FOUR_OVER_SIX_ERR_MODE, "nvfp4_4over6_err_mode"),
     (environment.BACKWARD_MODE, "backward_mode"),
+    (environment.MOE_DISPATCH, "moe_dispatch"),
 )
 # Every variable from_env reads (its cache key), and the recipes it built, by their settings.
 _RECIPE_VARIABLES = tuple(dict.fromkeys(entry[0] for entry in _FLAG_OVERRIDES + _VALUE_OVERRIDES))
@@ -144,6 +145,10 @@ class NVFP4Recipe:
       the unquantized output gradient, GEMMs in the compute dtype; dequantized: the NVFP4 copies fprop used (the
       rowwise copies of input and weight), dequantized to the compute dtype, and the unquantized output gradient.
       rht, rht_random_sign and stochastic_rounding shape the NVFP4 backward only.
+    moe_dispatch: bf16 | nvfp4, what an MoE layer's expert-parallel all-to-all sends (parallel/moe_dispatch.py):
+      the tokens in their dtype, or each token quantized once to NVFP4 with its own amax (row-scaled,
+      docs/numerics.md §6), whose codes feed the experts' fc1 directly (docs/numerics.md §13); the combine stays in
+      the tokens' dtype. Not with 4over6 on activations (row-scaled copies take no 4over6).
     check_finite: reject a non-finite amax with NonFiniteAmaxError (docs/numerics.md §2); on CUDA without a host sync, raised
       by a later quantize or by nvfp4_dist.raise_pending_nonfinite() (nvfp4_dist/finite_check.py).
     Every field must have its annotated type (rht=True, not rht="False"): RecipeTypeError names the field otherwise.
@@ -168,6 +173,7 @@ class NVFP4Recipe:
     nvfp4_4over6_err_mode: str = "MAE"
     nvfp4_4over6_err_use_fast_math: bool = False
     backward_mode: typing.Literal[BACKWARD_MODES] = "default"
+    moe_dispatch: typing.Literal[MOE_DISPATCH_DTYPES] = "bf16"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -191,6 +197,11 @@ class NVFP4Recipe:
                 f"nvfp4_4over6={self.nvfp4_4over6!r} cannot be combined with rht=True: 4over6 is not combined with "
                 "the RHT of the activations' columnwise copy (docs/numerics.md §12); set rht=False "
                 "(or NVFP4_DISABLE_RHT=1), or nvfp4_4over6='weights'")
+        if self.moe_dispatch == "nvfp4" and self.nvfp4_4over6 in ("activations", "all"):
+            raise ValueError(
+                f"moe_dispatch='nvfp4' cannot be combined with nvfp4_4over6={self.nvfp4_4over6!r}: dispatched tokens "
+                "are row-scaled, which takes no 4over6 (docs/numerics.md §6, §13); set nvfp4_4over6='weights' or "
+                "'none', or moe_dispatch='bf16'")
         if self.nvfp4_4over6 in ("activations", "all") and self.row_scaled_activation:
             raise ValueError(
                 f"nvfp4_4over6={self.nvfp4_4over6!r} cannot be combined with row_scaled_activation=True: the "

@@ -265,3 +265,36 @@ def test_skip_bias_add_returns_the_biases():
             target.copy_(source)
     assert torch.equal(output, without(x, sizes))
     assert not torch.equal(output, plain(x, sizes))
+
+
+def test_rowwise_input_feeds_fprop_and_x_feeds_wgrad():
+    """A given rowwise copy (NVFP4 MoE dispatch: one amax per token) is fprop's operand as it is; the wgrad copy is
+    quantized from x per expert (docs/numerics.md §13)."""
+    recipe = nv.NVFP4Recipe(stochastic_rounding=False)
+    sizes = [32, 0, 16]
+    x, dy = _inputs(48, seed=14)
+    given = ops.quantize(x, "activation", rowwise=True, columnwise=False,
+                         recipe=recipe.replace(row_scaled_activation=True))
+    x_hat = ops.dequantize(given, dtype=torch.bfloat16)
+    grouped, loop = _layers(3, bias=True)
+    grouped.recipe = recipe
+    xg = x_hat.clone().requires_grad_()
+    y = grouped(xg, sizes, rowwise_input=given)
+    y.backward(dy)
+    start = 0
+    for e, size in enumerate(sizes):
+        if size:
+            weight_q = loop[e].weight_cache.get(loop[e].weight, recipe)
+            expected = nv.gemm(given.rowwise_rows(start, start + size), weight_q, out_dtype=torch.bfloat16,
+                               bias=loop[e].bias)
+            assert torch.equal(y[start:start + size], expected)
+            dyq = quantize_operand(dy[start:start + size], "gradient", recipe, rowwise=False, columnwise=True)
+            xq = quantize_operand(x_hat[start:start + size], "activation", recipe, rowwise=False, columnwise=True)
+            assert torch.equal(grouped.weights()[e].grad,
+                               nv.gemm(dyq, xq, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32))
+        start += size
+    plain = _layers(3, bias=True)[0]
+    plain.recipe = recipe
+    assert not torch.equal(plain(x_hat, sizes), y)  # x_hat requantized per expert is another operand
+    with pytest.raises(ValueError, match="rowwise_input"):
+        grouped(x_hat, sizes, rowwise_input=given.rowwise_rows(0, 16))

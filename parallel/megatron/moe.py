@@ -27,15 +27,21 @@ import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.grouped_linear import GroupedLinear
+from nvfp4_dist.parallel.moe_dispatch import dispatch_nvfp4, pack_rows, unpack_rows
 from nvfp4_dist.parallel.megatron.adapters import _strided_order, _uses_expert_groups
 from nvfp4_dist.parallel.megatron.compat import layer_device, log_unknown_kwargs
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap
+from nvfp4_dist.tensor import NVFP4Tensor
 
 
 def padded_sizes(sizes: list[int]) -> list[int]:
@@ -53,6 +59,13 @@ def pad_rows(x: torch.Tensor, sizes: list[int], padded: list[int]) -> torch.Tens
         if target > size:
             pieces.append(x.new_zeros((target - size, *x.shape[1:])))
     return torch.cat(pieces)
+
+
+def pad_quantized_rows(q: NVFP4Tensor, sizes: list[int], padded: list[int]) -> NVFP4Tensor:
+    """pad_rows of a row-scaled rowwise copy: zero codes, scales and amaxes (the copy of zero rows)."""
+    if sizes == padded:
+        return q
+    return unpack_rows(pad_rows(pack_rows(q), sizes, padded), q.cols, q.dtype)
 
 
 def unpad_rows(x: torch.Tensor, sizes: list[int], padded: list[int]) -> torch.Tensor:
@@ -148,7 +161,9 @@ class NVFP4GroupedMLP(MegatronModule):
                     bias.zero_()
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+                permuted_probs: torch.Tensor, nvfp4_input: Optional[NVFP4Tensor] = None):
+        """nvfp4_input: the tokens' NVFP4 rowwise copy from an NVFP4 dispatch (NVFP4MoELayer), which fc1's fprop
+        takes as it is; permuted_local_hidden_states then holds its dequantized values."""
         hidden = permuted_local_hidden_states
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:
@@ -160,7 +175,12 @@ class NVFP4GroupedMLP(MegatronModule):
         padded = padded_sizes(sizes)
         hidden = pad_rows(hidden, sizes, padded)
         probs = pad_rows(probs, sizes, padded)
-        intermediate = self.linear_fc1(hidden, padded)
+        if nvfp4_input is not None:
+            if self.config.moe_apply_probs_on_input:
+                raise ValueError("config.moe_apply_probs_on_input=True with NVFP4 dispatch: the dispatched codes are "
+                                 "of the tokens before the probabilities; use recipe moe_dispatch='bf16'")
+            nvfp4_input = pad_quantized_rows(nvfp4_input, sizes, padded)
+        intermediate = self.linear_fc1(hidden, padded, rowwise_input=nvfp4_input)
         activated = (self.activation(intermediate) * probs).to(intermediate.dtype)
         output, biases = self.linear_fc2(activated, padded)
         if self.config.add_bias_linear:
@@ -202,3 +222,55 @@ class NVFP4GroupedMLP(MegatronModule):
                 value.replica_id = (*value.replica_id[:2], self.dp_group.rank())
                 sharded[state_keys[key]] = value
         return sharded
+
+
+class NVFP4MoELayer(MoELayer):
+    """Megatron's MoELayer whose alltoall dispatch sends NVFP4 tokens where the experts' recipe says
+    moe_dispatch="nvfp4" (parallel/moe_dispatch.py, docs/numerics.md §13): each token quantized once, rowwise with
+    its own amax, before the expert-parallel all-to-all; the experts' fc1 takes the received codes as its input copy.
+    The routing probabilities and the combine stay in their dtype. Otherwise (moe_dispatch "bf16", BF16 experts)
+    it is Megatron's MoELayer. NVFP4 dispatch needs the alltoall dispatcher without expert tensor parallelism or
+    capacity padding (ValueError otherwise)."""
+
+    _dispatched: Optional[NVFP4Tensor] = None
+
+    def _nvfp4_dispatch_recipe(self) -> Optional[NVFP4Recipe]:
+        if not isinstance(self.experts, NVFP4GroupedMLP):
+            return None
+        recipe = self.experts.linear_fc1.resolved_recipe()
+        if recipe is None or recipe.moe_dispatch != "nvfp4":
+            return None
+        dispatcher = self.token_dispatcher
+        if type(dispatcher) is not MoEAlltoAllTokenDispatcher or dispatcher.tp_size > 1 or dispatcher.drop_and_pad:
+            raise ValueError(f"recipe moe_dispatch='nvfp4' needs config.moe_token_dispatcher_type='alltoall' without "
+                             f"expert tensor parallelism or capacity padding (got "
+                             f"{self.config.moe_token_dispatcher_type!r}, expert TP {dispatcher.tp_size}); allowed "
+                             f"otherwise: moe_dispatch='bf16'")
+        return recipe
+
+    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        recipe = self._nvfp4_dispatch_recipe()
+        self._dispatched = None
+        if recipe is None:
+            return super().dispatch(hidden_states, probs)
+        dispatcher = self.token_dispatcher
+        dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize("before_ep_alltoall",
+                                                                              dispatcher.tokens_per_expert)
+        values, self._dispatched = dispatch_nvfp4(hidden_states, recipe, dispatcher.ep_group,
+                                                  dispatcher.output_splits, dispatcher.input_splits)
+        global_probs = all_to_all(dispatcher.ep_group, probs, dispatcher.output_splits, dispatcher.input_splits)
+        return values, global_probs
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self._dispatched is None:
+            return super().routed_experts_compute(hidden_states, probs)
+        dispatcher, received = self.token_dispatcher, self._dispatched
+        self._dispatched = None
+        dispatched_input, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
+        if dispatcher.num_local_experts > 1:  # the same sort by local expert as the dispatcher's
+            packed, _ = sort_chunks_by_idxs(pack_rows(received), dispatcher.num_global_tokens_per_local_expert.ravel(),
+                                            dispatcher.sort_input_by_local_experts, fused=False)
+            received = unpack_rows(packed, received.cols, received.dtype)
+        expert_output, mlp_bias = self.experts(dispatched_input, tokens_per_expert, permuted_probs,
+                                               nvfp4_input=received)
+        return dispatcher.combine_preprocess(expert_output), mlp_bias

@@ -11,7 +11,8 @@ from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe import experts as megatron_experts
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -21,7 +22,7 @@ from nvfp4_dist.parallel.megatron.adapters import (NVFP4ColumnParallelLinear, NV
                                                    NVFP4RowParallelLinear)
 from nvfp4_dist.parallel.megatron.attention import SDPACoreAttention
 from nvfp4_dist.parallel.megatron.mlp import NVFP4MLP
-from nvfp4_dist.parallel.megatron.moe import NVFP4GroupedMLP
+from nvfp4_dist.parallel.megatron.moe import NVFP4GroupedMLP, NVFP4MoELayer
 from nvfp4_dist.parallel.megatron.norm import NVFP4Norm
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap, as_recipe_map
@@ -38,7 +39,9 @@ except ImportError:  # pragma: no cover
 # Submodule fields of Megatron's attention / MLP submodule dataclasses that hold the linears.
 _LINEAR_FIELDS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # Megatron's MoE experts modules, replaced by NVFP4GroupedMLP in the field MoESubmodules.experts.
-_MEGATRON_EXPERTS = (SequentialMLP, GroupedMLP, TEGroupedMLP)
+# (GroupedMLP is gone from megatron-core 0.19; TEGroupedMLP exists without Transformer Engine installed.)
+_MEGATRON_EXPERTS = tuple(getattr(megatron_experts, name) for name in ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")
+                          if hasattr(megatron_experts, name))
 
 
 def _swap_submodules(spec, replacements: Callable[[str, Any], Any]):
@@ -79,6 +82,9 @@ def _nvfp4_replacements(recipe: Optional[NVFP4Recipe], bf16: bool) -> Callable[[
     def replace(field: str, value):
         if field == "experts" and isinstance(value, ModuleSpec) and value.module in _MEGATRON_EXPERTS:
             return experts
+        if isinstance(value, ModuleSpec) and value.module is MoELayer:  # NVFP4 dispatch where the recipe asks
+            return dataclasses.replace(value, module=NVFP4MoELayer, submodules=_swap_submodules(value.submodules,
+                                                                                              replace))
         if field in _LINEAR_FIELDS and value is megatron_layers.ColumnParallelLinear:
             return column
         if field in _LINEAR_FIELDS and value is megatron_layers.RowParallelLinear:
