@@ -16,6 +16,9 @@ import torch.distributed as dist
 from nvfp4_dist.launch import checkpoint, faults
 
 QUICK = ["--micro-batch", "4", "--warmup-steps", "2", "--no-progress", "--log-every", "1"]
+# The watchdog's judgement has quick tests below; these jobs show it stopping real processes.
+WAITS_OUT_A_TIMEOUT = pytest.mark.slow(reason="a 2-process training job that runs until the watchdog's 10 s timeout "
+                                              "or the launcher's 10 s grace stops it")
 SECRET = bytes(range(32))  # the job's shared secret in the watchdog tests
 
 
@@ -34,6 +37,7 @@ def assert_one_line_reports(stderr: str, most: int) -> None:
     assert len(stderr.strip().splitlines()) <= most, stderr[-3000:]
 
 
+@WAITS_OUT_A_TIMEOUT
 @pytest.mark.parametrize("rank", [0, 1])
 def test_killed_rank_stops_the_job_naming_it_in_one_line(tmp_path, rank):
     """Rank 0 hosts the job's store: its death reaches the other rank's watchdog as well as the launcher."""
@@ -45,6 +49,7 @@ def test_killed_rank_stops_the_job_naming_it_in_one_line(tmp_path, rank):
     assert seconds < 90
 
 
+@WAITS_OUT_A_TIMEOUT
 @pytest.mark.parametrize("step", [1, 3])
 def test_hung_rank_stops_the_job_naming_it_and_its_step(tmp_path, step):
     """At step 1 the hung rank never joined a collective: it is named within the watchdog timeout all the same."""

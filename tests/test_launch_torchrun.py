@@ -19,6 +19,7 @@ def free_port():
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow(reason="starts two torchrun agents, each with its workers, and trains through them")
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_two_node_agents_over_loopback_train_together(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -55,6 +56,7 @@ echo 127.0.0.1
 """
 
 
+@pytest.mark.slow(reason="starts torchrun through the SLURM recipe and trains through it")
 def test_slurm_torchrun_recipe_with_stand_in_srun(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
