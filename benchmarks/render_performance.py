@@ -323,6 +323,27 @@ def param_gather_command(record: dict) -> str:
     return "python benchmarks/param_gather.py"
 
 
+def moe_summary(record: dict) -> list[str]:
+    mib = 2 ** 20
+    dispatch = record["dispatch_bytes"]
+    lines = [f"EP={record['ep']}, hidden {record['hidden']}, top-{record['topk']} of {record['experts']} experts: NVFP4 "
+             f"dispatch moves {dispatch['ratio']:.3f}x the bytes of BF16 dispatch ({dispatch['nvfp4_bytes'] / mib:.2f} "
+             f"/ {dispatch['bf16_bytes'] / mib:.2f} MiB; {dispatch['ratio_with_probs']:.3f}x with the FP32 routing "
+             f"probabilities)"]
+    timing = record.get("experts_timing")
+    if timing:
+        variants = timing["variants"]
+        lines.append(f"experts forward + backward: NVFP4 grouped {variants['nvfp4_grouped']['ms']:.2f} ms, "
+                     f"{times(timing['speed_vs_fastest_bf16'])} the speed of the fastest BF16 experts and "
+                     f"{times(timing['speed_vs_nvfp4_sequential'])} that of the per-expert NVFP4 SequentialMLP; host "
+                     f"time at 8x the experts {times(timing['host_ratio_8x_experts'])}")
+    return lines
+
+
+def moe_command(record: dict) -> str:
+    return f"python benchmarks/moe.py --ep {record['ep']}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
     """How one benchmark's JSON becomes a row."""
@@ -362,6 +383,8 @@ BENCHMARKS = {  # row order
     "param_gather": Benchmark("FSDP2 parameter all-gather in NVFP4 (bytes counted: the same on any device)",
                               "FSDP2's BF16 parameter all-gather, same model", param_gather_summary,
                               param_gather_command),
+    "moe": Benchmark("mixture of experts: NVFP4 dispatch bytes (counted: the same on any device) and experts' time",
+                     "BF16 dispatch of the same routed tokens; Megatron's BF16 experts", moe_summary, moe_command),
 }
 
 
