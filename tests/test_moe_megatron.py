@@ -324,3 +324,22 @@ def test_moe_layer_pattern_is_validated():
         [False] * 4
     with pytest.raises(ValueError, match="moe_layer_freq"):
         moe_layer_pattern(moe_config(1, moe_layer_freq=[1, 0]))
+
+
+def _recipe_map_worker(rank, world_size):
+    """A recipe map reaches the experts by their names: experts of layer 1 in BF16, the others NVFP4."""
+    from nvfp4_dist.parallel.megatron import get_gpt_decoder_block_nvfp4_spec
+    init_megatron(ep=1)
+    config = moe_config(1, moe_shared_expert_intermediate_size=None)
+    spec = get_gpt_decoder_block_nvfp4_spec(config, recipe_map={"decoder.layers.1.mlp.experts.*": "bf16"})
+    model = gpt(config, spec)
+    data = batches(0, 1)[0]
+    model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["labels"]).mean().backward()
+    layers = model.decoder.layers
+    assert layers[1].mlp.experts.linear_fc1.last_recipe is None
+    assert layers[2].mlp.experts.linear_fc1.last_recipe is not None
+    assert layers[2].mlp.experts.linear_fc2.layer_name == "decoder.layers.2.mlp.experts.linear_fc2"
+
+
+def test_recipe_map_names_the_experts():
+    run_distributed(_recipe_map_worker, 1)
