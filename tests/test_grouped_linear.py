@@ -181,10 +181,15 @@ def test_main_grad_and_delayed_wgrad():
         assert torch.equal(weight.grad, grad)
 
 
-def test_grouped_gemm_path_matches_loop_within_gemm_tolerance(monkeypatch):
+@pytest.mark.parametrize("recipe", [nv.NVFP4Recipe(stochastic_rounding=False),
+                                    nv.NVFP4Recipe(stochastic_rounding=False, row_scaled_activation=True),
+                                    nv.NVFP4Recipe(stochastic_rounding=False, weight_2d=False,
+                                                   nvfp4_4over6="weights")],
+                         ids=["default", "row_scaled", "1x16_4over6_weights"])
+def test_grouped_gemm_path_matches_loop_within_gemm_tolerance(monkeypatch, recipe):
     """The torch._grouped_mm path (Hopper emulation on CUDA) forced on the CPU: same results within the GEMM
-    tolerance of docs/numerics.md §11 (the accumulation order differs), zero-token experts included."""
-    recipe = nv.NVFP4Recipe(stochastic_rounding=False)
+    tolerance of docs/numerics.md §11 (the accumulation order differs), zero-token experts included; per-row and
+    per-column global factors (row-scaled) and the 4over6 bound of 256 applied per expert."""
     sizes = [32, 0, 16, 48]
     x, dy = _inputs(sum(sizes), seed=12)
     loop_layer, _ = _layers(4, bias=True)

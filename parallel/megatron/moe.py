@@ -141,10 +141,11 @@ class NVFP4GroupedMLP(MegatronModule):
         if not config.perform_initialization:
             return
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        device = layer_device(config)  # drawn where the weights live, as the adapters draw their full weights
         for expert in range(num_experts):
-            fc1 = torch.empty(2 * ffn if glu else ffn, hidden, dtype=torch.float32)
+            fc1 = torch.empty(2 * ffn if glu else ffn, hidden, dtype=torch.float32, device=device)
             config.init_method(fc1)
-            fc2 = torch.empty(hidden, ffn, dtype=torch.float32)
+            fc2 = torch.empty(hidden, ffn, dtype=torch.float32, device=device)
             config.output_layer_init_method(fc2)
             local = expert - first_expert
             if not 0 <= local < self.num_local_experts:
