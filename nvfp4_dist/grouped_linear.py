@@ -33,9 +33,8 @@ from nvfp4_dist import finite_check, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm, resolve_backend
-from nvfp4_dist.linear import (LinearComm, LinearOptions, WeightCache, WeightParameter, bf16_linear, check_activation,
-                               check_features, check_parameter_dtype, check_weight_dtype, deliver_weight_grad,
-                               quantize_operand)
+from nvfp4_dist.linear import (WeightCache, WeightParameter, bf16_linear, check_activation, check_features,
+                               check_parameter_dtype, check_weight_dtype, deliver_weight_grad, quantize_operand)
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
 from nvfp4_dist.reference.gemm import block_values
@@ -292,8 +291,6 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy_qs, x_saved, grouped) -> list:
     """What backward returns for each weight: computed now, or (delay_wgrad) queued as one step for all experts."""
-    linear_options = LinearOptions(recipe=options.recipe, comm=LinearComm(),
-                                   accumulate_into_main_grad=options.accumulate_into_main_grad)
     delayed = options.wgrad_store is not None
 
     def computes() -> dict:
@@ -321,7 +318,7 @@ def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy
     def deliver(now_delayed: bool) -> list:
         grads = [None] * len(weights)
         for e, compute in computes().items():
-            grads[e] = deliver_weight_grad(weights[e], compute, linear_options.accumulate_into_main_grad, now_delayed)
+            grads[e] = deliver_weight_grad(weights[e], compute, options.accumulate_into_main_grad, now_delayed)
         return grads
 
     if delayed:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.tensor_parallel import all_to_all
