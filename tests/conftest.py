@@ -49,3 +49,13 @@ def golden_v2():
     if not GOLDEN_V2.exists():
         pytest.fail(f"golden vectors not found at {GOLDEN_V2}")
     return np.load(GOLDEN_V2)
+
+
+@pytest.fixture(autouse=True)
+def fresh_device_capabilities():
+    """Tests emulate GPUs by patching torch.cuda.get_device_capability, which the GEMM dispatch asks once per device
+    and process: forget its answers around each test."""
+    from nvfp4_dist.gemm import dispatch
+    dispatch._capability_of_index.cache_clear()
+    yield
+    dispatch._capability_of_index.cache_clear()

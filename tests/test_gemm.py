@@ -142,15 +142,6 @@ def test_backend_resolution(monkeypatch):
     assert gpu_backends.hopper_path() == "dequantize"
 
 
-@pytest.fixture(autouse=True)
-def fresh_capabilities():
-    """The tests below emulate GPUs by patching torch.cuda.get_device_capability, which dispatch asks once per
-    device and process: forget its answers around each test."""
-    dispatch._capability_of_index.cache_clear()
-    yield
-    dispatch._capability_of_index.cache_clear()
-
-
 @pytest.mark.parametrize("capability,backend,named", [
     ((10, 0), "cublaslt", "B200"), ((10, 3), "cublaslt", "B300"), ((12, 0), "cublaslt", "RTX PRO 6000"),
     ((12, 1), "cublaslt", "not listed"), ((9, 0), "emulated", "no FP4 tensor cores"),
