@@ -79,7 +79,7 @@ compile_cu() {  # one file for one target
   if "$nvcc" "${nvcc_flags[@]}" "$flag" "${torch_includes[@]}" "$source" -o "$object" >"$object.log" 2>&1; then
     echo "ok    $(basename "$source") $target"
   else
-    echo "FAIL  $(basename "$source") $target"; cat "$object.log"; return 1
+    echo "FAIL  $(basename "$source") $target"; cat "$object.log"; : >"$out/failed"; return 1
   fi
 }
 
@@ -89,19 +89,18 @@ compile_bindings() {
        -I"$here" -DTORCH_EXTENSION_NAME=nvfp4_dist_C "$here/bindings.cpp" -o "$out/bindings.o" >"$out/bindings.log" 2>&1; then
     echo "ok    bindings.cpp"
   else
-    echo "FAIL  bindings.cpp"; cat "$out/bindings.log"; return 1
+    echo "FAIL  bindings.cpp"; cat "$out/bindings.log"; : >"$out/failed"; return 1
   fi
 }
 
-status=0
+# Each failing compilation leaves $out/failed: waiting on saved PIDs is not reliable once a loaded machine has
+# reused them ("pid ... is not a child of this shell").
 compile_bindings &
-pids=($!)
 for source in "$here"/*.cu; do
   for i in "${!targets[@]}"; do
     compile_cu "$source" "${targets[$i]}" "${gencodes[$i]}" &
-    pids+=($!)
     while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 0.2; done
   done
 done
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-exit $status
+wait
+[ ! -e "$out/failed" ]
