@@ -315,5 +315,28 @@ MUTATIONS = (
              "whatever it was quantized with",
              (("x2d = dequantize_blocks(q.rowwise_data, q.rowwise_scale, q.amax_rowwise, e4m3_bound=q.e4m3_bound)",
                "x2d = dequantize_blocks(q.rowwise_data, q.rowwise_scale, q.amax_rowwise)"),), DEQUANTIZE),
+    # ------------------------------------------------------------------------------------- launcher edges, caches
+    Mutation("out_dir_not_probed", "launch", "--out-dir taken on trust: no directory or probe file made before start",
+             (('    probe_directory("--out-dir", out_dir)\n', "    pass\n"),),
+             ("tests/test_train_job.py::test_an_out_dir_that_permissions_allow_but_writes_fail_is_refused_before_start",)),
+    Mutation("watchdog_verdict_signature_unchecked", "launch", "a watchdog verdict followed whoever wrote it",
+             (("return (int(rank), verdict) if hmac.compare_digest(signature, expected) else None",
+               "return (int(rank), verdict)"),),
+             ("tests/test_faults.py::test_a_verdict_is_signed_by_the_secret_and_the_rank",)),
+    Mutation("recipe_line_every_field", "launch", "the first line lists every recipe field, not those that differ",
+             (("if getattr(recipe, field.name) != field.default]", "if True]"),),
+             ("tests/test_train_job.py::test_the_first_line_shows_the_recipe_by_what_differs_from_its_defaults",)),
+    Mutation("watchdog_follower_silent", "launch", "a rank stopped by another rank's verdict says nothing",
+             (("stopping: rank {origin}'s watchdog stopped the job: \"\n                  f\"{verdict}\", file=sys.stderr",
+               "stopping: rank {origin}'s watchdog stopped the job: \"\n                  f\"{verdict}\", file=open(os.devnull, \"w\")"),),
+             ("tests/test_faults.py::test_a_following_rank_says_whose_verdict_stopped_the_job",)),
+    Mutation("recipe_from_env_cached_whatever_the_environment", "recipes", "recipes from the environment reused "
+             "after the variables changed",
+             (("key = (cls, tuple(os.environ.get(variable.name) for variable in _RECIPE_VARIABLES),",
+               "key = (cls, (),"),),
+             ("tests/test_hot_path_caches.py::test_an_environment_change_takes_effect_at_the_next_call",)),
+    Mutation("seed_tensor_ignored_by_the_reference", "ops", "a seed given as a tensor quantized with seed 0 on the "
+             "reference path", (("sr_seed = int(sr_seed.item())  # the reference takes the seed as an int",
+                                 "sr_seed = 0"),),
+             ("tests/test_graph_support_cpu.py::test_a_seed_tensor_quantizes_as_its_int",)),
 )
-
