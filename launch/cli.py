@@ -71,6 +71,13 @@ def build_parser() -> ArgumentParser:
     where.add_argument("--nproc", type=int, default=None,
                        help="processes to start when run without a launcher (default: the GPU count, or 2 on CPU)")
     where.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: 2 on CPU, all GPUs)")
+    where.add_argument("--dp", type=int, default=None,
+                       help="data-parallel replicas: the processes are --tp x --dp (default: the processes / --tp; "
+                            "without a launcher and --nproc, --dp starts --tp x --dp processes)")
+    where.add_argument("--fsdp", action="store_true",
+                       help="shard parameters, gradients and optimizer state over the data-parallel replicas with "
+                            "FSDP2 (fully_shard), the NVFP4 linears' weights all-gathered in NVFP4 "
+                            "(docs/data_parallel.md); --model gpt, DP >= 2")
     where.add_argument("--sp", action="store_true", help="sequence parallelism")
     where.add_argument("--overlap", action="store_true",
                        help="overlap TP communication with the GEMMs, in layers whose ring steps have at least "

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nvfp4_dist.launch.sharding import local_tensor
 from nvfp4_dist.linear import name_layers
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
 from nvfp4_dist.parallel.norm import SequenceParallelNorm
@@ -176,8 +177,10 @@ class TinyGPT(torch.nn.Module):
 
 
 def reduce_sequence_parallel_grads(model: torch.nn.Module, tp_group) -> None:
-    """Sum, across the TP group, the gradients of parameters marked sequence_parallel (partial per rank)."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    """Sum, across the TP group, the gradients of parameters marked sequence_parallel (partial per rank); under
+    --fsdp each rank's shards (the ranks of a TP group hold the same rows of each)."""
+    grads = [local_tensor(p.grad) for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or group_size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -43,6 +43,8 @@ class Plan:
     recipe_map: object = None  # --recipe-config, checked against `recipe` (nvfp4_dist.RecipeMap)
     # the norms and the activation inside the linears after them (--fused-producers, on for --model megatron)
     fused_producers: bool = False
+    dp: int = 1           # data-parallel replicas (world_size / tp)
+    fsdp: bool = False    # parameters sharded over the replicas by FSDP2, NVFP4 weights gathered in NVFP4
 
 
 def detect_device(requested: str) -> str:
@@ -76,7 +78,7 @@ def check_finite(flag: str, value: float) -> None:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Sizes, counts and rates: each within its allowed range (before any of them divides another)."""
-    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--ffn", args.ffn)):
+    for flag, value in (("--nproc", args.nproc), ("--tp", args.tp), ("--dp", args.dp), ("--ffn", args.ffn)):
         if value is not None:
             check_at_least(flag, value, 1)
     for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
@@ -221,6 +223,54 @@ def check_features(args: argparse.Namespace, tp: int, model: str, device: str) -
                          "sequence through a CUDA buffer); on CPU use --model gpt --sp")
 
 
+def check_fsdp(args: argparse.Namespace, model: str, tp: int, dp: int, ffn: int) -> None:
+    """--fsdp: the small GPT, at least two replicas, and NVFP4 weights whose rows (of each TP rank's shard) split
+    into dp shards of whole 16x16 blocks (nvfp4_dist.sharded_weight.check_weight_sharding)."""
+    if model != "gpt":
+        raise ValueError(f"--fsdp needs --model gpt (--model {model}: Megatron-Core shards its parameters with its "
+                         f"own distributed optimizer, not FSDP2)")
+    if dp < 2:
+        raise ValueError(f"--fsdp needs data parallelism: the processes / --tp={tp} give DP={dp}; use --dp 2 or more "
+                         f"(or more processes with --nproc)")
+    for rows, what in ((3 * args.hidden // tp, f"QKV weight (3 x --hidden={args.hidden} / --tp={tp})"),
+                       (args.hidden, f"projection and fc2 weights (--hidden={args.hidden})"),
+                       (ffn // tp, f"fc1 weight (--ffn={ffn} / --tp={tp})")):
+        if rows % (BLOCK * dp):
+            raise ValueError(f"--fsdp with DP={dp}: the {what} has {rows} rows per TP rank, which do not split into "
+                             f"{dp} shards of whole {BLOCK}x{BLOCK} blocks; they must be a multiple of {BLOCK} x DP = "
+                             f"{BLOCK * dp} (change --hidden/--ffn, --tp or --dp)")
+
+
+def resolve_parallel_sizes(args: argparse.Namespace, device: str) -> tuple:
+    """(world_size, tp, dp) from the launcher's world size (else --nproc, else --tp x --dp, else the GPU count or 2
+    on CPU), --tp and --dp; ValueError when they do not fit together."""
+    world_size = launched_world_size()
+    if world_size is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if device == "cuda" else 0
+        if args.nproc is None and args.dp is not None:
+            tp = args.tp if args.tp is not None else (max(1, gpus // args.dp) if device == "cuda" else 2)
+            world_size = tp * args.dp
+        else:
+            world_size = args.nproc or (gpus if device == "cuda" else 2)
+    if args.tp is not None:
+        tp = args.tp
+    elif args.dp is not None:
+        if world_size % args.dp:
+            raise ValueError(f"--dp={args.dp} does not divide the number of processes ({world_size})")
+        tp = world_size // args.dp
+    else:
+        tp = world_size if device == "cuda" else min(2, world_size)
+    if world_size % tp:
+        raise ValueError(f"--tp={tp} does not divide the number of processes ({world_size}): choose a --tp that "
+                         f"divides it (the rest is data parallelism)")
+    if args.dp is not None and tp * args.dp != world_size:
+        raise ValueError(f"--tp={tp} x --dp={args.dp} = {tp * args.dp} processes, but the job has {world_size}: "
+                         f"make --tp x --dp equal the number of processes")
+    return world_size, tp, world_size // tp
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the flags against each other, the machine and the world; ValueError names the offending flag."""
     from nvfp4_dist.launch.faults import FaultInjection
@@ -236,18 +286,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
         except ImportError:
             raise ValueError("--model=megatron needs megatron-core: pip install nvfp4-dist[megatron] "
                              "(or use --model gpt)") from None
-    world_size = launched_world_size()
-    if world_size is None:
-        import torch
-
-        world_size = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
-    tp = args.tp if args.tp is not None else (world_size if device == "cuda" else min(2, world_size))
-    if world_size % tp:
-        raise ValueError(f"--tp={tp} does not divide the number of processes ({world_size}): choose a --tp that "
-                         f"divides it (the rest is data parallelism)")
+    world_size, tp, dp = resolve_parallel_sizes(args, device)
     ffn = args.ffn if args.ffn is not None else 4 * args.hidden
     check_shapes(args, tp, ffn, model)
     check_features(args, tp, model, device)
+    if args.fsdp:
+        check_fsdp(args, model, tp, dp, ffn)
     check_data(args.data, args.seq_length)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     fault = FaultInjection.parse(args.inject_fault) if args.inject_fault else None
@@ -257,7 +301,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     recipe_map = load_recipe_config(args.recipe_config, recipe) if args.recipe_config is not None else None
     fused_producers = args.fused_producers if args.fused_producers is not None else model == "megatron"
     check_out_dir(args.out_dir)  # last: it creates the directory, which a refused flag must not leave behind
-    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map, fused_producers)
+    return Plan(args, world_size, device, model, tp, ffn, dtype, recipe, fault, recipe_map, fused_producers, dp,
+                args.fsdp)
 
 
 def check_four_over_six_flags(args: argparse.Namespace) -> None:

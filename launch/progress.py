@@ -98,7 +98,8 @@ def describe_job(plan, dp_size: int) -> str:
     nodes = plan.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
     return (f"{plan.model} model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}, ffn {plan.ffn}, "
             f"seq {args.seq_length}, micro-batch {args.micro_batch}; {plan.world_size} processes on {nodes} "
-            f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}, SP {'on' if args.sp else 'off'}, overlap "
+            f"node(s), {plan.device} (TP={plan.tp}, DP={dp_size}{' FSDP2' if plan.fsdp else ''}, "
+            f"SP {'on' if args.sp else 'off'}, overlap "
             f"{'on' if args.overlap else 'off'}"
             + producers_note(plan)
             + f"); recipe: {recipe_summary(plan.recipe)}"

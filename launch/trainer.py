@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 
 from nvfp4_dist import raise_pending_nonfinite
-from nvfp4_dist.launch import data, faults, training_state
+from nvfp4_dist.launch import data, faults, sharding, training_state
 from nvfp4_dist.launch.gradients import average_data_parallel_grads, clip_gradients
 from nvfp4_dist.launch.optimizer import learning_rate, make_optimizer
 from nvfp4_dist.launch.plan import BYTE_VOCAB, check_recipe_config_matches
 from nvfp4_dist.linear import WeightCache
+from nvfp4_dist.parallel.fsdp import precompute_weight_amaxes
 from nvfp4_dist.launch.progress import Reporter, describe_job, memory_mb, summarize
 
 
@@ -31,7 +32,8 @@ def parallel_groups(world_size: int, tp: int) -> tuple:
 
 
 def build_model(plan, device) -> tuple:
-    """(model, tp_group, dp_group): the GPT this job trains, with this rank's shards; model(tokens, labels) -> loss."""
+    """(model, tp_group, dp_group): the GPT this job trains, with this rank's shards; model(tokens, labels) -> loss.
+    With --fsdp its parameters are sharded over the data-parallel group by FSDP2 (launch/sharding.py)."""
     if plan.model == "megatron":
         from nvfp4_dist.launch.megatron_model import build_megatron_gpt
 
@@ -39,12 +41,18 @@ def build_model(plan, device) -> tuple:
     from nvfp4_dist.launch.model import GPTConfig, TinyGPT
 
     args = plan.args
-    tp_group, dp_group = parallel_groups(plan.world_size, plan.tp)
+    if plan.fsdp:
+        mesh = sharding.parallel_mesh(plan.world_size, plan.tp, device)
+        tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    else:
+        tp_group, dp_group = parallel_groups(plan.world_size, plan.tp)
     config = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                        ffn_hidden_size=plan.ffn, seq_length=args.seq_length, vocab_size=BYTE_VOCAB)
     dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
     model = TinyGPT(config, tp_group=tp_group, sequence_parallel=args.sp, recipe=plan.recipe,
                     recipe_map=plan.recipe_map, compute_dtype=dtype, device=device)
+    if plan.fsdp:
+        sharding.shard_model(model, mesh["dp"], model.layers)
     return model, tp_group, dp_group
 
 
@@ -141,10 +149,13 @@ def train(plan, device, rank: int, watchdog) -> None:
         else:
             dist.all_reduce(flags[1:], group=dp_group)
             reduce_sequence_parallel_grads(model, tp_group)
-            average_data_parallel_grads(model, dp_group, dp_size)
-            grad_norm = clip_gradients(model, args.grad_clip, tp_group)
+            if not plan.fsdp:  # FSDP2 reduce-scattered the gradients, averaged, in backward
+                average_data_parallel_grads(model, dp_group, dp_size)
+            grad_norm = clip_gradients(model, args.grad_clip, tp_group, dp_group if plan.fsdp else None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if plan.fsdp:  # the next step's weight amaxes, all in one all-reduce
+                precompute_weight_amaxes(model)
             step_loss = flags[1].item() / dp_size
             losses.append((step, step_loss))
             if device.type == "cuda":

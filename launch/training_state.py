@@ -1,4 +1,6 @@
-"""What an nvfp4-train checkpoint holds (model, optimizer, RNG, step, the job's shape) and resuming from one."""
+"""What an nvfp4-train checkpoint holds (model, optimizer, RNG, step, the job's shape) and resuming from one.
+
+Each rank's file holds its own tensors: its TP shards, and with --fsdp its FSDP2 shards (as plain tensors)."""
 from __future__ import annotations
 
 import shutil
@@ -6,14 +8,14 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from nvfp4_dist.launch import checkpoint
+from nvfp4_dist.launch import checkpoint, sharding
 from nvfp4_dist.launch.plan import CHECKPOINT_DIRECTORY, SettingError
 
 # Flags a resumed run must share with its checkpoint (the state's shapes, sharding and keys depend on them), and
 # the value of those that checkpoints of older versions do not record.
 CHECKPOINT_FLAGS = ("model", "layers", "hidden", "heads", "ffn", "seq_length", "tp", "sp", "world_size",
-                    "fused_producers")
-UNRECORDED_FLAG_VALUES = {"fused_producers": False}
+                    "fused_producers", "fsdp")
+UNRECORDED_FLAG_VALUES = {"fused_producers": False, "fsdp": False}
 
 
 def mismatch_detail(key: str, old, new) -> str:
@@ -32,7 +34,7 @@ def checkpoint_config(plan) -> dict:
     args = plan.args
     return {"model": plan.model, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "ffn": plan.ffn, "seq_length": args.seq_length, "tp": plan.tp, "sp": args.sp,
-            "world_size": plan.world_size, "fused_producers": plan.fused_producers}
+            "world_size": plan.world_size, "fused_producers": plan.fused_producers, "fsdp": plan.fsdp}
 
 
 def rng_state(device) -> dict:
@@ -50,8 +52,9 @@ def restore_rng(state: dict, device) -> None:
 
 def save(plan, step: int, model, optimizer, *, rank: int, device):
     """Checkpoint this rank's state after `step` (collective); returns the step directory."""
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "rng": rng_state(device), "config": checkpoint_config(plan)}
+    state = {"step": step, "model": sharding.local_state(model.state_dict()),
+             "optimizer": sharding.local_state(optimizer.state_dict()), "rng": rng_state(device),
+             "config": checkpoint_config(plan)}
     hook = plan.fault.crash_before_rename(step, rank) if plan.fault is not None else None
     return checkpoint.save_checkpoint(checkpoints_directory(plan), step, state, rank=rank,
                                       world_size=plan.world_size, keep=plan.args.keep_checkpoints,
@@ -86,8 +89,8 @@ def resume(plan, model, optimizer, *, rank: int, device) -> tuple:
         details = ", ".join(mismatch_detail(key, old, new) for key, (old, new) in mismatched.items())
         raise SettingError(f"the step-{resumed.step} checkpoint in {root} does not fit this run ({details}); use "
                            f"the same flags, another --out-dir, or --no-resume")
-    model.load_state_dict(resumed.state["model"])
-    optimizer.load_state_dict(resumed.state["optimizer"])
+    model.load_state_dict(sharding.sharded_model_state(model, resumed.state["model"]))
+    optimizer.load_state_dict(sharding.sharded_optimizer_state(optimizer, resumed.state["optimizer"]))
     restore_rng(resumed.state["rng"], device)
     newest = ", the newest complete and verified one" if passed_over else ""
     return resumed.step, f"resumed from the step-{resumed.step} checkpoint in {root}{newest}{passed_over}"
