@@ -102,6 +102,12 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     (["--watchdog-timeout", "inf"], "--watchdog-timeout=inf: must be a finite number"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--data", "/nonexistent/corpus.txt"], "--data=/nonexistent/corpus.txt: no such file"),
+    (["--dp", "0"], "--dp=0: must be >= 1"),
+    (["--nproc", "4", "--dp", "3"], "--dp=3 does not divide the number of processes (4)"),
+    (["--nproc", "2", "--tp", "2", "--dp", "2"], "--tp=2 x --dp=2 = 4 processes, but the job has 2"),
+    (["--fsdp"], "--fsdp needs data parallelism: the processes / --tp=2 give DP=1"),
+    (["--fsdp", "--tp", "2", "--dp", "4"], "--fsdp with DP=4: the QKV weight (3 x --hidden=64 / --tp=2) has 96 rows"),
+    (["--fsdp", "--tp", "1", "--dp", "2", "--ffn", "16"], "--fsdp with DP=2: the fc1 weight (--ffn=16 / --tp=1) has 16"),
 ])
 def test_bad_flags_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch, flags, message):
     for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
@@ -214,6 +220,31 @@ def test_megatron_flags_are_checked(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train.main(["--device", "cpu", "--model", "megatron", "--sp"])
     assert expected in capsys.readouterr().err
+
+
+def test_fsdp_needs_the_small_gpt(capsys, monkeypatch):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(spawn, "launch_local", lambda *a, **k: pytest.fail("processes started despite bad flags"))
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", "--model", "megatron", "--dtype", "fp32", "--tp", "1", "--dp", "2", "--fsdp"])
+    assert "--fsdp needs --model gpt (--model megatron: " in capsys.readouterr().err
+
+
+def test_dp_alone_starts_tp_times_dp_processes(monkeypatch, tmp_path):
+    """--dp without --nproc: --tp x --dp processes (TP 2 on CPU by default); with --nproc, --tp follows."""
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+
+    def sizes(*flags):
+        job = plan.make_plan(build_parser().parse_args(["--device", "cpu", "--out-dir", str(tmp_path), *flags]))
+        return job.world_size, job.tp, job.dp
+
+    assert sizes("--dp", "2") == (4, 2, 2)
+    assert sizes("--dp", "2", "--tp", "1") == (2, 1, 2)
+    assert sizes("--nproc", "4", "--dp", "4") == (4, 1, 4)
+    assert sizes("--nproc", "4") == (4, 2, 2)
 
 
 def test_fused_producers_flag_needs_the_megatron_model(capsys, monkeypatch):
