@@ -82,3 +82,17 @@ def test_fsdp_checkpoint_holds_shards_and_resumes_exactly(tmp_path):
     refused = run_train(tmp_path / "split", "--dp", "2", "--tp", "1", "--steps", "5")
     assert refused.returncode == 2
     assert "--fsdp: checkpoint True, now False" in refused.stdout + refused.stderr
+
+
+def test_a_skipped_step_under_fsdp_leaves_training_as_replicated(tmp_path):
+    """--on-nonfinite skip with a NaN injected into the first layer's input at step 2: the forward stops inside
+    an FSDP2-gathered layer, the step is skipped on every rank, and the next steps' losses are the replicated
+    job's bit for bit (no update was made, so the weights a layer still holds gathered are current)."""
+    runs = {}
+    for name, flags in (("replicated", ()), ("fsdp", ("--fsdp",))):
+        result = run_train(tmp_path / name, "--dp", "2", "--tp", "1", "--steps", "4", "--grad-clip", "0",
+                           "--inject-fault", "nan:2", "--on-nonfinite", "skip", *COMMON, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [(r["step"], r["loss"]) for r in metrics(tmp_path / name)]
+    assert runs["fsdp"][1] == (2, None), runs["fsdp"]
+    assert runs["fsdp"] == runs["replicated"]
