@@ -578,7 +578,8 @@ def name_layers(model: torch.nn.Module) -> None:
     """Set every NVFP4 layer's `layer_name` (matched by recipe maps, and used in its error messages) to its
     qualified name in `model` (call it on the model itself, before wrapping it in DDP or similar)."""
     for qualified, module in model.named_modules():
-        if isinstance(getattr(module, "weight_cache", None), WeightCache):
+        caches = getattr(module, "weight_caches", None) or [getattr(module, "weight_cache", None)]
+        if any(isinstance(cache, WeightCache) for cache in caches):  # nv.Linear and the like; GroupedLinear
             module.layer_name = qualified or type(module).__name__
 
 

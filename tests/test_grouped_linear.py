@@ -303,3 +303,9 @@ def test_rowwise_input_feeds_fprop_and_x_feeds_wgrad():
     assert not torch.equal(plain(x_hat, sizes), y)  # x_hat requantized per expert is another operand
     with pytest.raises(ValueError, match="rowwise_input"):
         grouped(x_hat, sizes, rowwise_input=given.rowwise_rows(0, 16))
+
+
+def test_name_layers_names_grouped_linears():
+    model = torch.nn.Sequential(nv.Linear(32, 32), torch.nn.Sequential(nv.GroupedLinear(4, 32, 32)))
+    nv.name_layers(model)
+    assert model[0].layer_name == "0" and model[1][0].layer_name == "1.0"
