@@ -225,8 +225,8 @@ MUTATIONS = (
              ("tests/test_train_job.py::test_short_run_trains_saves_and_resumes_exactly",)),
     Mutation("checkpoint_records_the_flag_not_the_structure", "checkpoint", "a checkpoint records --fused-producers "
              "as given (None when left out) instead of the structure the model was built with",
-             (('"world_size": plan.world_size, "fused_producers": plan.fused_producers}',
-               '"world_size": plan.world_size, "fused_producers": args.fused_producers}'),),
+             (('"world_size": plan.world_size, "fused_producers": plan.fused_producers, "fsdp": plan.fsdp}',
+               '"world_size": plan.world_size, "fused_producers": args.fused_producers, "fsdp": plan.fsdp}'),),
              ("tests/test_train_job.py::test_megatron_model_trains_with_fused_producers_and_resumes_only_with_them",)),
     # ------------------------------------------------------------------------------- topology (TP x DP, TP x PP)
     Mutation("gradient_amax_reduced_over_world", "topology", "the row-parallel SP gradient's amaxes reduced over the "
