@@ -32,16 +32,15 @@ import json
 import os
 import pathlib
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import nvfp4_dist as nv
 from nvfp4_dist.parallel import moe_dispatch
-from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from gloo_ranks import run_on_gloo_ranks  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402
 from torchrun_setup import add_links_argument, gpu_label, init_nccl, links_record  # noqa: E402
 
 TARGET_BYTE_RATIO = 0.30
@@ -224,16 +223,11 @@ def summarise(per_rank: list[dict], args) -> dict:
             "expected_ratio": moe_dispatch.row_bytes(args.hidden) / (2 * args.hidden)}
 
 
-def cpu_worker(rank: int, world_size: int, store: str, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        rows = [None] * world_size
-        dist.all_gather_object(rows, count_bytes(args, rank, torch.device("cpu")))
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
+def cpu_rows(rank: int, world_size: int, args) -> list:
+    """Every rank's byte counts (on a gloo rank of gloo_ranks.run_on_gloo_ranks)."""
+    rows = [None] * world_size
+    dist.all_gather_object(rows, count_bytes(args, rank, torch.device("cpu")))
+    return rows
 
 
 def record(args, device: str, dispatch: dict, timing: dict | None) -> dict:
@@ -290,13 +284,7 @@ def main() -> None:
             print(f"wrote {out}")
         dist.destroy_process_group()
         return
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="moe_bytes_") as directory:
-        processes = mp.start_processes(cpu_worker, args=(args.ep, os.path.join(directory, "store"), args, queue),
-                                       nprocs=args.ep, join=False, start_method="spawn")
-        rows = queue.get()
-        processes.join()
+    rows = run_on_gloo_ranks(cpu_rows, args.ep, args)
     dispatch = summarise(rows, args)
     print_bytes(dispatch)
     out = args.out or REPOSITORY_ROOT / "benchmarks" / "results" / "moe_cpu.json"

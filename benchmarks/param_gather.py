@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -32,7 +29,8 @@ import nvfp4_dist as nv
 from nvfp4_dist import sharded_weight
 from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import fsdp as nvfp4_fsdp
-from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402 (benchmarks/ is on sys.path when run)
+from gloo_ranks import run_on_gloo_ranks  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402
 
 TARGET_RATIO = 0.30
 TOKENS = 32
@@ -102,17 +100,12 @@ def run(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size: int) -> 
             "bf16_weight_bytes": sum(2 * s[0] * s[1] for s in shapes)}
 
 
-def worker(rank: int, world_size: int, store: str, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        results = {}
-        for label, recipe in (("2d", nv.NVFP4Recipe()), ("1d", nv.NVFP4Recipe(weight_2d=False))):
-            results[label] = {mode: run(mode, recipe, args, rank, world_size) for mode in ("bf16", "nvfp4")}
-        if rank == 0:
-            queue.put(results)
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world_size: int, args) -> dict:
+    """Both gathers under both weight block shapes (on a gloo rank of gloo_ranks.run_on_gloo_ranks)."""
+    results = {}
+    for label, recipe in (("2d", nv.NVFP4Recipe()), ("1d", nv.NVFP4Recipe(weight_2d=False))):
+        results[label] = {mode: run(mode, recipe, args, rank, world_size) for mode in ("bf16", "nvfp4")}
+    return results
 
 
 def main() -> None:
@@ -127,13 +120,7 @@ def main() -> None:
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (the counted step follows an optimizer step)")
     sharded_weight.check_weight_sharding((args.hidden, args.hidden), args.dp, name="--hidden x --hidden weight")
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="param_gather_") as directory:
-        processes = mp.start_processes(worker, args=(args.dp, os.path.join(directory, "store"), args, queue),
-                                       nprocs=args.dp, join=False, start_method="spawn")
-        results = queue.get()
-        processes.join()
+    results = run_on_gloo_ranks(worker, args.dp, args)
     rows = []
     for label, runs in results.items():
         bf16, nvfp4 = runs["bf16"]["gathered_bytes_per_rank"], runs["nvfp4"]["gathered_bytes_per_rank"]
