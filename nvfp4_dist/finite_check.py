@@ -136,6 +136,12 @@ class _Records:
 
 
 _records = _Records()
+
+
+def _settle_all(wait: bool) -> None:
+    """Both kinds of pending check: the event-backed copies (_settle), then the pinned records (_Records)."""
+    _settle(wait)
+    _records.settle(wait)
 _RECORDED = (" (checked on the GPU without waiting for it, reported at a later check or optimizer step or by "
              "nvfp4_dist.raise_pending_nonfinite())")
 
@@ -175,15 +181,13 @@ def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
     event = torch.cuda.Event()
     event.record()
     _pending.append((event, host, explain))
-    _settle(wait=False)
-    _records.settle(wait=False)
+    _settle_all(wait=False)
 
 
 def raise_pending_nonfinite() -> None:
     """Wait for every pending CUDA check, and for the values of the checks captured in CUDA graphs as their last
     replays left them; raise NonFiniteAmaxError if one found a NaN/Inf amax."""
-    _settle(wait=True)
-    _records.settle(wait=True)
+    _settle_all(wait=True)
 
 
 def _maximum(amax: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -270,8 +274,7 @@ def check_operands(operands: dict) -> None:
             return explain_operands(specs, values)
         _records.record(tensors, False, explain, key=tuple(specs))
         if not torch.cuda.is_current_stream_capturing():  # no host reads inside a capture
-            _settle(wait=False)
-            _records.settle(wait=False)
+            _settle_all(wait=False)
         return
     values = torch.cat([operand_values(q) for q in present.values()])
     check(values, lambda host: explain_operands(specs, host))

@@ -78,7 +78,7 @@ def quantize_operand(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwi
         return column.replace(dtype=x2d.dtype)
     row = ops.quantize(x2d, role, rowwise=True, columnwise=False, amax_rowwise=amax_rowwise, **common)
     return row.replace(columnwise_data=column.columnwise_data, columnwise_scale=column.columnwise_scale,
-                               amax_columnwise=column.amax_columnwise, rht=column.rht)
+                       amax_columnwise=column.amax_columnwise, rht=column.rht)
 
 
 def needs_columnwise_weight(recipe: NVFP4Recipe) -> bool:
