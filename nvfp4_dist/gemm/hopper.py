@@ -300,7 +300,10 @@ class _LastDequantizedB:
     """The BF16 values of the last B operand, reused while B is the same tensor object at the same version.
 
     The copy is dropped as soon as B's data is freed (a gathered wgrad operand, say), so it never outlives
-    its operand and adds nothing to the peak memory of what follows.
+    its operand and adds nothing to the peak memory of what follows. Inside a CUDA graph capture nothing is
+    cached or dropped: the graph dequantizes B itself (the eager copy is not in the graph), and a copy made in a
+    capture lives in that graph's private memory pool, which a module-level cache must not keep (or free while
+    another graph is being captured).
     """
 
     def __init__(self):
@@ -311,13 +314,12 @@ class _LastDequantizedB:
             self.key, self.values = None, None
 
     def get(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # A copy made outside a CUDA graph capture is not in the graph: inside one, make it again (and the
-        # reverse: a copy made in a capture holds whatever the last replay wrote).
-        capturing = torch.cuda.is_current_stream_capturing()
-        key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version, capturing)
+        if torch.cuda.is_current_stream_capturing():
+            return dequantize_to_bf16(data, scale)
+        key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version)
         cached = self.key
         if (cached is None or cached[0]() is not data or cached[2]() is not scale
-                or cached[1:2] + cached[3:] != key[1:2] + key[3:]):
+                or (cached[1], cached[3]) != (key[1], key[3])):
             if self.finalizer is not None:
                 self.finalizer.detach()  # one finalizer per cached operand, however often B changes
             self.key, self.values = None, None  # drop the old copy before making the new one
