@@ -37,6 +37,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.cuda_graphs import create_cudagraphs, delete_cuda_graphs
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -80,7 +81,9 @@ def parse_args():
                              "megatron_gpt_host_<gpu>.json")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="with --host-table: both specs under Megatron's own per-layer CUDA graphs "
-                             "(cuda_graph_impl='local'), captured after its warm-up steps as its schedules do")
+                             "(cuda_graph_impl='local'), captured after its warm-up steps as its schedules do; the "
+                             "model wrapped in Megatron's DistributedDataParallel, whose main_grad buffers the "
+                             "graphed backward accumulates into")
     parser.add_argument("--out", default=None, help="default benchmarks/results/megatron_gpt_<gpu>x<N>_<links>.json")
     add_links_argument(parser)
     parser.add_argument("--profile", metavar="DIR",
@@ -146,6 +149,8 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build(spec_name, args, tp, fused_producers, transport)
+    if args.cuda_graphs:  # Megatron's graphed backward adds each weight gradient into main_grad, which its DDP owns
+        model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).cuda()
     positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.micro_batch, -1)

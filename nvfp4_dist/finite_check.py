@@ -138,6 +138,12 @@ class _Records:
 _records = _Records()
 
 
+def reserve_records() -> None:
+    """Allocate the pinned records that checks inside a CUDA graph capture take (pinned allocation cannot be
+    captured): call before capturing graphs whose warm-up ran with the eager checks suspended."""
+    _records.reserve()
+
+
 def _settle_all(wait: bool) -> None:
     """Both kinds of pending check: the event-backed copies (_settle), then the pinned records (_Records)."""
     _settle(wait)

@@ -21,5 +21,7 @@ def make_graphed_callables(callables, sample_args, **kwargs):
         for parameter in (module.parameters() if isinstance(module, torch.nn.Module) else ()):
             if parameter.requires_grad and parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
+    if torch.cuda.is_available():
+        finite_check.reserve_records()  # the warm-up's suspended checks reserve none
     with finite_check.suspended_outside_capture():
         return torch.cuda.make_graphed_callables(callables, sample_args, **kwargs)
