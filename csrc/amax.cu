@@ -1,5 +1,6 @@
 // Amax reductions (docs/numerics.md §2.1, 5 and 6): per tensor, per row, and after the RHT of the columnwise copy.
 #include <algorithm>
+#include <cstdint>
 
 #include "nvfp4_device.cuh"
 #include "nvfp4_numerics.cuh"
@@ -141,6 +142,63 @@ __global__ void __launch_bounds__(kAmaxThreads) amax_columns_kernel(const T* __r
   atomic_max_bits(amax + column + 1, running[1]);
 }
 
+// Per 16-row chunk (a grid-stride loop over the chunks, a CTA per chunk at a time): accumulate_rht_pair_amax over
+// the chunk's column pairs, one plain and one post-RHT amax per chunk, written (no atomics, no zeroing).
+template <bool kRandomSign>
+__global__ void __launch_bounds__(kAmaxThreads) amax_rht_chunks_kernel(const uint32_t* __restrict__ x, int64_t chunks,
+                                                                       int64_t pairs_per_row,
+                                                                       float* __restrict__ amax_plain,
+                                                                       float* __restrict__ amax_rht) {
+  __shared__ uint32_t scratch[32];
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const uint32_t* chunk_start = x + chunk * kBlockSize * pairs_per_row;
+    uint32_t running_plain = 0, running_rht = 0;
+    for (int64_t pair = threadIdx.x; pair < pairs_per_row; pair += kAmaxThreads) {
+      accumulate_rht_pair_amax<kRandomSign>(chunk_start + pair, pairs_per_row, running_plain, running_rht);
+    }
+    running_plain = block_max_bits(running_plain, scratch);
+    running_rht = block_max_bits(running_rht, scratch);
+    if (threadIdx.x == 0) {
+      if (amax_plain != nullptr) amax_plain[chunk] = __uint_as_float(running_plain);
+      amax_rht[chunk] = __uint_as_float(running_rht);
+    }
+  }
+}
+
+// One CTA per segment: the maxima of its entries (bits of non-negative floats or NaN: unsigned order, NaN wins),
+// then the segment's rows and chunks of the expanded outputs.
+__global__ void __launch_bounds__(kAmaxThreads) segment_amaxes_kernel(
+    const float* __restrict__ plain, const float* __restrict__ columnwise, int64_t granule,
+    const int64_t* __restrict__ offsets, float* __restrict__ segment_plain, float* __restrict__ segment_columnwise,
+    float* __restrict__ rows_out, float* __restrict__ chunks_out) {
+  __shared__ uint32_t scratch[32];
+  const int64_t segment = blockIdx.x;
+  const int64_t first_row = offsets[segment], end_row = offsets[segment + 1];
+  const int64_t begin = first_row / granule, end = end_row / granule;
+  const uint32_t* plain_bits = reinterpret_cast<const uint32_t*>(plain);
+  const uint32_t* columnwise_bits = reinterpret_cast<const uint32_t*>(columnwise);
+  uint32_t running_plain = 0, running_columnwise = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kAmaxThreads) {
+    running_plain = max(running_plain, plain_bits[i]);
+    if (columnwise != nullptr) running_columnwise = max(running_columnwise, columnwise_bits[i]);
+  }
+  running_plain = block_max_bits(running_plain, scratch);
+  running_columnwise = columnwise != nullptr ? block_max_bits(running_columnwise, scratch) : running_plain;
+  const float amax_plain = __uint_as_float(running_plain), amax_columnwise = __uint_as_float(running_columnwise);
+  if (threadIdx.x == 0) {
+    segment_plain[segment] = amax_plain;
+    segment_columnwise[segment] = amax_columnwise;
+  }
+  if (rows_out != nullptr) {
+    for (int64_t row = first_row + threadIdx.x; row < end_row; row += kAmaxThreads) rows_out[row] = amax_plain;
+  }
+  if (chunks_out != nullptr) {
+    for (int64_t chunk = first_row / kBlockSize + threadIdx.x; chunk < end_row / kBlockSize; chunk += kAmaxThreads) {
+      chunks_out[chunk] = amax_columnwise;
+    }
+  }
+}
+
 int64_t grid_for(int64_t work_per_thread_units) {
   const int64_t wanted = (work_per_thread_units + kAmaxThreads - 1) / kAmaxThreads;
   return std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(device_multiprocessors()) * 8));
@@ -214,6 +272,39 @@ cudaError_t launch_amax_columns(const void* x, InputType type, int64_t rows, int
   }
   NVFP4_DISPATCH_INPUT_TYPE(type, T, amax_columns_kernel<T, false, false><<<grid, kAmaxThreads, 0, stream>>>(
                                          static_cast<const T*>(x), rows, cols, rows_per_cta, amax));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_amax_rht_chunks(const void* x, int64_t rows, int64_t cols, bool random_sign, float* amax_plain,
+                                   float* amax_rht, cudaStream_t stream) {
+  if (rows % kBlockSize != 0 || cols % 2 != 0) return cudaErrorInvalidValue;
+  const int64_t chunks = rows / kBlockSize, pairs_per_row = cols / 2;
+  if (chunks == 0) return cudaSuccess;
+  if (pairs_per_row == 0) {
+    if (amax_plain != nullptr) {
+      const cudaError_t status = cudaMemsetAsync(amax_plain, 0, chunks * sizeof(float), stream);
+      if (status != cudaSuccess) return status;
+    }
+    return cudaMemsetAsync(amax_rht, 0, chunks * sizeof(float), stream);
+  }
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(chunks, 65535));
+  const uint32_t* words = static_cast<const uint32_t*>(x);
+  if (random_sign) {
+    amax_rht_chunks_kernel<true><<<grid, kAmaxThreads, 0, stream>>>(words, chunks, pairs_per_row, amax_plain, amax_rht);
+  } else {
+    amax_rht_chunks_kernel<false><<<grid, kAmaxThreads, 0, stream>>>(words, chunks, pairs_per_row, amax_plain, amax_rht);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_segment_amaxes(const float* plain, const float* columnwise, int64_t granule, const int64_t* offsets,
+                                  int64_t segments, float* segment_plain, float* segment_columnwise, float* rows_out,
+                                  float* chunks_out, cudaStream_t stream) {
+  if (granule != 1 && granule != kBlockSize) return cudaErrorInvalidValue;
+  if (segments == 0) return cudaSuccess;
+  if (segments > INT32_MAX) return cudaErrorInvalidValue;
+  segment_amaxes_kernel<<<static_cast<unsigned>(segments), kAmaxThreads, 0, stream>>>(
+      plain, columnwise, granule, offsets, segment_plain, segment_columnwise, rows_out, chunks_out);
   return cudaGetLastError();
 }
 

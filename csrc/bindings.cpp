@@ -131,6 +131,116 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
 }
 
 // tensors: float32 CUDA tensors; each gives one value, its maximum, or (per_entry) each entry of the single tensor
+// The segmented cast (nvfp4_dist/grouped_quantize.py): quantize's 1D/2D/RHT/SR cast with per-row rowwise amaxes
+// (rows,) and per-16-row-chunk columnwise amaxes (rows / 16,) in place of the tensor amaxes.
+void quantize_segmented(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise_rows,
+                        const std::optional<at::Tensor>& amax_columnwise_chunks,
+                        const std::optional<at::Tensor>& rowwise_data, const std::optional<at::Tensor>& rowwise_scale,
+                        const std::optional<at::Tensor>& columnwise_data,
+                        const std::optional<at::Tensor>& columnwise_scale, bool block_2d, bool rht,
+                        bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed,
+                        const std::optional<at::Tensor>& sr_seed_device, int64_t sr_row_offset, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(rowwise_data.has_value() == amax_rowwise_rows.has_value() &&
+                  rowwise_data.has_value() == rowwise_scale.has_value(),
+              "nvfp4_dist._C.quantize_segmented: the rowwise copy needs its data, scale and row amaxes");
+  TORCH_CHECK(columnwise_data.has_value() == amax_columnwise_chunks.has_value() &&
+                  columnwise_data.has_value() == columnwise_scale.has_value(),
+              "nvfp4_dist._C.quantize_segmented: the columnwise copy needs its data, scale and chunk amaxes");
+  TORCH_CHECK(rowwise_data.has_value() || columnwise_data.has_value(),
+              "nvfp4_dist._C.quantize_segmented: no copy asked for");
+  if (amax_rowwise_rows.has_value()) {
+    check_device_tensor(*amax_rowwise_rows, "amax_rowwise_rows");
+    TORCH_CHECK(amax_rowwise_rows->scalar_type() == at::kFloat && amax_rowwise_rows->numel() == x.size(0),
+                "nvfp4_dist._C.quantize_segmented: amax_rowwise_rows needs one float32 per row");
+  }
+  if (amax_columnwise_chunks.has_value()) {
+    check_device_tensor(*amax_columnwise_chunks, "amax_columnwise_chunks");
+    TORCH_CHECK(x.size(0) % 16 == 0 && amax_columnwise_chunks->scalar_type() == at::kFloat &&
+                    amax_columnwise_chunks->numel() == x.size(0) / 16,
+                "nvfp4_dist._C.quantize_segmented: amax_columnwise_chunks needs one float32 per 16 rows");
+  }
+  nvfp4::QuantizeArgs args{};
+  args.x = x.data_ptr();
+  args.type = input_type(x);
+  args.rows = x.size(0);
+  args.cols = x.size(1);
+  set_copies(args, std::nullopt, std::nullopt, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  args.amax_rowwise_rows = optional_floats(amax_rowwise_rows);
+  args.amax_columnwise_chunks = optional_floats(amax_columnwise_chunks);
+  args.block_2d = block_2d;
+  args.rht = rht;
+  args.rht_random_sign = rht_random_sign;
+  args.stochastic_rounding = stochastic_rounding;
+  args.sr_seed = static_cast<uint64_t>(sr_seed);
+  if (sr_seed_device.has_value()) {
+    check_device_tensor(*sr_seed_device, "sr_seed_device");
+    TORCH_CHECK(sr_seed_device->scalar_type() == at::kLong && sr_seed_device->numel() == 1,
+                "nvfp4_dist._C.quantize_segmented: sr_seed_device must be one int64 value");
+    args.sr_seed_device = sr_seed_device->data_ptr<int64_t>();
+  }
+  args.sr_row_offset = sr_row_offset;
+  args.e4m3_bound = 448;
+  check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize_segmented");
+}
+
+// Per 16-row chunk of BF16 x: the plain amax (amax_plain, optional) and the post-RHT amax, [rows / 16] each.
+void amax_rht_chunks(const at::Tensor& x, bool random_sign, const std::optional<at::Tensor>& amax_plain,
+                     at::Tensor& amax_rht, int64_t stream) {
+  check_input(x);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(0) % 16 == 0,
+              "nvfp4_dist._C.amax_rht_chunks: x must be bfloat16 with rows a multiple of 16");
+  check_device_tensor(amax_rht, "amax_rht");
+  TORCH_CHECK(amax_rht.scalar_type() == at::kFloat && amax_rht.numel() == x.size(0) / 16,
+              "nvfp4_dist._C.amax_rht_chunks: amax_rht needs one float32 per 16 rows");
+  if (amax_plain.has_value()) {
+    check_device_tensor(*amax_plain, "amax_plain");
+    TORCH_CHECK(amax_plain->scalar_type() == at::kFloat && amax_plain->numel() == x.size(0) / 16,
+                "nvfp4_dist._C.amax_rht_chunks: amax_plain needs one float32 per 16 rows");
+  }
+  check_launch(nvfp4::launch_amax_rht_chunks(x.data_ptr(), x.size(0), x.size(1), random_sign,
+                                             amax_plain.has_value() ? amax_plain->data_ptr<float>() : nullptr,
+                                             amax_rht.data_ptr<float>(), as_stream(stream)),
+               "amax_rht_chunks");
+}
+
+// Per-segment maxima of per-row (granule 1) or per-chunk (16) amaxes, and their expansion over the segments' rows
+// and chunks (launch_segment_amaxes).
+void segment_amaxes(const at::Tensor& plain, const std::optional<at::Tensor>& columnwise, int64_t granule,
+                    const at::Tensor& offsets, at::Tensor& segment_plain, at::Tensor& segment_columnwise,
+                    const std::optional<at::Tensor>& rows_out, const std::optional<at::Tensor>& chunks_out,
+                    int64_t stream) {
+  check_device_tensor(plain, "plain");
+  check_device_tensor(offsets, "offsets");
+  check_device_tensor(segment_plain, "segment_plain");
+  check_device_tensor(segment_columnwise, "segment_columnwise");
+  const int64_t segments = offsets.numel() - 1;
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && segments >= 0,
+              "nvfp4_dist._C.segment_amaxes: offsets must be int64 [segments + 1]");
+  TORCH_CHECK(plain.scalar_type() == at::kFloat && segment_plain.scalar_type() == at::kFloat &&
+                  segment_columnwise.scalar_type() == at::kFloat && segment_plain.numel() == segments &&
+                  segment_columnwise.numel() == segments,
+              "nvfp4_dist._C.segment_amaxes: float32 amaxes, one per segment");
+  if (columnwise.has_value()) {
+    check_device_tensor(*columnwise, "columnwise");
+    TORCH_CHECK(columnwise->scalar_type() == at::kFloat && columnwise->numel() == plain.numel(),
+                "nvfp4_dist._C.segment_amaxes: columnwise must be float32 like plain");
+  }
+  for (const auto* out : {&rows_out, &chunks_out}) {
+    if (out->has_value()) {
+      check_device_tensor(**out, "rows_out / chunks_out");
+      TORCH_CHECK((*out)->scalar_type() == at::kFloat, "nvfp4_dist._C.segment_amaxes: float32 outputs");
+    }
+  }
+  check_launch(nvfp4::launch_segment_amaxes(plain.data_ptr<float>(), optional_floats(columnwise), granule,
+                                            offsets.data_ptr<int64_t>(), segments, segment_plain.data_ptr<float>(),
+                                            segment_columnwise.data_ptr<float>(),
+                                            rows_out.has_value() ? rows_out->data_ptr<float>() : nullptr,
+                                            chunks_out.has_value() ? chunks_out->data_ptr<float>() : nullptr,
+                                            as_stream(stream)),
+               "segment_amaxes");
+}
+
 // gives one. record: pinned host float32 [values + 1]; any_record: pinned host float32 [1].
 void record_check(const std::vector<at::Tensor>& tensors, bool per_entry, at::Tensor& record, at::Tensor& any_record,
                   int64_t stream) {
@@ -567,3 +677,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peer_barrier", &peer_barrier_only, "a barrier over the ranks' signal pads, on the stream");
   m.def("peer_amax_all_reduce", &peer_amax_all_reduce, "MAX over ranks of a few FP32 values, in place");
 }
+  m.def("quantize_segmented", &quantize_segmented, "NVFP4 cast with per-row / per-16-row-chunk amaxes (segments)");
+  m.def("amax_rht_chunks", &amax_rht_chunks, "plain and post-RHT amax of each 16-row chunk of a BF16 tensor");
+  m.def("segment_amaxes", &segment_amaxes, "per-segment maxima of per-row or per-chunk amaxes, expanded");

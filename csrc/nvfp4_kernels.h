@@ -50,8 +50,28 @@ struct QuantizeArgs {
   int e4m3_bound;                // B of S_enc = 6 B / amax: 448, or 256 (4over6 only)
   bool four_over_six_mse;        // the candidates' error: MSE, else MAE
   bool four_over_six_fast_math;  // that error in the scaled domain (docs/numerics.md §12.4)
+  // Segmented casts (x's rows split into segments, each quantized as a tensor of its own: grouped_quantize.py).
+  // Either may be set (not with row_scaled or four_over_six), and then replaces that copy's tensor amax, whose
+  // pointer is null: the rowwise copy's row r takes amax_rowwise_rows[r], the columnwise blocks of x's 16-row
+  // chunk c take amax_columnwise_chunks[c], with the arithmetic of a tensor amax of that value.
+  const float* amax_rowwise_rows;      // (rows,) or null
+  const float* amax_columnwise_chunks; // (rows / 16,) or null
 };
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
+// amax.cu, for the segmented casts ---------------------------------------------------------------------------
+// BF16 x [rows, cols] (rows % 16 == 0): per 16-row chunk c, the amax of x into amax_plain[c] (may be null) and of
+// the RHT'd, BF16-rounded columnwise source into amax_rht[c] (launch_amax_rht's values, chunk by chunk).
+cudaError_t launch_amax_rht_chunks(const void* x, int64_t rows, int64_t cols, bool random_sign, float* amax_plain,
+                                   float* amax_rht, cudaStream_t stream);
+// Segment e covers entries [offsets[e] / granule, offsets[e + 1] / granule) of plain and columnwise (per-row
+// amaxes: granule 1; per-chunk: 16); offsets: int64 [segments + 1] on the device, non-decreasing, multiples of
+// granule. segment_plain[e] / segment_columnwise[e]: the maximum of its entries of plain / columnwise (columnwise
+// null: of plain), NaN winning as in the amax kernels, 0 for an empty segment; rows_out (may be null) gets
+// segment_plain[e] at rows [offsets[e], offsets[e + 1]), chunks_out (may be null; offsets multiples of 16)
+// segment_columnwise[e] at chunks [offsets[e] / 16, offsets[e + 1] / 16).
+cudaError_t launch_segment_amaxes(const float* plain, const float* columnwise, int64_t granule, const int64_t* offsets,
+                                  int64_t segments, float* segment_plain, float* segment_columnwise, float* rows_out,
+                                  float* chunks_out, cudaStream_t stream);
 // nonfinite_record.cu: the NaN/Inf record of one check (nvfp4_dist/finite_check.py). Value j is the maximum of
 // values[j][0 .. counts[j]); when one is not finite and record (pinned host memory, count values and a flag) holds
 // none yet, the record takes them all and its flag and *any_record are set to 1.

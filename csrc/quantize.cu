@@ -26,6 +26,12 @@ cudaError_t launch_rht(const QuantizeArgs& args, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream) {
+  const bool segmented = args.amax_rowwise_rows != nullptr || args.amax_columnwise_chunks != nullptr;
+  if (segmented && (args.row_scaled || args.four_over_six || (args.amax_rowwise_rows != nullptr &&
+                                                              args.amax_rowwise != nullptr) ||
+                    (args.amax_columnwise_chunks != nullptr && args.amax_columnwise != nullptr))) {
+    return cudaErrorInvalidValue;  // a segmented copy's amaxes replace its tensor amax; no row scaling, no 4over6
+  }
   if (args.four_over_six) return launch_quantize_4over6(args, stream);
   const bool columnwise = args.columnwise_data != nullptr;
   if (args.e4m3_bound != 448 || (args.row_scaled && args.block_2d)) return cudaErrorInvalidValue;

@@ -422,6 +422,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
       // 3. Rowwise copy.
       if (args.rowwise_data != nullptr) {
         const float tensor_factor = scale_factor[0];
+        const float* const row_amaxes = args.row_scaled ? args.amax_rowwise : args.amax_rowwise_rows;
         const int64_t data_stride = cols / 2, scale_stride = cols / kBlockSize;
         // item u's data and scale at u item steps from item 0's (pointer steps, not 64-bit products per item)
         uint8_t* data =
@@ -442,8 +443,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
           const float amax_of_block = k2D ? tile_amax_2d(row >> 4, block) : row_block_amax;
           float encode;
           uint32_t scale;
-          if (args.row_scaled) {
-            const float s_enc = encode_scale(args.amax_rowwise[m0 + row]);
+          if (row_amaxes != nullptr) {  // row-scaled, or a segmented cast: the row's own amax
+            const float s_enc = encode_scale(row_amaxes[m0 + row]);
             scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
             encode = encode_block_factor<kSR>(block_encode_factor(scale, decode_scale(s_enc)));
           } else {
@@ -558,8 +559,11 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? kMinTilesPerMultipr
               const float amax_of_block = k2D ? tile_amax_2d(row_block, column >> 4) : pair_amax[j];
               uint32_t scale;
               float encode;
-              if (args.row_scaled) {  // one amax per row of x^T, i.e. per column of x (docs/numerics.md §6b)
-                const float s_enc = encode_scale(args.amax_columnwise[k0 + column + j]);
+              if (args.row_scaled || args.amax_columnwise_chunks != nullptr) {
+                // row-scaled: one amax per row of x^T, i.e. per column of x (docs/numerics.md §6b); a segmented
+                // cast: the amax of the row block's 16-row chunk of x (its segment's)
+                const float s_enc = encode_scale(args.row_scaled ? args.amax_columnwise[k0 + column + j]
+                                                                 : args.amax_columnwise_chunks[m0 / kBlockSize + row_block]);
                 scale = block_scale_e4m3_of_nonnegative(amax_of_block, s_enc * kOneSixth);
                 encode = encode_block_factor<kSR>(block_encode_factor(scale, decode_scale(s_enc)));
               } else {

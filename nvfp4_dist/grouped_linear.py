@@ -13,7 +13,13 @@ gradient therefore gets the random bits of rows [o_e, o_e + m_e) of the whole gr
 that seed (docs/numerics.md §7), and a loop of per-expert nv.Linear layers reproduces them when each layer's
 gradient quantization is given that seed and offset (tests/test_grouped_linear.py does so).
 
-Stages: quantization runs per expert (one ops.quantize per expert and operand). The GEMMs run as one grouped
+Stages: on CUDA, each quantization stage (the activations' copies in forward, the output gradients' in backward,
+the stale cached weights, stacked) is one grouped quantization (nvfp4_dist/grouped_quantize.py): a fixed number
+of launches whatever the number of experts (the amaxes, one segment reduction, one cast), each expert's codes,
+scales and amaxes byte for byte those of its own ops.quantize. The CPU reference, the 4over6 and row-scaled
+recipes and CUDA graph captures quantize per expert (one ops.quantize per expert and operand), the definition.
+Expert e's columnwise copy is then a column slice of the grouped copy of x^T (a strided view); the weights'
+copies are contiguous. The GEMMs run as one grouped
 GEMM per stage where the backend is the Hopper emulation and torch has torch._grouped_mm: the operands' block
 values (FP4 value times E4M3 scale, exact in BF16, docs/numerics.md §8) go into one grouped BF16 GEMM with FP32
 output and each expert's global factors are applied in FP32 afterwards. Its accumulation order is not the
@@ -26,15 +32,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 
 import torch
 
-from nvfp4_dist import finite_check, ops
+from nvfp4_dist import environment, finite_check, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm, resolve_backend
+from nvfp4_dist.grouped_quantize import quantize_segments, segmented_kernels_apply
 from nvfp4_dist.linear import (WeightCache, WeightParameter, bf16_linear, check_activation, check_features,
-                               check_parameter_dtype, check_weight_dtype, deliver_weight_grad, quantize_operand)
+                               check_parameter_dtype, check_weight_dtype, deliver_weight_grad, weight_signature)
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
 from nvfp4_dist.reference.gemm import block_values
@@ -194,15 +202,13 @@ class GroupedLinearFunction(torch.autograd.Function):
         need_wgrad = any(ctx.needs_input_grad[2:2 + experts]) and options.grad_enabled
         given = options.rowwise_input
         x_qs = {}
-        for e in active:
-            piece = x2d[offsets[e]:offsets[e + 1]]
-            if given is None:
-                x_qs[e] = quantize_operand(piece, "activation", recipe, rowwise=True, columnwise=need_wgrad)
-            else:  # fprop takes the given rowwise copy; the wgrad copy is quantized from x
-                row = given.rowwise_rows(offsets[e], offsets[e + 1])
-                column = quantize_operand(piece, "activation", recipe, rowwise=False, columnwise=True) \
-                    if need_wgrad else None
-                x_qs[e] = (row, column)
+        if given is None:
+            parts = quantize_segments(x2d, sizes, "activation", recipe, rowwise=True, columnwise=need_wgrad)
+            x_qs = {e: parts[e] for e in active}
+        else:  # fprop takes the given rowwise copy; the wgrad copy is quantized from x
+            columns = quantize_segments(x2d, sizes, "activation", recipe, rowwise=False, columnwise=True) \
+                if need_wgrad and active else [None] * experts
+            x_qs = {e: (given.rowwise_rows(offsets[e], offsets[e + 1]), columns[e]) for e in active}
         x_rows = {e: q[0] if isinstance(q, tuple) else q.rowwise_only() for e, q in x_qs.items()}
         x_columns = {e: q[1] if isinstance(q, tuple) else (q.columnwise_only() if need_wgrad else None)
                      for e, q in x_qs.items()}
@@ -264,11 +270,15 @@ class GroupedLinearFunction(torch.autograd.Function):
         quantized = need_dgrad or wgrad_active
         sr_seed = ops.draw_sr_seed(dy2d) if recipe.stochastic_rounding and active and quantized else None
         dy_qs = {}
-        for e in active:
-            rowwise, columnwise = need_dgrad, need_wgrad[e]
-            if rowwise or columnwise:
-                dy_qs[e] = quantize_operand(dy2d[offsets[e]:offsets[e + 1]], "gradient", recipe, rowwise=rowwise,
-                                            columnwise=columnwise, sr_seed=sr_seed, sr_row_offset=offsets[e])
+        if quantized:  # one grouped quantization (the copies an expert does not need are dropped)
+            columnwise = bool(wgrad_active)
+            parts = quantize_segments(dy2d, sizes, "gradient", recipe, rowwise=need_dgrad, columnwise=columnwise,
+                                      sr_seed=sr_seed)
+            for e in active:
+                if need_wgrad[e]:
+                    dy_qs[e] = parts[e]
+                elif need_dgrad:
+                    dy_qs[e] = parts[e].rowwise_only().replace(rht=False) if columnwise else parts[e]
         if recipe.check_finite and dy_qs:
             _check_finite({f"gradient (expert {e})": q for e, q in dy_qs.items()}, options.layer_name)
         grouped = _uses_grouped_gemm(options, dy.device)
@@ -325,6 +335,33 @@ def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy
         options.wgrad_store.append(lambda: deliver(True))
         return [None] * len(weights)
     return deliver(False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The weights' grouped quantization into the per-expert caches.
+
+def _weights_groupable(weights: list, recipe: NVFP4Recipe) -> bool:
+    """Whether the experts' weights can be quantized as one stacked tensor by the grouped kernels."""
+    first = weights[0]
+    return (all(w.is_cuda and w.device == first.device and w.dtype == first.dtype for w in weights)
+            and segmented_kernels_apply(first, "weight", recipe))
+
+
+def _cache_is_current(cache: WeightCache, weight: torch.Tensor, recipe: NVFP4Recipe) -> bool:
+    """Whether cache.get(weight, recipe) would return its copy without quantizing (WeightCache's own test)."""
+    return cache.key is not None and cache._current(weight, (weight_signature(weight), recipe, True))
+
+
+def _fill_cache(cache: WeightCache, weight: torch.Tensor, recipe: NVFP4Recipe, quantized: NVFP4Tensor) -> None:
+    """Store weight's copies (rowwise and columnwise, quantized elsewhere) in its cache, as WeightCache.get does
+    after quantizing."""
+    cache.invalidate()
+    cache.quantized = quantized
+    cache.key = (weight_signature(weight), recipe, True)
+    cache.weight_ref, cache.storage_ref = weakref.ref(weight), weakref.ref(weight.untyped_storage())
+    if not weight.is_cuda or environment.VERIFY_WEIGHT_CACHE.read():
+        cache.values = weight.detach().clone()
+    cache.quantizations += 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,7 +483,7 @@ class GroupedLinear(torch.nn.Module):
                     raise ValueError(f"split_sizes[{e}]={size}: training needs each expert's token count to be a "
                                      f"multiple of {BLOCK_SIZE} for the wgrad copies; pad each expert's tokens or "
                                      f"run under torch.no_grad()")
-        weight_qs = [self.weight_caches[e].get(weights[e], recipe) if size else None for e, size in enumerate(sizes)]
+        weight_qs = self._weight_qs(weights, sizes, recipe)
         options = GroupedOptions(recipe=recipe, split_sizes=sizes, weight_qs=weight_qs, num_experts=self.num_experts,
                                  has_bias=add_bias, grouped_gemm=self.grouped_gemm,
                                  accumulate_into_main_grad=self.accumulate_into_main_grad, wgrad_store=store,
@@ -454,6 +491,22 @@ class GroupedLinear(torch.nn.Module):
                                  rowwise_input=rowwise_input)
         params = weights + (biases if add_bias else [])
         return GroupedLinearFunction.apply(x, options, *params)
+
+    def _weight_qs(self, weights: list, sizes: list, recipe: NVFP4Recipe) -> list:
+        """Per expert with tokens, its weight's NVFP4Tensor from its WeightCache (None for the others). Where
+        several of those caches are stale and the kernels' grouped quantization applies, their weights are
+        quantized together (one concatenation, one grouped quantization: grouped_quantize.py) into the caches,
+        the same bytes as each cache's own quantization."""
+        active = [e for e, size in enumerate(sizes) if size]
+        if len(active) > 1 and _weights_groupable([weights[e] for e in active], recipe):
+            stale = [e for e in active if not _cache_is_current(self.weight_caches[e], weights[e], recipe)]
+            if len(stale) > 1:
+                stacked = torch.cat([weights[e].detach() for e in stale])
+                parts = quantize_segments(stacked, [self.out_features] * len(stale), "weight", recipe,
+                                          contiguous_columnwise=True)
+                for e, q in zip(stale, parts):
+                    _fill_cache(self.weight_caches[e], weights[e], recipe, q)
+        return [self.weight_caches[e].get(weights[e], recipe) if size else None for e, size in enumerate(sizes)]
 
     def _bf16_forward(self, x: torch.Tensor, sizes: list, biases: list, store) -> torch.Tensor:
         """Each expert's rows through the unquantized linear (the BF16 fallback), concatenated."""
