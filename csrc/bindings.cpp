@@ -2,6 +2,7 @@
 // in nvfp4_dist/kernels.py; the checks here only guard the raw-pointer contract of each launcher.
 // The caller passes the CUDA stream as an integer (torch.cuda.current_stream().cuda_stream) and has
 // made the tensors' device current, so this file needs no CUDA-specific torch headers.
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -130,7 +131,6 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize");
 }
 
-// tensors: float32 CUDA tensors; each gives one value, its maximum, or (per_entry) each entry of the single tensor
 // The segmented cast (nvfp4_dist/grouped_quantize.py): quantize's 1D/2D/RHT/SR cast with per-row rowwise amaxes
 // (rows,) and per-16-row-chunk columnwise amaxes (rows / 16,) in place of the tensor amaxes.
 void quantize_segmented(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise_rows,
@@ -241,6 +241,7 @@ void segment_amaxes(const at::Tensor& plain, const std::optional<at::Tensor>& co
                "segment_amaxes");
 }
 
+// tensors: float32 CUDA tensors; each gives one value, its maximum, or (per_entry) each entry of the single tensor
 // gives one. record: pinned host float32 [values + 1]; any_record: pinned host float32 [1].
 void record_check(const std::vector<at::Tensor>& tensors, bool per_entry, at::Tensor& record, at::Tensor& any_record,
                   int64_t stream) {
@@ -646,15 +647,138 @@ void peer_barrier_only(const std::vector<int64_t>& signal_pads, int64_t channel,
                "peer_barrier");
 }
 
+// The layers' hot path (nvfp4_dist/hot_path.py): one call for a whole quantize (amaxes, outputs, cast) and one for
+// a whole emulated GEMM, composed of the launchers above in the order nvfp4_dist/kernels.py and
+// nvfp4_dist/gemm/hopper.py run them (so the same bytes), for a layer's forward+backward to cost a handful of
+// calls of host time instead of dozens.
+
+// kernels.quantize_tensor without 4over6: the amaxes of the copies asked for and not given (as
+// kernels.compute_amaxes takes them), the copies' outputs, the cast. Returns [rowwise data, rowwise scale (E4M3),
+// rowwise amax, columnwise data, columnwise scale, columnwise amax], undefined (None) for a copy not asked for.
+std::vector<at::Tensor> quantize_copies(const at::Tensor& input, bool rowwise, bool columnwise, bool block_2d,
+                                        bool rht, bool rht_random_sign, bool row_scaled,
+                                        const std::optional<at::Tensor>& given_rowwise,
+                                        const std::optional<at::Tensor>& given_columnwise, bool stochastic_rounding,
+                                        int64_t sr_seed, const std::optional<at::Tensor>& sr_seed_device,
+                                        int64_t sr_row_offset, int64_t stream) {
+  TORCH_CHECK(input.dim() == 2 && (rowwise || columnwise), "nvfp4_dist._C.quantize_copies: 2D x and a copy to make");
+  at::Tensor x = input.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();  // the kernels read 16-byte vectors
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const auto floats = x.options().dtype(at::kFloat);
+  at::Tensor amax_row, amax_col;
+  if (rowwise && given_rowwise.has_value()) {
+    amax_row = given_rowwise->reshape({-1}).contiguous();
+    TORCH_CHECK(amax_row.scalar_type() == at::kFloat && amax_row.numel() == (row_scaled ? rows : 1),
+                "nvfp4_dist._C.quantize_copies: the given rowwise amax has the wrong dtype or size");
+  }
+  if (columnwise && given_columnwise.has_value()) {
+    amax_col = given_columnwise->reshape({-1}).contiguous();
+    TORCH_CHECK(amax_col.scalar_type() == at::kFloat && amax_col.numel() == (row_scaled ? cols : 1),
+                "nvfp4_dist._C.quantize_copies: the given columnwise amax has the wrong dtype or size");
+  }
+  const bool need_row = rowwise && !amax_row.defined();
+  const bool need_col = columnwise && !amax_col.defined();
+  if (need_row && row_scaled) {
+    amax_row = at::empty({rows}, floats);
+    amax_rows(x, amax_row, stream);
+  }
+  if (need_col && row_scaled) {
+    amax_col = at::empty({cols}, floats);
+    amax_columns(x, rht, rht_random_sign, amax_col, stream);
+  } else if (need_col && rht) {
+    amax_col = at::empty({1}, floats);
+    std::optional<at::Tensor> plain;
+    if (need_row && !row_scaled) plain = at::empty({1}, floats);
+    amax_rht(x, rht_random_sign, plain, amax_col, stream);
+    if (plain.has_value()) amax_row = *plain;
+  }
+  const bool row_missing = need_row && !amax_row.defined();
+  const bool col_missing = need_col && !amax_col.defined();
+  if (row_missing || col_missing) {
+    at::Tensor amax = at::empty({1}, floats);
+    amax_tensor(x, amax, stream);
+    if (row_missing) amax_row = amax;
+    if (col_missing) amax_col = row_missing ? amax.clone() : amax;
+  }
+  const auto codes = x.options().dtype(at::kByte);
+  const auto scales = x.options().dtype(at::kFloat8_e4m3fn);
+  at::Tensor row_data, row_scale, col_data, col_scale;
+  std::optional<at::Tensor> row_data_arg, row_scale_arg, row_amax_arg, col_data_arg, col_scale_arg, col_amax_arg;
+  if (rowwise) {
+    row_data = at::empty({rows, cols / 2}, codes);
+    row_scale = at::empty({rows, cols / 16}, scales);
+    row_data_arg = row_data;
+    row_scale_arg = row_scale.view(at::kByte);
+    row_amax_arg = amax_row;
+  }
+  if (columnwise) {
+    col_data = at::empty({cols, rows / 2}, codes);
+    col_scale = at::empty({cols, rows / 16}, scales);
+    col_data_arg = col_data;
+    col_scale_arg = col_scale.view(at::kByte);
+    col_amax_arg = amax_col;
+  }
+  quantize(x, row_amax_arg, col_amax_arg, row_data_arg, row_scale_arg, col_data_arg, col_scale_arg, row_scaled,
+           block_2d, rht, rht_random_sign, stochastic_rounding, sr_seed, sr_seed_device, sr_row_offset, false, 448,
+           false, false, stream);
+  return {row_data, row_scale, amax_row, col_data, col_scale, amax_col};
+}
+
+// gemm_dequantize_matmul's common case: per-tensor amaxes, A in one chunk of max_chunk_bytes, alpha (and a bias of
+// the output's dtype) applied by cuBLASLt. A's block values go into a BF16 buffer, B's too unless given (b_values:
+// B's block values, BF16 [N, K]), then cuBLASLt multiplies them. out_dtype: 0 BF16, 1 FP32, 2 FP16. Returns y
+// (accumulate_into when given, after adding y into it), or an undefined tensor (None), having launched nothing,
+// for any other case: the caller's general path takes it.
+at::Tensor emulated_gemm(const at::Tensor& a_data, const at::Tensor& a_scale, const at::Tensor& a_amax,
+                         const at::Tensor& b_data, const at::Tensor& b_scale,
+                         const std::optional<at::Tensor>& b_values_given, const at::Tensor& b_amax,
+                         const std::optional<at::Tensor>& bias,
+                         int64_t out_dtype, const std::optional<at::Tensor>& accumulate_into, int64_t a_e4m3_bound,
+                         int64_t b_e4m3_bound, int64_t max_chunk_bytes, int64_t stream) {
+  constexpr at::ScalarType kOutTypes[] = {at::kBFloat16, at::kFloat, at::kHalf};
+  TORCH_CHECK(out_dtype >= 0 && out_dtype < 3, "nvfp4_dist._C.emulated_gemm: out_dtype is 0, 1 or 2");
+  const int64_t rows = a_data.size(0), k = 2 * a_data.size(1), cols = b_data.size(0);
+  const bool accumulate = accumulate_into.has_value();
+  const at::ScalarType out_type = accumulate ? accumulate_into->scalar_type() : kOutTypes[out_dtype];
+  const int64_t chunk_rows = std::max<int64_t>(256, max_chunk_bytes / (4 * k) / 256 * 256);  // as hopper.py chunks
+  if (a_amax.numel() != 1 || b_amax.numel() != 1 || rows == 0 || rows > chunk_rows ||
+      (bias.has_value() && (accumulate || bias->scalar_type() != out_type))) {
+    return at::Tensor();
+  }
+  at::Tensor out = accumulate ? *accumulate_into : at::empty({rows, cols}, a_data.options().dtype(out_type));
+  at::Tensor a_values = at::empty({rows, k}, a_data.options().dtype(at::kBFloat16));
+  dequantize_block_values(a_data.contiguous(), a_scale.contiguous().view(at::kByte), 1.0, a_values, stream);
+  at::Tensor b_values;
+  if (b_values_given.has_value()) {
+    b_values = *b_values_given;
+  } else {
+    b_values = at::empty({cols, k}, a_data.options().dtype(at::kBFloat16));
+    dequantize_block_values(b_data.contiguous(), b_scale.contiguous().view(at::kByte), 1.0, b_values, stream);
+  }
+  std::optional<at::Tensor> bias_arg;
+  if (bias.has_value()) bias_arg = bias->contiguous();
+  if (!cublaslt_gemm(a_values, b_values, a_amax.contiguous(), b_amax.contiguous(), bias_arg, accumulate, a_e4m3_bound,
+                     b_e4m3_bound, out, stream)) {
+    return at::Tensor();
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "NVFP4 quantization kernels of nvfp4_dist (see nvfp4_dist/kernels.py)";
+  m.def("quantize_copies", &quantize_copies, "amaxes, outputs and cast of a quantize in one call (hot path)");
+  m.def("emulated_gemm", &emulated_gemm, "dequantize A, then cuBLASLt with alpha from the amaxes, in one call (hot path)");
   m.def("amax_tensor", &amax_tensor, "max |x| into amax (1,)");
   m.def("amax_rows", &amax_rows, "max |x| of each row into amax (rows,)");
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");
   m.def("amax_columns", &amax_columns, "max |x| of each column (after the RHT of its 16-row chunks) into amax (cols,)");
   m.def("quantize", &quantize, "NVFP4 cast writing the rowwise and/or columnwise copy");
+  m.def("quantize_segmented", &quantize_segmented, "NVFP4 cast with per-row / per-16-row-chunk amaxes (segments)");
+  m.def("amax_rht_chunks", &amax_rht_chunks, "plain and post-RHT amax of each 16-row chunk of a BF16 tensor");
+  m.def("segment_amaxes", &segment_amaxes, "per-segment maxima of per-row or per-chunk amaxes, expanded");
   m.def("record_check", &record_check, "fold a NaN/Inf check's values into a pinned host record");
   m.def("dequantize_rowwise", &dequantize_rowwise, "rowwise copy back to out's dtype");
   m.def("dequantize_block_values", &dequantize_block_values, "fp4 value * block scale * factor, no global scale");
@@ -677,6 +801,3 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peer_barrier", &peer_barrier_only, "a barrier over the ranks' signal pads, on the stream");
   m.def("peer_amax_all_reduce", &peer_amax_all_reduce, "MAX over ranks of a few FP32 values, in place");
 }
-  m.def("quantize_segmented", &quantize_segmented, "NVFP4 cast with per-row / per-16-row-chunk amaxes (segments)");
-  m.def("amax_rht_chunks", &amax_rht_chunks, "plain and post-RHT amax of each 16-row chunk of a BF16 tensor");
-  m.def("segment_amaxes", &segment_amaxes, "per-segment maxima of per-row or per-chunk amaxes, expanded");

@@ -261,8 +261,8 @@ def check_operands(operands: dict) -> None:
     if not present:
         return
     specs = [spec(label, q) for label, q in present.items()]
-    device = next(iter(present.values())).device
-    if device.type == "cuda":
+    first = next(iter(present.values()))
+    if (first.amax_rowwise if first.amax_rowwise is not None else first.amax_columnwise).is_cuda:
         if _suspended and not torch.cuda.is_current_stream_capturing():
             return
         # One kernel on the amax tensors themselves, into the record of these labels (see _Records).
@@ -271,7 +271,7 @@ def check_operands(operands: dict) -> None:
             for copy, amax in enumerate((q.amax_rowwise, q.amax_columnwise)):
                 if amax is not None and amax.numel():
                     slots.append(2 * index + copy)
-                    tensors.append(amax.detach().reshape(-1).contiguous())
+                    tensors.append(amax if amax.is_contiguous() else amax.reshape(-1).contiguous())
 
         def explain(recorded):
             values = [0.0] * (2 * len(specs))

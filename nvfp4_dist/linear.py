@@ -33,10 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from nvfp4_dist import environment, finite_check, ops
+from nvfp4_dist import environment, finite_check, hot_path, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
-from nvfp4_dist.gemm import gemm
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
 from nvfp4_dist.tensor import NVFP4Tensor
@@ -68,10 +67,10 @@ def quantize_operand(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwi
                      sr_row_offset: int = 0) -> NVFP4Tensor:
     """ops.quantize, except that an RHT columnwise copy of a non-BF16 tensor is taken from its BF16 cast.
     No NaN/Inf check: the layers check their operands with LinearComm.check_finite."""
-    common = dict(recipe=recipe, sr_seed=sr_seed, sr_row_offset=sr_row_offset, check_finite=False)
     if not (columnwise and needs_bf16_columnwise_source(role, recipe, x2d.dtype)):
-        return ops.quantize(x2d, role, rowwise=rowwise, columnwise=columnwise, amax_rowwise=amax_rowwise,
-                            amax_columnwise=amax_columnwise, **common)
+        return hot_path.quantize(x2d, role, recipe, rowwise=rowwise, columnwise=columnwise, amax_rowwise=amax_rowwise,
+                                 amax_columnwise=amax_columnwise, sr_seed=sr_seed, sr_row_offset=sr_row_offset)
+    common = dict(recipe=recipe, sr_seed=sr_seed, sr_row_offset=sr_row_offset, check_finite=False)
     column = ops.quantize(x2d.to(torch.bfloat16), role, rowwise=False, columnwise=True,
                           amax_columnwise=amax_columnwise, **common)
     if not rowwise:
@@ -228,7 +227,8 @@ class LinearComm:
     def fprop(self, xq: NVFP4Tensor, wq: NVFP4Tensor, *, bias: torch.Tensor | None, out_dtype: torch.dtype,
               recipe: NVFP4Recipe) -> torch.Tensor:
         """y = x . W^T [tokens, out] from the local quantized input."""
-        return gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
+        return hot_path.gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias,
+                             recipe=recipe)
 
     def input_to_save(self, xq: NVFP4Tensor) -> NVFP4Tensor:
         """What forward keeps of its quantized input for backward (an option may gather it here)."""
@@ -250,7 +250,7 @@ class LinearComm:
     def dgrad(self, dyq: NVFP4Tensor, wq: NVFP4Tensor, *, out_dtype: torch.dtype,
               recipe: NVFP4Recipe) -> torch.Tensor:
         """dx = dy . W [tokens, in] for this rank's input."""
-        return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
+        return hot_path.gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)
 
     def dgrad_and_wgrad(self, dyq: NVFP4Tensor, wq: NVFP4Tensor, *, out_dtype: torch.dtype, recipe: NVFP4Recipe,
                         wgrad_step: Callable[[], None]) -> torch.Tensor:
@@ -444,8 +444,8 @@ def nvfp4_backward(dy2d, saved_x, weight_q, recipe, comm, x_dtype, weight_dtype,
     finish_dy = comm.grad_output_for_wgrad(dyq.columnwise_only())
 
     def wgrad(accumulate_into):
-        return gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
-                    out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
+        return hot_path.gemm(finish_dy(), finish_x(), a_copy="columnwise", b_copy="columnwise",
+                             out_dtype=weight_dtype, accumulate_into=accumulate_into, recipe=recipe)
 
     delivered = []
 

@@ -76,7 +76,8 @@ class NVFP4Tensor:
         unknown = changes.keys() - _FIELD_NAMES
         if unknown:
             raise TypeError(f"NVFP4Tensor has no field(s) {sorted(unknown)}")
-        copied = copy.copy(self)
+        copied = object.__new__(NVFP4Tensor)
+        copied.__dict__.update(self.__dict__)
         copied.__dict__.update(changes)
         return copied
 

@@ -12,7 +12,7 @@ all-reduce; one whose amaxes were already reduced (sequence-parallel gathers) or
 """
 from __future__ import annotations
 
-from nvfp4_dist.gemm import gemm
+from nvfp4_dist import hot_path
 from nvfp4_dist.linear import LinearComm, operand_amaxes, quantize_operand
 from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel.group_checks import check_finite_across_group
@@ -56,7 +56,8 @@ class ColumnParallelComm(LinearComm):
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
         if self.sequence_parallel:
             xq = collectives.all_gather_nvfp4(xq, self.group)
-        return gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
+        return hot_path.gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias,
+                             recipe=recipe)
 
     def input_to_save(self, xq):
         if self.sequence_parallel and self.keep_input_columnwise:
@@ -106,7 +107,8 @@ class RowParallelComm(LinearComm):
         _check_finite(operands, layer_name, self.group, {"gradient"})
 
     def fprop(self, xq, wq, *, bias, out_dtype, recipe):
-        partial = gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias, recipe=recipe)
+        partial = hot_path.gemm(xq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, bias=bias,
+                                recipe=recipe)
         if self.sequence_parallel:
             return collectives.reduce_scatter_bf16(partial, self.group)
         return collectives.all_reduce_bf16(partial, self.group)

@@ -313,13 +313,19 @@ class _LastDequantizedB:
         if self.key is key:
             self.key, self.values = None, None
 
+    def cached(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """The copy of B when this cache holds it (never inside a capture), else None; caches nothing."""
+        cached = self.key
+        if (cached is None or cached[0]() is not data or cached[2]() is not scale or cached[1] != data._version
+                or cached[3] != scale._version or torch.cuda.is_current_stream_capturing()):
+            return None
+        return self.values
+
     def get(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             return dequantize_to_bf16(data, scale)
         key = (weakref.ref(data), data._version, weakref.ref(scale), scale._version)
-        cached = self.key
-        if (cached is None or cached[0]() is not data or cached[2]() is not scale
-                or (cached[1], cached[3]) != (key[1], key[3])):
+        if self.cached(data, scale) is None:
             if self.finalizer is not None:
                 self.finalizer.detach()  # one finalizer per cached operand, however often B changes
             self.key, self.values = None, None  # drop the old copy before making the new one
