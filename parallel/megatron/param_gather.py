@@ -37,7 +37,6 @@ import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from nvfp4_dist import sharded_weight
 from nvfp4_dist.formats import BLOCK_SIZE
