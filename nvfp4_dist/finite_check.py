@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from nvfp4_dist.tensor import NVFP4Tensor
 
 MAX_PENDING = 4096
+MAX_RECORD_VALUES = 32  # the values one record kernel folds (csrc/nvfp4_kernels.h kMaxCheckedValues)
 
 
 class NonFiniteAmaxError(ValueError):
@@ -179,7 +180,13 @@ def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
             raise NonFiniteAmaxError(message + _ADVICE)
         return
     if torch.cuda.is_current_stream_capturing():
-        _records.record([values.contiguous()], True, explain)
+        count = values.numel()
+        for start in range(0, count, MAX_RECORD_VALUES):  # one record per kernel's worth of values
+            def explain_part(recorded, start=start):
+                padded = [0.0] * count  # the other records' values read as finite here
+                padded[start:start + len(recorded)] = recorded
+                return explain(padded)
+            _records.record([values[start:start + MAX_RECORD_VALUES].contiguous()], True, explain_part)
         return
     _records.reserve()
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -273,12 +280,15 @@ def check_operands(operands: dict) -> None:
                     slots.append(2 * index + copy)
                     tensors.append(amax if amax.is_contiguous() else amax.reshape(-1).contiguous())
 
-        def explain(recorded):
-            values = [0.0] * (2 * len(specs))
-            for slot, value in zip(slots, recorded):
-                values[slot] = value
-            return explain_operands(specs, values)
-        _records.record(tensors, False, explain, key=tuple(specs))
+        for start in range(0, len(tensors), MAX_RECORD_VALUES):  # one record per kernel's worth of values
+            part = slots[start:start + MAX_RECORD_VALUES]
+
+            def explain(recorded, part=part):
+                values = [0.0] * (2 * len(specs))  # the other records' operands read as finite here
+                for slot, value in zip(part, recorded):
+                    values[slot] = value
+                return explain_operands(specs, values)
+            _records.record(tensors[start:start + MAX_RECORD_VALUES], False, explain, key=(tuple(specs), start))
         if not torch.cuda.is_current_stream_capturing():  # no host reads inside a capture
             _settle_all(wait=False)
         return

@@ -40,7 +40,7 @@ from nvfp4_dist import environment, finite_check, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm, resolve_backend
-from nvfp4_dist.grouped_quantize import quantize_segments, segmented_kernels_apply
+from nvfp4_dist.grouped_quantize import ints_on_device, quantize_segments, segmented_kernels_apply
 from nvfp4_dist.linear import (WeightCache, WeightParameter, bf16_linear, check_activation, check_features,
                                check_parameter_dtype, check_weight_dtype, deliver_weight_grad, weight_signature)
 from nvfp4_dist.recipe import NVFP4Recipe
@@ -92,9 +92,24 @@ def grouped_mm_available() -> bool:
 
 
 def block_matrix(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP32 [rows, K] of fp4 value x E4M3 block scale (exact; no global factor) from packed [rows, K/2] data."""
+    """[rows, K] of fp4 value x E4M3 block scale (exact; no global factor) from packed [rows, K/2] data: BF16 from the
+    dequantize kernel on CUDA (exact in BF16, docs/numerics.md §8), FP32 from the reference elsewhere."""
+    if data.is_cuda:
+        from nvfp4_dist.gemm import hopper
+        return hopper.dequantize_to_bf16(data, scale)
     rows = data.shape[0]
     return block_values(data, scale).reshape(rows, data.shape[1] * 2)
+
+
+def _decode_scales(amaxes: list, e4m3_bounds: list, width: int) -> torch.Tensor:
+    """FP32 [len(amaxes), width]: S_dec of each operand's amax (per tensor, or `width` values), expanded to width.
+    Per-tensor amaxes of one bound take one stack and one division chain for all operands (the same FP32 operations
+    as decode_scale of each)."""
+    if all(amax.numel() == 1 for amax in amaxes) and len(set(e4m3_bounds)) == 1:
+        stacked = torch.stack([amax.reshape(()) for amax in amaxes]).to(torch.float32)
+        return decode_scale(stacked, e4m3_bounds[0]).reshape(-1, 1).expand(-1, width)
+    return torch.stack([decode_scale(amax, bound).reshape(-1).expand(width)
+                        for amax, bound in zip(amaxes, e4m3_bounds)])
 
 
 def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -110,11 +125,16 @@ def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
             _GROUPED_MM_FP32_OUTPUT[key] = False
             logger.info("torch._grouped_mm on %s: no FP32 output from BF16 operands (%s); using FP32 operands",
                         key, str(error).splitlines()[0])
-    return torch._grouped_mm(a.contiguous(), b, offs=offs)
+    return torch._grouped_mm(a.to(torch.float32).contiguous(), b.to(torch.float32), offs=offs)
 
 
 def _row_decode_scales(operands: list, copy: str, counts: list[int], device) -> torch.Tensor:
     """S_dec of each row of the concatenated `copy` of operands (one per expert with rows), FP32 [sum(counts)]."""
+    amaxes = [getattr(q, f"amax_{copy}") for q in operands]
+    if amaxes and all(amax.numel() == 1 for amax in amaxes):  # per-tensor amaxes: one S_dec per expert, repeated
+        per_expert = _decode_scales(amaxes, [q.e4m3_bound for q in operands], 1).reshape(-1)
+        return torch.repeat_interleave(per_expert, ints_on_device(counts, torch.int64, device),
+                                       output_size=sum(counts))
     parts = []
     for q, count in zip(operands, counts):
         s_dec = decode_scale(getattr(q, f"amax_{copy}"), q.e4m3_bound).reshape(-1)
@@ -128,13 +148,13 @@ def grouped_fprop_like(a_ops: list, a_copy: str, b_ops: list, b_copy: str, count
     a_values = torch.cat([block_matrix(getattr(q, f"{a_copy}_data"), getattr(q, f"{a_copy}_scale")) for q in a_ops])
     b_values = torch.stack([block_matrix(getattr(q, f"{b_copy}_data"), getattr(q, f"{b_copy}_scale")) for q in b_ops])
     device = a_values.device
-    offs = torch.tensor(split_offsets(counts)[1:], dtype=torch.int32, device=device)
+    offs = ints_on_device(split_offsets(counts)[1:], torch.int32, device)
     acc = grouped_mm_fp32(a_values, b_values.transpose(1, 2), offs)
     a_s_dec = _row_decode_scales(a_ops, a_copy, counts, device)
-    b_s_dec = torch.cat([decode_scale(getattr(q, f"amax_{b_copy}"), q.e4m3_bound).reshape(1, -1)
-                         .expand(1, acc.shape[1]) for q in b_ops])  # [experts, N]
+    b_s_dec = _decode_scales([getattr(q, f"amax_{b_copy}") for q in b_ops], [q.e4m3_bound for q in b_ops],
+                             acc.shape[1])  # [experts, N]
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                            torch.tensor(counts, device=device), output_size=sum(counts))
+                                            ints_on_device(counts, torch.int64, device), output_size=sum(counts))
     return acc * (a_s_dec.reshape(-1, 1) * b_s_dec[expert_of_row])
 
 
@@ -142,12 +162,12 @@ def grouped_wgrad(dy_ops: list, x_ops: list, counts: list[int]) -> torch.Tensor:
     """FP32 [experts, N, K]: dW_e = dy_e^T . x_e from the columnwise copies (K of each GEMM: expert e's tokens)."""
     dy_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in dy_ops], dim=1)
     x_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in x_ops], dim=1)
-    offs = torch.tensor(split_offsets(counts)[1:], dtype=torch.int32, device=dy_values.device)
+    offs = ints_on_device(split_offsets(counts)[1:], torch.int32, dy_values.device)
     acc = grouped_mm_fp32(dy_values, x_values.t(), offs)
-    dy_s_dec = torch.stack([decode_scale(q.amax_columnwise, q.e4m3_bound).reshape(-1)
-                            .expand(acc.shape[1]) for q in dy_ops])  # [experts, N]
-    x_s_dec = torch.stack([decode_scale(q.amax_columnwise, q.e4m3_bound).reshape(-1)
-                           .expand(acc.shape[2]) for q in x_ops])  # [experts, K]
+    dy_s_dec = _decode_scales([q.amax_columnwise for q in dy_ops], [q.e4m3_bound for q in dy_ops],
+                              acc.shape[1])  # [experts, N]
+    x_s_dec = _decode_scales([q.amax_columnwise for q in x_ops], [q.e4m3_bound for q in x_ops],
+                             acc.shape[2])  # [experts, K]
     return acc * (dy_s_dec[:, :, None] * x_s_dec[:, None, :])
 
 
@@ -172,7 +192,11 @@ class GroupedOptions:
 
 
 def _uses_grouped_gemm(options: GroupedOptions, device: torch.device) -> bool:
+    """Whether the stages' GEMMs run grouped: on the Hopper emulation with torch._grouped_mm, outside CUDA graph
+    captures (its expert offsets are copied from the host per call)."""
     if not (options.grouped_gemm and grouped_mm_available() and device.type == "cuda"):
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     backend = options.recipe.gemm_backend if options.recipe.gemm_backend != "auto" else None
     return resolve_backend(backend, device) == "emulated"

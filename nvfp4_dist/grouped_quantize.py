@@ -81,6 +81,16 @@ def segmented_kernels_apply(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe) -
     return options["four_over_six"] is None and not options["row_scaled"]
 
 
+def ints_on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list of ints as a tensor on `device`, queued from pinned memory on CUDA: the host does not wait for
+    the GPU (torch.tensor(..., device="cuda") would, until every kernel queued before it ran). Not for CUDA graph
+    captures (a captured copy would read the pinned buffer again at every replay)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def chunk_amaxes(segment_amaxes: torch.Tensor, split_sizes: list[int], granule: int) -> torch.Tensor:
     """One amax per `granule` rows (1: per row, 16: per 16-row chunk) from one per segment: segment e's value
     repeated m_e / granule times (what segment_amaxes writes into rows_out / chunks_out, as torch ops)."""
@@ -174,7 +184,7 @@ def _segmented_cast(x2d: torch.Tensor, sizes: list[int], offsets: list[int], *, 
     seed = 0 if sr_seed is None or seed_device is not None else sr_seed
     with on_device(device):
         extension, stream = load_extension(), stream_handle(device)
-        offsets_device = torch.tensor(offsets, dtype=torch.int64, device=device)
+        offsets_device = ints_on_device(offsets, torch.int64, device)
         if rht_columnwise:
             chunk_rht = floats(rows // BLOCK_SIZE)
             chunk_plain = floats(rows // BLOCK_SIZE) if rowwise else None

@@ -27,7 +27,7 @@ def encode_scale(amax: torch.Tensor, e4m3_bound: int = E4M3_BOUND) -> torch.Tens
     B is the E4M3 bound of the global scale: 448 (6 * B = 2688), or 256 for 4over6 tensors (docs/numerics.md §12.1).
     One correctly rounded FP32 division (torch.div of two tensors, not 2688.0 / t).
     """
-    numerator = torch.tensor(FP4_MAX * e4m3_bound, dtype=torch.float32, device=amax.device)
+    numerator = torch.full_like(amax, FP4_MAX * e4m3_bound, dtype=torch.float32)  # no host-to-device copy (GPU)
     s_enc = torch.div(numerator, amax.to(torch.float32)).clamp(max=FLT_MAX)
     return torch.where(s_enc == 0, torch.ones_like(s_enc), s_enc)
 
