@@ -156,8 +156,8 @@ MUTATIONS = (
              ("tests/test_parallel_comm.py", *LAYERS)),
     # ---------------------------------------------------------------------------------------------------- layers
     Mutation("dgrad_uses_rowwise_weight", "layers", "dgrad multiplies by the weight's rowwise copy",
-             (('return gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)',
-               'return gemm(dyq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, recipe=recipe)'),),
+             (('return hot_path.gemm(dyq, wq, a_copy="rowwise", b_copy="columnwise", out_dtype=out_dtype, recipe=recipe)',
+               'return hot_path.gemm(dyq, wq, a_copy="rowwise", b_copy="rowwise", out_dtype=out_dtype, recipe=recipe)'),),
              LAYERS),
     Mutation("row_parallel_sr_offset", "layers", "row-parallel SP gradient shards draw SR bits from row 0",
              (("sr_row_offset=self.rank * dy2d.shape[0])", "sr_row_offset=0)"),),
