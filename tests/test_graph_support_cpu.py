@@ -73,3 +73,20 @@ def test_megatron_specs_default_to_sdpa_attention():
     explicit = get_gpt_decoder_block_nvfp4_spec(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4),
                                                 sdpa_attention=False, pp_rank=0)
     assert all(core_attention(layer) is DotProductAttention for layer in explicit.layer_specs)
+
+
+def test_captures_default_to_thread_local_mode_inside_make_graphed_callables(monkeypatch):
+    """Inside nv.make_graphed_callables a torch.cuda.graph built without a capture_error_mode takes "thread_local"
+    (one given explicitly is kept), and torch's default comes back afterwards, also after an error."""
+    from nvfp4_dist import graphs
+    seen = []
+    monkeypatch.setattr(torch.cuda.graph, "__init__", lambda self, *args, **kwargs: seen.append(kwargs))
+    original = torch.cuda.graph.__init__
+    with graphs._thread_local_capture_mode():
+        torch.cuda.graph.__init__(object(), None)
+        torch.cuda.graph.__init__(object(), None, capture_error_mode="relaxed")
+    assert seen == [{"capture_error_mode": "thread_local"}, {"capture_error_mode": "relaxed"}]
+    assert torch.cuda.graph.__init__ is original
+    with pytest.raises(RuntimeError), graphs._thread_local_capture_mode():
+        raise RuntimeError("capture failed")
+    assert torch.cuda.graph.__init__ is original
