@@ -48,6 +48,8 @@ one_gpu_tests() {
     step linear_tests 120 python3 -m pytest -q -s tests_multigpu/test_linear_gpu.py
     step blackwell_gemm 120 python3 -m pytest -q tests_multigpu/test_blackwell_gemm.py
     step fused_producers 240 python3 -m pytest -q tests_multigpu/test_fused_producers_gpu.py
+    step hot_path_graphs 120 python3 -m pytest -q tests_multigpu/test_hot_path_gpu.py tests_multigpu/test_cuda_graphs_gpu.py
+    step grouped 120 python3 -m pytest -q tests_multigpu/test_grouped_quantize_gpu.py tests_multigpu/test_grouped_linear_gpu.py
 }
 two_gpu_tests() {
     step parallel_tp2 150 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_parallel_gpu.py
@@ -55,6 +57,7 @@ two_gpu_tests() {
     step overlap_tp2 120 $TORCHRUN --nproc-per-node 2 -m tests_multigpu.test_overlap_gpu
     step group_checks_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_group_checks_gpu.py
     step fused_producers_tp2 150 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_fused_producers_parallel_gpu.py
+    step cuda_graphs_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_cuda_graphs_tp_gpu.py
 }
 megatron_cases() {  # name, limit, pytest -k expression: Megatron GPT training cases (the BF16 reference first)
     step "$1" "$2" env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py -k "$3"
@@ -77,6 +80,7 @@ tests)
     # TP=4 over NVLink, over slow links and as two torchrun nodes on this host (docs/slow_links.md)
     step overlap_tp4_links 480 python3 -m pytest -q tests_multigpu/test_overlap_gpu.py -k "4-"
     step fused_producers_tp4 150 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_fused_producers_parallel_gpu.py
+    step cuda_graphs_tp4 120 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_cuda_graphs_tp_gpu.py
     ;;
 megatron)
     lane 0,1 megatron_cases megatron_tp1 300 "1-False-0 or 1-False-1"
