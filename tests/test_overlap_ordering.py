@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import nvfp4_dist as nv
-from nvfp4_dist import linear
+from nvfp4_dist import hot_path
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear, collectives
 from nvfp4_dist.parallel import overlap as O
 from tests.helpers.distributed import run_distributed
@@ -108,7 +108,7 @@ def make_column(world_size, overlapped, **options):
 
 
 def check_column_wgrad_inside_ring(rank, world_size):
-    """The wgrad GEMM (nvfp4_dist.linear.gemm) runs after the ring's last dgrad GEMM, before its last wait; the
+    """The wgrad GEMM (nvfp4_dist.hot_path.gemm) runs after the ring's last dgrad GEMM, before its last wait; the
     weight gradient equals the plain layer's (computed, delayed or accumulated into main_grad)."""
     x, dy = inputs(world_size, rank, HIDDEN, FFN_LOCAL * world_size, 5)
     x_local, dy_local = x.chunk(world_size)[rank], dy.chunk(world_size, dim=-1)[rank]
@@ -120,7 +120,7 @@ def check_column_wgrad_inside_ring(rank, world_size):
         if events is None:
             y.backward(dy_local)
         else:
-            with Recorder(dgrad=(O, "gemm"), wgrad=(linear, "gemm")) as log, logged_waits(log):
+            with Recorder(dgrad=(O, "gemm"), wgrad=(hot_path, "gemm")) as log, logged_waits(log):
                 y.backward(dy_local)
             events.extend(log)
         return y.detach(), xl.grad
@@ -174,7 +174,7 @@ def run_pair(column, row, x, dy, events=None):
         y.backward(dy)
     else:
         with Recorder(ring_gather=(O, "ring_all_gather_consume"), ring_scatter=(O, "ring_reduce_scatter_produce"),
-                      input_gather=(collectives, "all_gather_nvfp4"), wgrad=(linear, "gemm")) as log:
+                      input_gather=(collectives, "all_gather_nvfp4"), wgrad=(hot_path, "gemm")) as log:
             y.backward(dy)
         events.extend(log)
     return [y.detach()] + grads(x, column, row)
