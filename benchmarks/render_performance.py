@@ -344,6 +344,40 @@ def moe_command(record: dict) -> str:
     return f"python benchmarks/moe.py --ep {record['ep']}"
 
 
+MOE_DISPATCH_NAMES = {"nvfp4": "BF16 dispatch", "nvfp4_dispatch": "NVFP4 dispatch"}
+MOE_SOURCE_NAMES = {"fables": "windows of the bundled corpus", "markov": "its order-3 Markov stream"}
+
+
+def moe_convergence_summary(record: dict) -> list[str]:
+    settings = record["settings"]
+    shared = " and a shared expert" if settings["shared_expert"] else ""
+    lines = [f"GPTModel of {settings['layers']} layers ({settings['layers'] - settings['moe_layers']} dense, "
+             f"{settings['moe_layers']} MoE: top-{settings['topk']} of {settings['experts']} experts{shared}), hidden "
+             f"{settings['hidden']}, SwiGLU, EP={record['ep']}; {settings['steps']} steps of "
+             f"{settings['tokens_per_step']} tokens in Megatron's schedule; final loss: the mean of the last "
+             f"{settings['final_window']} steps; tolerance {percent(record['tolerance'])} of BF16's; megatron-core "
+             f"{record['megatron_core']}",
+             "data: " + ", ".join(f"{source} ({MOE_SOURCE_NAMES.get(source, source)}"
+                                  + (f", entropy rate {entry['data_entropy_rate']:.3f} nats/byte"
+                                     if entry.get("data_entropy_rate") is not None else "") + ")"
+                                  for source, entry in record["sources"].items())]
+    for source, entry in record["sources"].items():
+        models = entry["models"]
+        for name, label in MOE_DISPATCH_NAMES.items():
+            if name not in models or "rel_diff_vs_bf16" not in models[name]:
+                continue
+            model = models[name]
+            verdict = "within" if model["within_tolerance"] else "outside"
+            lines.append(f"{source}, {label}: final loss {model['final_loss']:.4f} vs {models['bf16']['final_loss']:.4f}"
+                         f" ({model['rel_diff_vs_bf16'] * 100:+.2f}%, {verdict} {percent(record['tolerance'])}; "
+                         f"first loss {model['first_loss']:.3f})")
+    return lines
+
+
+def moe_convergence_command(record: dict) -> str:
+    return f"python benchmarks/moe_convergence.py --ep {record['ep']} --steps {record['settings']['steps']}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
     """How one benchmark's JSON becomes a row."""
@@ -385,6 +419,9 @@ BENCHMARKS = {  # row order
                               param_gather_command),
     "moe": Benchmark("mixture of experts: NVFP4 dispatch bytes (counted: the same on any device) and experts' time",
                      "BF16 dispatch of the same routed tokens; Megatron's BF16 experts", moe_summary, moe_command),
+    "moe_convergence": Benchmark("MoE GPTModel convergence, NVFP4 spec with BF16 and NVFP4 dispatch (NVFP4 emulated "
+                                 "on the CPU)", "Megatron's own MoE model (local spec, SequentialMLP experts, "
+                                 "unquantized), same seed and data", moe_convergence_summary, moe_convergence_command),
 }
 
 
