@@ -151,7 +151,8 @@ def token_windows(source: str, text: bytes, args, rank: int) -> tuple[torch.Tens
     seed = args.seed * 1000 + rank
     if source == "fables":
         tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-        starts = torch.randint(0, tokens.numel() - args.seq - 1, (count,), generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, tokens.numel() - args.seq - 1, (count,), generator=generator)
         windows, entropy = torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()]), None
     else:
         from nvfp4_dist.launch.markov_text import MarkovText

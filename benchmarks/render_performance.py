@@ -368,8 +368,9 @@ def moe_convergence_summary(record: dict) -> list[str]:
                 continue
             model = models[name]
             verdict = "within" if model["within_tolerance"] else "outside"
-            lines.append(f"{source}, {label}: final loss {model['final_loss']:.4f} vs {models['bf16']['final_loss']:.4f}"
-                         f" ({model['rel_diff_vs_bf16'] * 100:+.2f}%, {verdict} {percent(record['tolerance'])}; "
+            lines.append(f"{source}, {label}: final loss {model['final_loss']:.4f} vs "
+                         f"{models['bf16']['final_loss']:.4f} ({model['rel_diff_vs_bf16'] * 100:+.2f}%, {verdict} "
+                         f"{percent(record['tolerance'])}; "
                          f"first loss {model['first_loss']:.3f})")
     return lines
 
