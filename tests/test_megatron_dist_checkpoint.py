@@ -3,17 +3,19 @@ exactly, on real gloo processes (megatron-core's CPU-only needs are patched in t
 tests/helpers/megatron_checkpoint.py says what and where).
 
 - MoE: the NVFP4 spec's MoE GPTModel (tests/test_moe_megatron.py's: 8 experts, top-2, a shared expert) trained at
-  EP=2, saved with `dist_checkpointing.save(model.sharded_state_dict(), dir)` and loaded into a fresh model at EP=2:
+  EP=2, saved with `dist_checkpointing.save(model.sharded_state_dict(), dir)` (torch_dist, and with Megatron's
+  fully-parallel save and load wrappers over the data-parallel group) and loaded into a fresh model at EP=2:
   every entry of the state dict byte for byte the saved one, and two more training steps give the same losses and
   parameters, bit for bit, as the uninterrupted model. Loaded at EP=1 (Megatron reshards the experts), each global
   expert's weights are the EP=2 rank's that held it, byte for byte, and the model trains as an EP=1 model given
   those weights directly.
 - Megatron's distributed optimizer with the NVFP4 param gather (parallel/megatron/param_gather.py) at DP=2: the
   model's and the optimizer's sharded state dicts (Megatron's training loop's save; formats dp_reshardable and
-  fully_reshardable) saved after two steps, loaded into a fresh model + optimizer with the option on and with it
+  fully_reshardable, each with and without the fully-parallel wrappers) saved after two steps, loaded into a fresh model + optimizer with the option on and with it
   off: the FP32 main weights, Adam's moments and step and the BF16 parameters equal the saved ones byte for byte,
   and two more steps equal the uninterrupted run (losses and main weights, bit for bit). A sharded state dict
-  read before sync_bf16_weights() is refused.
+  read before sync_bf16_weights() is refused, and Megatron's default format (fully_sharded_model_space) is refused
+  by megatron-core 0.16.1 itself (flattened_range).
 """
 import re
 import warnings
@@ -65,24 +67,24 @@ def _nvfp4_moe_gpt(ep: int, seed: int):
     return model
 
 
-def _trained_moe_saved(rank, directory):
+def _trained_moe_saved(rank, directory, fully_parallel=False):
     """The EP=2 model after two steps, saved; its state dict at the save."""
     init_megatron(ep=2)
     model = _nvfp4_moe_gpt(2, seed=11)
     train(model, rank, steps=2)
     saved = _tensors(model.state_dict())
-    ckpt.save(model.sharded_state_dict(), directory)
+    ckpt.save(model.sharded_state_dict(), directory, fully_parallel=fully_parallel)
     return model, saved
 
 
-def _moe_ep2_worker(rank, world_size, directory):
+def _moe_ep2_worker(rank, world_size, directory, fully_parallel):
     ckpt.dist_checkpointing_on_cpu()
-    model, saved = _trained_moe_saved(rank, directory)
+    model, saved = _trained_moe_saved(rank, directory, fully_parallel)
     fresh = _nvfp4_moe_gpt(2, seed=5)
     before = fresh.state_dict()
     assert not torch.equal(before["decoder.layers.1.mlp.experts.linear_fc1.weight0"],
                            saved["decoder.layers.1.mlp.experts.linear_fc1.weight0"])
-    state = ckpt.load(fresh.sharded_state_dict(), directory)
+    state = ckpt.load(fresh.sharded_state_dict(), directory, fully_parallel=fully_parallel)
     fresh.load_state_dict(state)
     assert_same_bytes(_tensors(fresh.state_dict()), saved, f"rank {rank} loaded")
     # The next steps: the same losses and parameters as the model that was never saved (SR seeds drawn alike).
@@ -94,8 +96,9 @@ def _moe_ep2_worker(rank, world_size, directory):
     assert_same_bytes(_tensors(fresh.state_dict()), _tensors(model.state_dict()), f"rank {rank} after 2 steps")
 
 
-def test_moe_checkpoint_resumes_exactly_ep2(tmp_path):
-    run_distributed(_moe_ep2_worker, 2, tmp_path)
+@pytest.mark.parametrize("fully_parallel", [False, True], ids=["torch_dist", "fully_parallel"])
+def test_moe_checkpoint_resumes_exactly_ep2(tmp_path, fully_parallel):
+    run_distributed(_moe_ep2_worker, 2, tmp_path, fully_parallel)
 
 
 def _moe_ep2_to_ep1_worker(rank, world_size, directory):
@@ -165,7 +168,7 @@ def _sharded(model, optimizer, sharding, is_loading):
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def _optimizer_worker(rank, world_size, directory, sharding):
+def _optimizer_worker(rank, world_size, directory, sharding, fully_parallel):
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from tests.test_megatron_param_gather import CpuForCuda, _build, _init_megatron, _step
     ckpt.dist_checkpointing_on_cpu()
@@ -180,7 +183,7 @@ def _optimizer_worker(rank, world_size, directory, sharding):
     handle.sync_bf16_weights()
     with pytest.raises(CheckpointingException, match="flattened_range"):  # Megatron's default format, in 0.16.1
         _sharded(model, optimizer, "fully_sharded_model_space", is_loading=False)
-    ckpt.save(_sharded(model, optimizer, sharding, is_loading=False), directory)
+    ckpt.save(_sharded(model, optimizer, sharding, is_loading=False), directory, fully_parallel=fully_parallel)
     saved_model, saved_adam = _tensors(model.state_dict()), _adam_state(optimizer)
     assert saved_adam["0.0.0.step"] == 2
     torch.manual_seed(1234)
@@ -190,8 +193,10 @@ def _optimizer_worker(rank, world_size, directory, sharding):
     for nvfp4_gather in (True, False):
         fresh, fresh_optimizer, fresh_handle = _build(1, recipe, overlap=False, bucket_size=None, nvfp4_gather=nvfp4_gather,
                                            seed=5)
+        assert not torch.equal(fresh.module.fc1.weight, saved_model["fc1.weight"])
         ckpt.allocate_torch_adam_state(fresh_optimizer)
-        state = ckpt.load(_sharded(fresh, fresh_optimizer, sharding, is_loading=True), directory)
+        state = ckpt.load(_sharded(fresh, fresh_optimizer, sharding, is_loading=True), directory,
+                          fully_parallel=fully_parallel)
         fresh.module.load_state_dict(state["model"])
         with CpuForCuda():
             fresh_optimizer.load_state_dict(state["optimizer"])
@@ -206,6 +211,9 @@ def _optimizer_worker(rank, world_size, directory, sharding):
         assert_same_bytes(_adam_state(fresh_optimizer), expected_adam, what + " after 2 steps")
 
 
-@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
-def test_distributed_optimizer_checkpoint_resumes_exactly_with_nvfp4_gather_dp2(tmp_path, sharding):
-    run_distributed(_optimizer_worker, 2, tmp_path, sharding)
+@pytest.mark.parametrize("sharding, fully_parallel", [("dp_reshardable", False), ("fully_reshardable", False),
+                                                      ("dp_reshardable", True), ("fully_reshardable", True)],
+                         ids=["dp_reshardable", "fully_reshardable", "dp_reshardable-fully_parallel",
+                              "fully_reshardable-fully_parallel"])
+def test_distributed_optimizer_checkpoint_resumes_exactly_with_nvfp4_gather_dp2(tmp_path, sharding, fully_parallel):
+    run_distributed(_optimizer_worker, 2, tmp_path, sharding, fully_parallel)

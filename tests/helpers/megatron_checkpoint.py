@@ -6,10 +6,11 @@ in the calling (forked) test process only, never in product code:
 
 - `FileSystemWriterAsync.preload_tensors` (strategies/filesystem_async.py:230) calls `torch.cuda.synchronize()`
   after its device-to-host copies: made a no-op (there is no device).
-- The writer subprocess (`write_preloaded_data`, filesystem_async.py:366) measures its memory with psutil and
-  raises when psutil is not installed (`_process_memory`, filesystem_async.py:642); the raise happens in the forked
-  writer, and the saving rank then waits for its results for ever: the hang seen with `dp_reshardable`. Without
-  psutil the measure reads 0 (it is only logged).
+- The forked writer process (`write_preloaded_data`) first measures its memory with psutil (filesystem_async.py:366,
+  before its try block), and `_process_memory` raises when psutil is not installed (line 642; megatron-core does
+  not require psutil). The writer dies without `count_queue.task_done()` (line 412) and the saving rank waits for
+  ever in `count_queue.join()` (line 308): the hang seen with `dp_reshardable` (any save hangs so). Without psutil
+  the measure reads 0 here (it is only logged).
 - The distributed optimizer with torch's own Adam (HAVE_APEX_OR_TE is False) keeps `step` in each parameter's
   state. Its `state_dict()` (distrib_optimizer.py:642) asserts that a state exists, so a fresh optimizer cannot
   give the sharded state dict to load into: `allocate_torch_adam_state` allocates it (Megatron's own
@@ -23,6 +24,11 @@ in the calling (forked) test process only, never in product code:
   one update the shared step has advanced once per parameter. Here that copy skips `step` (the step comes from the
   param groups, as the `fully_sharded_model_space` loader does, line 1820) and gives each parameter its own step.
 
+- With the fully-parallel strategies (`FullyParallelSaveStrategyWrapper` / `FullyParallelLoadStrategyWrapper`, what
+  Megatron's training loop uses with --ckpt-fully-parallel-save / -load), the load exchanges the loaded shards
+  in tensors it allocates with device="cuda" and `.cuda()` (dist_checkpointing/exchange_utils.py:98-110, 326-336,
+  499): `load(..., fully_parallel=True)` runs it with those allocations on the CPU (`_CudaAllocationsOnCpu`).
+
 Megatron's default optimizer format, `fully_sharded_model_space`, cannot be saved with 0.16.1 on any device: it
 builds ShardedTensors with `flattened_range` (distrib_optimizer.py:1748), which mapping.py:134 refuses
 ("ShardedTensor.flattened_range is not supported").
@@ -30,6 +36,7 @@ builds ShardedTensors with `flattened_range` (distrib_optimizer.py:1748), which 
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["dist_checkpointing_on_cpu", "save", "load", "allocate_torch_adam_state"]
 
@@ -72,14 +79,45 @@ def allocate_torch_adam_state(optimizer) -> None:
             state.setdefault("step", torch.tensor(0.0))
 
 
-def save(sharded_state_dict, directory) -> None:
-    """dist_checkpointing.save with the torch_dist backend chosen explicitly (no fully-parallel wrapper)."""
+class _CudaAllocationsOnCpu(TorchFunctionMode):
+    """Allocations on device="cuda" and `.cuda()` copies made on / left on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def _parallelization_group():
+    from megatron.core import parallel_state
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def save(sharded_state_dict, directory, *, fully_parallel: bool = False) -> None:
+    """dist_checkpointing.save with the torch_dist backend chosen explicitly; fully_parallel: wrapped in
+    FullyParallelSaveStrategyWrapper over the data-parallel group (the ranks split the replicated entries' writes)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    dist_checkpointing.save(sharded_state_dict, str(directory),
-                            sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if fully_parallel:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, _parallelization_group())
+    dist_checkpointing.save(sharded_state_dict, str(directory), sharded_strategy=strategy)
 
 
-def load(sharded_state_dict, directory):
+def load(sharded_state_dict, directory, *, fully_parallel: bool = False):
+    """dist_checkpointing.load; fully_parallel: wrapped in FullyParallelLoadStrategyWrapper over the data-parallel
+    group (each rank reads a part, the ranks exchange the rest)."""
     from megatron.core import dist_checkpointing
-    return dist_checkpointing.load(sharded_state_dict, str(directory))
+    if not fully_parallel:
+        return dist_checkpointing.load(sharded_state_dict, str(directory))
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)),
+                                                _parallelization_group())
+    with _CudaAllocationsOnCpu():
+        return dist_checkpointing.load(sharded_state_dict, str(directory), sharded_strategy=strategy)
