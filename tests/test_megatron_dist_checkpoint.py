@@ -11,11 +11,11 @@ tests/helpers/megatron_checkpoint.py says what and where).
   those weights directly.
 - Megatron's distributed optimizer with the NVFP4 param gather (parallel/megatron/param_gather.py) at DP=2: the
   model's and the optimizer's sharded state dicts (Megatron's training loop's save; formats dp_reshardable and
-  fully_reshardable, each with and without the fully-parallel wrappers) saved after two steps, loaded into a fresh model + optimizer with the option on and with it
-  off: the FP32 main weights, Adam's moments and step and the BF16 parameters equal the saved ones byte for byte,
-  and two more steps equal the uninterrupted run (losses and main weights, bit for bit). A sharded state dict
-  read before sync_bf16_weights() is refused, and Megatron's default format (fully_sharded_model_space) is refused
-  by megatron-core 0.16.1 itself (flattened_range).
+  fully_reshardable, each with and without the fully-parallel wrappers) saved after two steps, loaded into a fresh
+  model + optimizer with the option on and with it off: the FP32 main weights, Adam's moments and step and the
+  BF16 parameters equal the saved ones byte for byte, and two more steps equal the uninterrupted run (losses, main
+  weights and Adam's state, bit for bit). A sharded state dict read before sync_bf16_weights() is refused, and
+  Megatron's default format (fully_sharded_model_space) is refused by megatron-core 0.16.1 itself (flattened_range).
 """
 import re
 import warnings
@@ -191,8 +191,8 @@ def _optimizer_worker(rank, world_size, directory, sharding, fully_parallel):
     expected_adam = _adam_state(optimizer)
 
     for nvfp4_gather in (True, False):
-        fresh, fresh_optimizer, fresh_handle = _build(1, recipe, overlap=False, bucket_size=None, nvfp4_gather=nvfp4_gather,
-                                           seed=5)
+        fresh, fresh_optimizer, fresh_handle = _build(1, recipe, overlap=False, bucket_size=None,
+                                                      nvfp4_gather=nvfp4_gather, seed=5)
         assert not torch.equal(fresh.module.fc1.weight, saved_model["fc1.weight"])
         ckpt.allocate_torch_adam_state(fresh_optimizer)
         state = ckpt.load(_sharded(fresh, fresh_optimizer, sharding, is_loading=True), directory,
