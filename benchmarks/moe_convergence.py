@@ -334,7 +334,7 @@ def record(args, sources: dict, seconds: float) -> dict:
     import megatron.core
     checks = [model["within_tolerance"] for source in sources.values() for model in source["models"].values()
               if "within_tolerance" in model]
-    return {"benchmark": "moe_convergence", "device": "cpu", "world_size": args.ep, "ep": args.ep,
+    return {"benchmark": "moe_convergence", "device": "cpu (gloo)", "world_size": args.ep, "ep": args.ep,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit()[:7],
             "torch": torch.__version__, "megatron_core": megatron.core.__version__, "command": command_line(),
             "settings": {"layers": args.layers, "moe_layers": args.layers - 1, "hidden": args.hidden,

@@ -35,7 +35,7 @@ def test_tiny_run_writes_the_json(tmp_path, monkeypatch):
     assert bench.main([*TINY, "--out", str(out)]) == 0
     record = json.loads(out.read_text())
 
-    assert record["benchmark"] == "moe_convergence" and record["device"] == "cpu"
+    assert record["benchmark"] == "moe_convergence" and record["device"] == "cpu (gloo)"
     assert record["ep"] == record["world_size"] == 2
     for key in ("date", "commit", "torch", "megatron_core", "command", "seconds", "passed"):
         assert key in record, key
