@@ -11,14 +11,23 @@ on the device or the transport, so this CPU run gives the numbers a GPU run woul
 Target: nvfp4 bytes <= 0.30x bf16 bytes. Also counted: the amax all-reduces per step (one, after the optimizer
 step, for every weight), and the same ratio with 1x16 weight blocks (both copies travel).
 
-    python benchmarks/param_gather.py [--hidden 1024] [--layers 2] [--dp 2] [--steps 2] [--out PATH]
+--megatron adds Megatron-Core's distributed optimizer: the same stack built from NVFP4ColumnParallelLinear /
+NVFP4RowParallelLinear (TP=1; BF16 torch LayerNorms) inside Megatron's DistributedDataParallel
+(use_distributed_optimizer=True) with Megatron's optimizer, trained without and with
+nvfp4_dist.parallel.megatron.enable_nvfp4_param_gather (16x16 weight blocks); every tensor handed to an all-gather
+in the last step (Megatron's bucket groups' dist.all_gather_into_tensor, the NVFP4 gather's single all-gather) is
+counted per rank and recorded under "megatron".
+
+    python benchmarks/param_gather.py [--hidden 1024] [--layers 2] [--dp 2] [--steps 2] [--megatron] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import pathlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -100,6 +109,162 @@ def run(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size: int) -> 
             "bf16_weight_bytes": sum(2 * s[0] * s[1] for s in shapes)}
 
 
+class GatherCounter:
+    """Bytes handed to any all-gather of a whole tensor while active: dist.all_gather_into_tensor and
+    dist.all_gather_single, Megatron's bucket groups' module-level copy of the former (dist_all_gather_func in
+    megatron.core.distributed.param_and_grad_buffer, called by _ParamAndGradBucketGroup.start_param_sync) and the
+    collectives module's copy of the latter (the NVFP4 gather's)."""
+
+    def __init__(self):
+        self.gathered = 0
+
+    def _wrap(self, fn):
+        def gather(output, input, *args, **kwargs):
+            self.gathered += input.numel() * input.element_size()
+            return fn(output, input, *args, **kwargs)
+        return gather
+
+    def __enter__(self):
+        self.saved = [(dist, "all_gather_into_tensor"), (collectives, "_all_gather_single")]
+        if hasattr(dist, "all_gather_single"):
+            self.saved.append((dist, "all_gather_single"))
+        from megatron.core.distributed import param_and_grad_buffer
+        self.saved.append((param_and_grad_buffer, "dist_all_gather_func"))
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name in self.saved]
+        for owner, name, fn in self.saved:
+            setattr(owner, name, self._wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+
+
+class _CpuForCuda(torch.overrides.TorchFunctionMode):
+    """Megatron's optimizers allocate their scalars on device='cuda' and accept only parameters whose type() names a
+    CUDA tensor: on a CPU process both are mapped to the CPU, around the optimizer's calls only (as
+    tests/test_megatron_param_gather.py does)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def _init_megatron() -> None:
+    """Megatron's groups (TP=1) on the gloo world; its helpers' CUDA device made the CPU."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def _megatron_stack(config, hidden: int, layers: int, recipe):
+    from megatron.core.transformer.module import MegatronModule
+    from nvfp4_dist.parallel.megatron import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+
+    def column(rows, cols):
+        return NVFP4ColumnParallelLinear(cols, rows, config=config, init_method=config.init_method, bias=True,
+                                         gather_output=False, recipe=recipe)
+
+    class MegatronBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = torch.nn.LayerNorm(hidden, dtype=torch.bfloat16)
+            self.norm2 = torch.nn.LayerNorm(hidden, dtype=torch.bfloat16)
+            self.qkv, self.proj = column(3 * hidden, hidden), column(hidden, hidden)
+            self.fc1 = column(4 * hidden, hidden)
+            self.fc2 = NVFP4RowParallelLinear(4 * hidden, hidden, config=config, init_method=config.init_method,
+                                              bias=True, input_is_parallel=True, skip_bias_add=False, recipe=recipe)
+
+        def forward(self, x):
+            x = x + self.proj(self.qkv(self.norm1(x))[0][..., :hidden])[0]
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))[0]))[0]
+
+    class Stack(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.blocks = torch.nn.ModuleList([MegatronBlock() for _ in range(layers)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+    return Stack()
+
+
+def run_megatron(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size: int) -> dict:
+    """Bytes handed to the param all-gathers per rank in the last step of Megatron's distributed optimizer, with
+    Megatron's own BF16 gather (mode "bf16") or enable_nvfp4_param_gather's (mode "nvfp4"). Megatron's groups must
+    be initialized (_init_megatron)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from nvfp4_dist.parallel.megatron import enable_nvfp4_param_gather
+    config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
+                               use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True,
+                               gradient_accumulation_fusion=False, init_method_std=0.02)
+    torch.manual_seed(0)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=False,
+                                               overlap_grad_reduce=False)
+    model = DistributedDataParallel(config, ddp_config, _megatron_stack(config, args.hidden, args.layers, recipe))
+    with _CpuForCuda():
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=0.0,
+                                                           use_distributed_optimizer=True), [model])
+    handle = enable_nvfp4_param_gather([model]) if mode == "nvfp4" else None
+    generator = torch.Generator().manual_seed(100 + rank)
+    for _ in range(args.steps):
+        x = torch.randn(TOKENS, 1, args.hidden, generator=generator).to(torch.bfloat16)
+        sent_before = handle.bytes_sent if handle else 0
+        with GatherCounter() as counter:
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            with nv.autocast(recipe):
+                model(x).float().square().mean().backward()
+            model.finish_grad_sync()
+            with _CpuForCuda():
+                optimizer.step()
+    buckets = [bucket for group in model.bucket_groups for bucket in group.buckets]
+    return {"gathered_bytes_per_rank": counter.gathered,
+            "handle_bytes_sent": handle.bytes_sent - sent_before if handle else None,
+            "bucket_bf16_bytes_per_rank": sum(b.param_data.numel() * b.param_data.element_size() // world_size
+                                              for b in buckets)}
+
+
+def megatron_worker(rank: int, world_size: int, args) -> dict:
+    """Megatron's BF16 gather and the NVFP4 gather (16x16 blocks), every rank's counts (on a gloo rank)."""
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    _init_megatron()
+    recipe = nv.NVFP4Recipe()
+    mine = {mode: run_megatron(mode, recipe, args, rank, world_size) for mode in ("bf16", "nvfp4")}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def megatron_record(per_rank: list) -> dict:
+    """The "megatron" entry of the JSON from every rank's counts."""
+    bf16 = [counts["bf16"]["gathered_bytes_per_rank"] for counts in per_rank]
+    nvfp4 = [counts["nvfp4"]["gathered_bytes_per_rank"] for counts in per_rank]
+    return {"gather": "Megatron-Core DistributedDataParallel(use_distributed_optimizer=True), TP=1, "
+                      "overlap_param_gather=False; NVFP4: enable_nvfp4_param_gather",
+            "weight_blocks": "16x16", "bf16_bytes": max(bf16), "nvfp4_bytes": max(nvfp4),
+            "ratio": max(n / b for n, b in zip(nvfp4, bf16)), "target": TARGET_RATIO,
+            "per_rank": [{"rank": rank, "bf16_bytes": b, "nvfp4_bytes": n, "ratio": n / b,
+                          "nvfp4_bytes_sent": counts["nvfp4"]["handle_bytes_sent"],
+                          "bf16_bucket_bytes": counts["bf16"]["bucket_bf16_bytes_per_rank"]}
+                         for rank, (counts, b, n) in enumerate(zip(per_rank, bf16, nvfp4))]}
+
+
 def worker(rank: int, world_size: int, args) -> dict:
     """Both gathers under both weight block shapes (on a gloo rank of gloo_ranks.run_on_gloo_ranks)."""
     results = {}
@@ -114,6 +279,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dp", type=int, default=2, help="data-parallel gloo processes")
     parser.add_argument("--steps", type=int, default=2, help="steps run; the last one is counted")
+    parser.add_argument("--megatron", action="store_true",
+                        help="also count Megatron-Core's distributed optimizer's param all-gather")
     parser.add_argument("--out", type=pathlib.Path,
                         default=REPOSITORY_ROOT / "benchmarks" / "results" / "param_gather_cpu.json")
     args = parser.parse_args()
@@ -138,6 +305,12 @@ def main() -> None:
               "world_size": args.dp, "hidden": args.hidden, "layers": args.layers, "tokens": TOKENS,
               "parameter_dtype": "bfloat16", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "commit": git_commit()[:7], "torch": torch.__version__, "command": command_line(), "results": rows}
+    if args.megatron:
+        megatron = megatron_record(run_on_gloo_ranks(megatron_worker, args.dp, args))
+        record["megatron"] = megatron
+        print(f"Megatron distributed optimizer, 16x16 blocks: BF16 gather {megatron['bf16_bytes'] / 2**20:8.3f} "
+              f"MiB/rank/step, NVFP4 gather {megatron['nvfp4_bytes'] / 2**20:8.3f} MiB/rank/step: "
+              f"{megatron['ratio']:.4f}x, target <= {TARGET_RATIO}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

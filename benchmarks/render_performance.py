@@ -314,13 +314,20 @@ def megatron_gpt_host_command(record: dict) -> str:
 
 def param_gather_summary(record: dict) -> list[str]:
     mib = 2 ** 20
-    return [f"{row['weight_blocks']} weight blocks: {row['ratio']:.3f}x the bytes ({row['nvfp4_bytes_per_rank'] / mib:.2f} "
-            f"/ {row['bf16_bytes_per_rank'] / mib:.2f} MiB per rank and step), {row['amax_allreduces_per_step']} amax "
-            f"all-reduce per step" for row in record["results"]]
+    lines = [f"{row['weight_blocks']} weight blocks: {row['ratio']:.3f}x the bytes ({row['nvfp4_bytes_per_rank'] / mib:.2f} "
+             f"/ {row['bf16_bytes_per_rank'] / mib:.2f} MiB per rank and step), {row['amax_allreduces_per_step']} amax "
+             f"all-reduce per step" for row in record["results"]]
+    megatron = record.get("megatron")
+    if megatron:
+        lines.append(f"Megatron-Core distributed optimizer (DP={record['world_size']}, {megatron['weight_blocks']} "
+                     f"weight blocks): {megatron['ratio']:.3f}x the bytes of its BF16 param all-gather "
+                     f"({megatron['nvfp4_bytes'] / mib:.2f} / {megatron['bf16_bytes'] / mib:.2f} MiB per rank and "
+                     f"step, target {megatron['target']:.2f}x)")
+    return lines
 
 
 def param_gather_command(record: dict) -> str:
-    return "python benchmarks/param_gather.py"
+    return "python benchmarks/param_gather.py" + (" --megatron" if "megatron" in record else "")
 
 
 def moe_summary(record: dict) -> list[str]:
