@@ -422,8 +422,9 @@ BENCHMARKS = {  # row order
                                            "(cuda_graph_impl='local'): step and host time", "Megatron's local BF16 "
                                            "spec, same model, graphed the same way", megatron_gpt_host_summary,
                                            lambda record: megatron_gpt_host_command(record) + " --cuda-graphs"),
-    "param_gather": Benchmark("FSDP2 parameter all-gather in NVFP4 (bytes counted: the same on any device)",
-                              "FSDP2's BF16 parameter all-gather, same model", param_gather_summary,
+    "param_gather": Benchmark("parameter all-gather in NVFP4, FSDP2 and Megatron-Core's distributed optimizer "
+                              "(bytes counted: the same on any device)",
+                              "the same gather in BF16 (FSDP2's; Megatron's), same model", param_gather_summary,
                               param_gather_command),
     "moe": Benchmark("mixture of experts: NVFP4 dispatch bytes (counted: the same on any device) and experts' time",
                      "BF16 dispatch of the same routed tokens; Megatron's BF16 experts", moe_summary, moe_command),
