@@ -40,7 +40,8 @@ from nvfp4_dist import environment, finite_check, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.gemm import gemm, resolve_backend
-from nvfp4_dist.grouped_quantize import ints_on_device, quantize_segments, segmented_kernels_apply
+from nvfp4_dist.grouped_quantize import (check_segments, ints_on_device, quantize_segments, segment_offsets,
+                                         segmented_kernels_apply)
 from nvfp4_dist.linear import (WeightCache, WeightParameter, bf16_linear, check_activation, check_features,
                                check_parameter_dtype, check_weight_dtype, deliver_weight_grad, weight_signature)
 from nvfp4_dist.recipe import NVFP4Recipe
@@ -52,33 +53,9 @@ from nvfp4_dist.tensor import NVFP4Tensor
 logger = logging.getLogger("nvfp4_dist")
 
 
-def split_offsets(split_sizes: list[int]) -> list[int]:
-    """The first row of each expert: [0, m_0, m_0 + m_1, ...] (one more entry than experts)."""
-    offsets = [0]
-    for size in split_sizes:
-        offsets.append(offsets[-1] + size)
-    return offsets
-
-
 def check_split_sizes(split_sizes, num_experts: int, rows: int) -> list[int]:
-    """split_sizes as a list of E non-negative ints summing to `rows`; ValueError naming the problem otherwise.
-    Takes a list or tuple of ints, or a 1D integer tensor (Megatron's tokens_per_expert; read on the host)."""
-    if isinstance(split_sizes, torch.Tensor):
-        if split_sizes.dim() != 1 or split_sizes.is_floating_point() or split_sizes.is_complex():
-            raise ValueError(f"split_sizes: a tensor must be 1D of integers, got {split_sizes.dtype} "
-                             f"{tuple(split_sizes.shape)}")
-        split_sizes = split_sizes.tolist()
-    if not isinstance(split_sizes, (list, tuple)):
-        raise ValueError(f"split_sizes={split_sizes!r}: must be a list of {num_experts} ints (tokens per expert)")
-    sizes = list(split_sizes)
-    if len(sizes) != num_experts:
-        raise ValueError(f"split_sizes has {len(sizes)} entries: the layer has num_experts={num_experts}")
-    for index, size in enumerate(sizes):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"split_sizes[{index}]={size!r}: must be an int >= 0")
-    if sum(sizes) != rows:
-        raise ValueError(f"split_sizes sum to {sum(sizes)}: the input has {rows} token rows")
-    return sizes
+    """split_sizes as a list of E non-negative ints summing to `rows`; ValueError naming the problem otherwise."""
+    return check_segments(split_sizes, rows, columnwise=False, num_experts=num_experts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,7 +125,7 @@ def grouped_fprop_like(a_ops: list, a_copy: str, b_ops: list, b_copy: str, count
     a_values = torch.cat([block_matrix(getattr(q, f"{a_copy}_data"), getattr(q, f"{a_copy}_scale")) for q in a_ops])
     b_values = torch.stack([block_matrix(getattr(q, f"{b_copy}_data"), getattr(q, f"{b_copy}_scale")) for q in b_ops])
     device = a_values.device
-    offs = ints_on_device(split_offsets(counts)[1:], torch.int32, device)
+    offs = ints_on_device(segment_offsets(counts)[1:], torch.int32, device)
     acc = grouped_mm_fp32(a_values, b_values.transpose(1, 2), offs)
     a_s_dec = _row_decode_scales(a_ops, a_copy, counts, device)
     b_s_dec = _decode_scales([getattr(q, f"amax_{b_copy}") for q in b_ops], [q.e4m3_bound for q in b_ops],
@@ -162,7 +139,7 @@ def grouped_wgrad(dy_ops: list, x_ops: list, counts: list[int]) -> torch.Tensor:
     """FP32 [experts, N, K]: dW_e = dy_e^T . x_e from the columnwise copies (K of each GEMM: expert e's tokens)."""
     dy_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in dy_ops], dim=1)
     x_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in x_ops], dim=1)
-    offs = ints_on_device(split_offsets(counts)[1:], torch.int32, dy_values.device)
+    offs = ints_on_device(segment_offsets(counts)[1:], torch.int32, dy_values.device)
     acc = grouped_mm_fp32(dy_values, x_values.t(), offs)
     dy_s_dec = _decode_scales([q.amax_columnwise for q in dy_ops], [q.e4m3_bound for q in dy_ops],
                               acc.shape[1])  # [experts, N]
@@ -221,7 +198,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         weights = params[:experts]
         biases = params[experts:] if options.has_bias else (None,) * experts
         x2d = x.reshape(-1, x.shape[-1])
-        offsets = split_offsets(sizes)
+        offsets = segment_offsets(sizes)
         active = _active(sizes)
         need_wgrad = any(ctx.needs_input_grad[2:2 + experts]) and options.grad_enabled
         given = options.rowwise_input
@@ -277,7 +254,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         options, weights = ctx.options, ctx.weights
         recipe, sizes, experts = options.recipe, options.split_sizes, options.num_experts
-        offsets, active = split_offsets(sizes), _active(sizes)
+        offsets, active = segment_offsets(sizes), _active(sizes)
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = [ctx.needs_input_grad[2 + e] for e in range(experts)]
         need_bgrad = [options.has_bias and ctx.needs_input_grad[2 + experts + e] for e in range(experts)]

@@ -48,9 +48,11 @@ def segment_offsets(split_sizes) -> list[int]:
     return offsets
 
 
-def check_segments(split_sizes, rows: int, *, columnwise: bool, block_2d: bool = False) -> list[int]:
-    """split_sizes as a list of ints >= 0 summing to `rows`, each a multiple of 16 when a columnwise copy or 16x16
-    blocks are asked for; ValueError naming the first bad entry otherwise."""
+def check_segments(split_sizes, rows: int, *, columnwise: bool, block_2d: bool = False,
+                   num_experts: int | None = None) -> list[int]:
+    """split_sizes as a list of ints >= 0 summing to `rows` (and of num_experts entries when given), each a multiple
+    of 16 when a columnwise copy or 16x16 blocks are asked for; ValueError naming the first bad entry otherwise.
+    Takes a list or tuple of ints, or a 1D integer tensor (Megatron's tokens_per_expert; read on the host)."""
     if isinstance(split_sizes, torch.Tensor):
         if split_sizes.dim() != 1 or split_sizes.is_floating_point() or split_sizes.is_complex():
             raise ValueError(f"split_sizes: a tensor must be 1D of integers, got {split_sizes.dtype} "
@@ -59,6 +61,8 @@ def check_segments(split_sizes, rows: int, *, columnwise: bool, block_2d: bool =
     if not isinstance(split_sizes, (list, tuple)):
         raise ValueError(f"split_sizes={split_sizes!r}: must be a list of ints (rows per segment)")
     sizes = list(split_sizes)
+    if num_experts is not None and len(sizes) != num_experts:
+        raise ValueError(f"split_sizes has {len(sizes)} entries: the layer has num_experts={num_experts}")
     for index, size in enumerate(sizes):
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"split_sizes[{index}]={size!r}: must be an int >= 0")
