@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from gloo_ranks import run_on_gloo_ranks  # noqa: E402 (benchmarks/ is on sys.path when run)
+from megatron_on_cpu import megatron_moe_on_cpu  # noqa: E402
 from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402
 
 TOLERANCE = 0.02  # the dense runs' tolerance against BF16 (tests_multigpu/test_megatron_gpt.py)
@@ -49,57 +50,6 @@ DESCRIPTIONS = {"bf16": "Megatron's local MoE spec (SequentialMLP experts), unqu
                 "nvfp4": "NVFP4 spec, NVFP4GroupedMLP experts, BF16 dispatch (moe_dispatch=\"bf16\")",
                 "nvfp4_dispatch": "NVFP4 spec, NVFP4GroupedMLP experts, NVFP4 dispatch (moe_dispatch=\"nvfp4\")"}
 SOURCES = ("fables", "markov")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Megatron's MoE layer and schedules on a CPU-only process (the shim of tests/test_moe_megatron.py).
-
-class _HostStream:
-    """What Megatron's alltoall dispatcher asks of its device-to-host CUDA stream, on the CPU."""
-
-    def wait_stream(self, *args):
-        pass
-
-    def record_event(self):
-        return self
-
-    def synchronize(self):
-        pass
-
-
-class _HostTorch:
-    """torch for Megatron's schedules, whose token counter is allocated on "cuda": allocated on the host instead."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, **kwargs)
-
-
-def megatron_moe_on_cpu() -> None:
-    """Megatron's CUDA device, RNG tracker and side stream become the CPU and no-ops; its dispatcher's split sizes
-    go to the host as numpy arrays; the router's optional Transformer Engine GEMM is absent; the schedules' token
-    counter lives on the host."""
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.current_stream = lambda *args: _HostStream()
-    torch.cuda.stream = lambda *args: contextlib.nullcontext()
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HostStream()
-    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
-    to_host = token_dispatcher.maybe_move_tensor_to_cpu
-
-    def splits_to_host(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and as_numpy:
-            return tensor.numpy()
-        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
-    token_dispatcher.maybe_move_tensor_to_cpu = splits_to_host
-    schedules.torch = _HostTorch()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ counted per rank and recorded under "megatron".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import pathlib
@@ -39,6 +38,7 @@ from nvfp4_dist import sharded_weight
 from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import fsdp as nvfp4_fsdp
 from gloo_ranks import run_on_gloo_ranks  # noqa: E402 (benchmarks/ is on sys.path when run)
+from megatron_on_cpu import CpuForCuda, init_megatron  # noqa: E402
 from provenance import REPOSITORY_ROOT, command_line, git_commit  # noqa: E402
 
 TARGET_RATIO = 0.30
@@ -140,34 +140,6 @@ class GatherCounter:
             setattr(owner, name, fn)
 
 
-class _CpuForCuda(torch.overrides.TorchFunctionMode):
-    """Megatron's optimizers allocate their scalars on device='cuda' and accept only parameters whose type() names a
-    CUDA tensor: on a CPU process both are mapped to the CPU, around the optimizer's calls only (as
-    tests/test_megatron_param_gather.py does)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = dict(kwargs, device="cpu")
-        return func(*args, **kwargs)
-
-
-def _init_megatron() -> None:
-    """Megatron's groups (TP=1) on the gloo world; its helpers' CUDA device made the CPU."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-
-
 def _megatron_stack(config, hidden: int, layers: int, recipe):
     from megatron.core.transformer.module import MegatronModule
     from nvfp4_dist.parallel.megatron import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
@@ -205,7 +177,7 @@ def _megatron_stack(config, hidden: int, layers: int, recipe):
 def run_megatron(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size: int) -> dict:
     """Bytes handed to the param all-gathers per rank in the last step of Megatron's distributed optimizer, with
     Megatron's own BF16 gather (mode "bf16") or enable_nvfp4_param_gather's (mode "nvfp4"). Megatron's groups must
-    be initialized (_init_megatron)."""
+    be initialized (init_megatron)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -217,7 +189,7 @@ def run_megatron(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size:
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=False,
                                                overlap_grad_reduce=False)
     model = DistributedDataParallel(config, ddp_config, _megatron_stack(config, args.hidden, args.layers, recipe))
-    with _CpuForCuda():
+    with CpuForCuda():
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=0.0,
                                                            use_distributed_optimizer=True), [model])
     handle = enable_nvfp4_param_gather([model]) if mode == "nvfp4" else None
@@ -231,7 +203,7 @@ def run_megatron(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size:
             with nv.autocast(recipe):
                 model(x).float().square().mean().backward()
             model.finish_grad_sync()
-            with _CpuForCuda():
+            with CpuForCuda():
                 optimizer.step()
     buckets = [bucket for group in model.bucket_groups for bucket in group.buckets]
     return {"gathered_bytes_per_rank": counter.gathered,
@@ -243,7 +215,7 @@ def run_megatron(mode: str, recipe: nv.NVFP4Recipe, args, rank: int, world_size:
 def megatron_worker(rank: int, world_size: int, args) -> dict:
     """Megatron's BF16 gather and the NVFP4 gather (16x16 blocks), every rank's counts (on a gloo rank)."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    _init_megatron()
+    init_megatron()
     recipe = nv.NVFP4Recipe()
     mine = {mode: run_megatron(mode, recipe, args, rank, world_size) for mode in ("bf16", "nvfp4")}
     everyone = [None] * world_size

@@ -6,49 +6,23 @@ with Megatron's own gather followed by the layers' quantization, step for step (
 for bit); the state dict after a sync equals the one without the option, a stale one is refused, a load drops the
 gathered copy; unaligned weights are refused at set-up.
 """
-import contextlib
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 import nvfp4_dist as nv
+from tests.helpers.benchmarks import load_benchmark_module
 from tests.helpers.distributed import run_distributed
 from tests.test_parallel_comm import assert_bytes_equal
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+_ON_CPU = load_benchmark_module("megatron_on_cpu")  # Megatron's CUDA assumptions mapped to the CPU
+CpuForCuda, _init_megatron = _ON_CPU.CpuForCuda, _ON_CPU.init_megatron
 
 HIDDEN, FFN, SEQ, BATCH, STEPS = 64, 256, 16, 2, 3
-
-
-class CpuForCuda(TorchFunctionMode):
-    """Megatron's optimizers allocate their scalars on device='cuda' and accept only parameters whose type() names
-    a CUDA tensor: on this CPU-only process both are mapped to the CPU (around the optimizer's calls only)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = dict(kwargs, device="cpu")
-        return func(*args, **kwargs)
-
-
-def _init_megatron(tp: int) -> None:
-    """Megatron's groups on the gloo world; its helpers' CUDA device made the CPU (tests/test_megatron.py)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
 def _config(tp: int):

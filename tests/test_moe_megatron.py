@@ -8,7 +8,6 @@
   weights drawn in order), the same loss and gradients.
 - The experts' distributed-checkpoint entries are SequentialMLP's (keys, global offsets and shapes).
 """
-import contextlib
 import warnings
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import nvfp4_dist as nv
+from tests.helpers.benchmarks import load_benchmark_module
 from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install nvfp4-dist[megatron])")
@@ -24,53 +24,8 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 HIDDEN, FFN, MOE_FFN, HEADS, VOCAB, SEQ, BATCH, EXPERTS = 64, 128, 64, 4, 128, 32, 2, 8
 
 
-class _HostStream:
-    """What Megatron's alltoall dispatcher asks of its device-to-host CUDA stream, on the CPU."""
-
-    def wait_stream(self, *args):
-        pass
-
-    def record_event(self):
-        return self
-
-    def synchronize(self):
-        pass
-
-
-class _HostTorch:
-    """torch for Megatron's schedules, whose token counter is allocated on "cuda": allocated on the host instead."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, **kwargs)
-
-
-def megatron_moe_on_cpu() -> None:
-    """Let Megatron's MoE layer and schedules run on this CPU-only process: its CUDA device, RNG tracker and side
-    stream become the CPU and no-ops, its split sizes go to the host as numpy arrays as they do from a GPU, its
-    router's optional Transformer Engine GEMM (an unbound name without Transformer Engine in megatron-core 0.16) is
-    absent, and the schedules' token counter lives on the host."""
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.current_stream = lambda *args: _HostStream()
-    torch.cuda.stream = lambda *args: contextlib.nullcontext()
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HostStream()
-    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
-    to_host = token_dispatcher.maybe_move_tensor_to_cpu
-
-    def splits_to_host(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and as_numpy:
-            return tensor.numpy()
-        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
-    token_dispatcher.maybe_move_tensor_to_cpu = splits_to_host
-    schedules.torch = _HostTorch()
+_ON_CPU = load_benchmark_module("megatron_on_cpu")  # Megatron's CUDA assumptions mapped to the CPU
+megatron_moe_on_cpu = _ON_CPU.megatron_moe_on_cpu
 
 
 def init_megatron(ep: int, tp: int = 1, etp: int | None = None) -> None:
