@@ -91,6 +91,38 @@ void amax_rht(const at::Tensor& x, bool random_sign, const std::optional<at::Ten
                "amax_rht");
 }
 
+// The QuantizeArgs that quantize and quantize_segmented share: x, the copies' outputs (and amaxes), the 1D/2D, RHT
+// and SR options; `name` is the binding in error messages.
+nvfp4::QuantizeArgs cast_args(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise,
+                              const std::optional<at::Tensor>& amax_columnwise,
+                              const std::optional<at::Tensor>& rowwise_data,
+                              const std::optional<at::Tensor>& rowwise_scale,
+                              const std::optional<at::Tensor>& columnwise_data,
+                              const std::optional<at::Tensor>& columnwise_scale, bool block_2d, bool rht,
+                              bool rht_random_sign, bool stochastic_rounding, int64_t sr_seed,
+                              const std::optional<at::Tensor>& sr_seed_device, int64_t sr_row_offset,
+                              const char* name) {
+  nvfp4::QuantizeArgs args{};
+  args.x = x.data_ptr();
+  args.type = input_type(x);
+  args.rows = x.size(0);
+  args.cols = x.size(1);
+  set_copies(args, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  args.block_2d = block_2d;
+  args.rht = rht;
+  args.rht_random_sign = rht_random_sign;
+  args.stochastic_rounding = stochastic_rounding;
+  args.sr_seed = static_cast<uint64_t>(sr_seed);
+  if (sr_seed_device.has_value()) {
+    check_device_tensor(*sr_seed_device, "sr_seed_device");
+    TORCH_CHECK(sr_seed_device->scalar_type() == at::kLong && sr_seed_device->numel() == 1,
+                "nvfp4_dist._C.", name, ": sr_seed_device must be one int64 value");
+    args.sr_seed_device = sr_seed_device->data_ptr<int64_t>();
+  }
+  args.sr_row_offset = sr_row_offset;
+  return args;
+}
+
 void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise,
               const std::optional<at::Tensor>& amax_columnwise, const std::optional<at::Tensor>& rowwise_data,
               const std::optional<at::Tensor>& rowwise_scale, const std::optional<at::Tensor>& columnwise_data,
@@ -105,25 +137,10 @@ void quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax_rowwise
   TORCH_CHECK(columnwise_data.has_value() == amax_columnwise.has_value() &&
                   columnwise_data.has_value() == columnwise_scale.has_value(),
               "nvfp4_dist._C.quantize: the columnwise copy needs its data, scale and amax");
-  nvfp4::QuantizeArgs args{};
-  args.x = x.data_ptr();
-  args.type = input_type(x);
-  args.rows = x.size(0);
-  args.cols = x.size(1);
-  set_copies(args, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  nvfp4::QuantizeArgs args = cast_args(x, amax_rowwise, amax_columnwise, rowwise_data, rowwise_scale, columnwise_data,
+                                       columnwise_scale, block_2d, rht, rht_random_sign, stochastic_rounding, sr_seed,
+                                       sr_seed_device, sr_row_offset, "quantize");
   args.row_scaled = row_scaled;
-  args.block_2d = block_2d;
-  args.rht = rht;
-  args.rht_random_sign = rht_random_sign;
-  args.stochastic_rounding = stochastic_rounding;
-  args.sr_seed = static_cast<uint64_t>(sr_seed);
-  if (sr_seed_device.has_value()) {
-    check_device_tensor(*sr_seed_device, "sr_seed_device");
-    TORCH_CHECK(sr_seed_device->scalar_type() == at::kLong && sr_seed_device->numel() == 1,
-                "nvfp4_dist._C.quantize: sr_seed_device must be one int64 value");
-    args.sr_seed_device = sr_seed_device->data_ptr<int64_t>();
-  }
-  args.sr_row_offset = sr_row_offset;
   args.four_over_six = four_over_six;
   args.e4m3_bound = static_cast<int>(e4m3_bound);
   args.four_over_six_mse = four_over_six_mse;
@@ -160,26 +177,11 @@ void quantize_segmented(const at::Tensor& x, const std::optional<at::Tensor>& am
                     amax_columnwise_chunks->numel() == x.size(0) / 16,
                 "nvfp4_dist._C.quantize_segmented: amax_columnwise_chunks needs one float32 per 16 rows");
   }
-  nvfp4::QuantizeArgs args{};
-  args.x = x.data_ptr();
-  args.type = input_type(x);
-  args.rows = x.size(0);
-  args.cols = x.size(1);
-  set_copies(args, std::nullopt, std::nullopt, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  nvfp4::QuantizeArgs args = cast_args(x, std::nullopt, std::nullopt, rowwise_data, rowwise_scale, columnwise_data,
+                                       columnwise_scale, block_2d, rht, rht_random_sign, stochastic_rounding, sr_seed,
+                                       sr_seed_device, sr_row_offset, "quantize_segmented");
   args.amax_rowwise_rows = optional_floats(amax_rowwise_rows);
   args.amax_columnwise_chunks = optional_floats(amax_columnwise_chunks);
-  args.block_2d = block_2d;
-  args.rht = rht;
-  args.rht_random_sign = rht_random_sign;
-  args.stochastic_rounding = stochastic_rounding;
-  args.sr_seed = static_cast<uint64_t>(sr_seed);
-  if (sr_seed_device.has_value()) {
-    check_device_tensor(*sr_seed_device, "sr_seed_device");
-    TORCH_CHECK(sr_seed_device->scalar_type() == at::kLong && sr_seed_device->numel() == 1,
-                "nvfp4_dist._C.quantize_segmented: sr_seed_device must be one int64 value");
-    args.sr_seed_device = sr_seed_device->data_ptr<int64_t>();
-  }
-  args.sr_row_offset = sr_row_offset;
   args.e4m3_bound = 448;
   check_launch(nvfp4::launch_quantize(args, as_stream(stream)), "quantize_segmented");
 }
