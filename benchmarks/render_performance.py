@@ -330,6 +330,14 @@ def param_gather_command(record: dict) -> str:
     return "python benchmarks/param_gather.py" + (" --megatron" if "megatron" in record else "")
 
 
+def param_gather_cost_summary(record: dict) -> list[str]:
+    return [f"GPTModel hidden {record['hidden']}, {record['layers']} layers, {record['seq']} x {record['micro_batch']}, "
+            f"DP={record['dp']}: the NVFP4 param gather ({record['nvfp4_weights']} weights) takes "
+            f"{record['gather_ms']:.2f} ms, {percent(record['gather_fraction_of_step'])} of the "
+            f"{record['step_ms_bf16_gather']:.1f} ms step (target <= {percent(record['target_fraction'])}); the step "
+            f"with it {record['step_ms_nvfp4_gather']:.1f} ms ({times(record['step_ratio_nvfp4_over_bf16_gather'])})"]
+
+
 def moe_summary(record: dict) -> list[str]:
     mib = 2 ** 20
     dispatch = record["dispatch_bytes"]
@@ -426,6 +434,11 @@ BENCHMARKS = {  # row order
                               "(bytes counted: the same on any device)",
                               "the same gather in BF16 (FSDP2's; Megatron's), same model", param_gather_summary,
                               param_gather_command),
+    "param_gather_cost": Benchmark("NVFP4 parameter gather of Megatron-Core's distributed optimizer: its cost in a "
+                                   "training step (on one GPU every band is cast here: the most it costs a rank)",
+                                   "the step with Megatron's own BF16 gather, same model",
+                                   param_gather_cost_summary,
+                                   lambda record: "torchrun --nproc-per-node 1 benchmarks/param_gather_cost.py"),
     "moe": Benchmark("mixture of experts: NVFP4 dispatch bytes (counted: the same on any device) and experts' time",
                      "BF16 dispatch of the same routed tokens; Megatron's BF16 experts", moe_summary, moe_command),
     "moe_convergence": Benchmark("MoE GPTModel convergence, NVFP4 spec with BF16 and NVFP4 dispatch (NVFP4 emulated "

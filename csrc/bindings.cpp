@@ -728,27 +728,25 @@ std::vector<at::Tensor> quantize_copies(const at::Tensor& input, bool rowwise, b
 }
 
 // gemm_dequantize_matmul's common case: per-tensor amaxes, A in one chunk of max_chunk_bytes, alpha (and a bias of
-// the output's dtype) applied by cuBLASLt. A's block values go into a BF16 buffer, B's too unless given (b_values:
-// B's block values, BF16 [N, K]), then cuBLASLt multiplies them. out_dtype: 0 BF16, 1 FP32, 2 FP16. Returns y
-// (accumulate_into when given, after adding y into it), or an undefined tensor (None), having launched nothing,
-// for any other case: the caller's general path takes it.
-at::Tensor emulated_gemm(const at::Tensor& a_data, const at::Tensor& a_scale, const at::Tensor& a_amax,
-                         const at::Tensor& b_data, const at::Tensor& b_scale,
-                         const std::optional<at::Tensor>& b_values_given, const at::Tensor& b_amax,
-                         const std::optional<at::Tensor>& bias,
-                         int64_t out_dtype, const std::optional<at::Tensor>& accumulate_into, int64_t a_e4m3_bound,
-                         int64_t b_e4m3_bound, int64_t max_chunk_bytes, int64_t stream) {
-  constexpr at::ScalarType kOutTypes[] = {at::kBFloat16, at::kFloat, at::kHalf};
-  TORCH_CHECK(out_dtype >= 0 && out_dtype < 3, "nvfp4_dist._C.emulated_gemm: out_dtype is 0, 1 or 2");
-  const int64_t rows = a_data.size(0), k = 2 * a_data.size(1), cols = b_data.size(0);
-  const bool accumulate = accumulate_into.has_value();
-  const at::ScalarType out_type = accumulate ? accumulate_into->scalar_type() : kOutTypes[out_dtype];
+// the output's dtype) applied by cuBLASLt.
+bool emulated_gemm_applies(const at::Tensor& a_data, const at::Tensor& a_amax, const at::Tensor& b_amax,
+                           const std::optional<at::Tensor>& bias, bool accumulate, at::ScalarType out_type,
+                           int64_t max_chunk_bytes) {
+  const int64_t rows = a_data.size(0), k = 2 * a_data.size(1);
   const int64_t chunk_rows = std::max<int64_t>(256, max_chunk_bytes / (4 * k) / 256 * 256);  // as hopper.py chunks
-  if (a_amax.numel() != 1 || b_amax.numel() != 1 || rows == 0 || rows > chunk_rows ||
-      (bias.has_value() && (accumulate || bias->scalar_type() != out_type))) {
-    return at::Tensor();
-  }
-  at::Tensor out = accumulate ? *accumulate_into : at::empty({rows, cols}, a_data.options().dtype(out_type));
+  return a_amax.numel() == 1 && b_amax.numel() == 1 && rows > 0 && rows <= chunk_rows &&
+         !(bias.has_value() && (accumulate || bias->scalar_type() != out_type));
+}
+
+// The common case's kernels into out (= or +=): A's block values into a BF16 buffer, B's too unless given
+// (b_values: B's block values, BF16 [N, K]), then cuBLASLt multiplies them. False when cuBLASLt has no algorithm
+// (the dequantizations launched, nothing written to out).
+bool emulated_gemm_into(const at::Tensor& a_data, const at::Tensor& a_scale, const at::Tensor& a_amax,
+                        const at::Tensor& b_data, const at::Tensor& b_scale,
+                        const std::optional<at::Tensor>& b_values_given, const at::Tensor& b_amax,
+                        const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound,
+                        int64_t b_e4m3_bound, at::Tensor& out, int64_t stream) {
+  const int64_t rows = a_data.size(0), k = 2 * a_data.size(1), cols = b_data.size(0);
   at::Tensor a_values = at::empty({rows, k}, a_data.options().dtype(at::kBFloat16));
   dequantize_block_values(a_data.contiguous(), a_scale.contiguous().view(at::kByte), 1.0, a_values, stream);
   at::Tensor b_values;
@@ -760,11 +758,69 @@ at::Tensor emulated_gemm(const at::Tensor& a_data, const at::Tensor& a_scale, co
   }
   std::optional<at::Tensor> bias_arg;
   if (bias.has_value()) bias_arg = bias->contiguous();
-  if (!cublaslt_gemm(a_values, b_values, a_amax.contiguous(), b_amax.contiguous(), bias_arg, accumulate, a_e4m3_bound,
-                     b_e4m3_bound, out, stream)) {
+  return cublaslt_gemm(a_values, b_values, a_amax.contiguous(), b_amax.contiguous(), bias_arg, accumulate,
+                       a_e4m3_bound, b_e4m3_bound, out, stream);
+}
+
+// The common case in one call. out_dtype: 0 BF16, 1 FP32, 2 FP16. Returns y (accumulate_into when given, after
+// adding y into it), or an undefined tensor (None), having launched nothing, for any other case: the caller's
+// general path takes it.
+at::Tensor emulated_gemm(const at::Tensor& a_data, const at::Tensor& a_scale, const at::Tensor& a_amax,
+                         const at::Tensor& b_data, const at::Tensor& b_scale,
+                         const std::optional<at::Tensor>& b_values_given, const at::Tensor& b_amax,
+                         const std::optional<at::Tensor>& bias,
+                         int64_t out_dtype, const std::optional<at::Tensor>& accumulate_into, int64_t a_e4m3_bound,
+                         int64_t b_e4m3_bound, int64_t max_chunk_bytes, int64_t stream) {
+  constexpr at::ScalarType kOutTypes[] = {at::kBFloat16, at::kFloat, at::kHalf};
+  TORCH_CHECK(out_dtype >= 0 && out_dtype < 3, "nvfp4_dist._C.emulated_gemm: out_dtype is 0, 1 or 2");
+  const bool accumulate = accumulate_into.has_value();
+  const at::ScalarType out_type = accumulate ? accumulate_into->scalar_type() : kOutTypes[out_dtype];
+  if (!emulated_gemm_applies(a_data, a_amax, b_amax, bias, accumulate, out_type, max_chunk_bytes)) {
+    return at::Tensor();
+  }
+  at::Tensor out = accumulate ? *accumulate_into
+                              : at::empty({a_data.size(0), b_data.size(0)}, a_data.options().dtype(out_type));
+  if (!emulated_gemm_into(a_data, a_scale, a_amax, b_data, b_scale, b_values_given, b_amax, bias, accumulate,
+                          a_e4m3_bound, b_e4m3_bound, out, stream)) {
     return at::Tensor();
   }
   return out;
+}
+
+// A grouped layer's GEMM stage (nvfp4_dist/grouped_linear.py): for every expert e, outs[e] = A_e . B_e^T (+ bias e)
+// or += it, each by the kernels emulated_gemm runs (so the same bytes as a loop of it), in one call. outs[e]: the
+// expert's output (rows of one output tensor, or its weight gradient), unit column stride. biases: empty, or one per
+// expert. Returns the experts done: all of them, or none (nothing launched) when one falls outside the common case;
+// cuBLASLt having no algorithm for expert e stops there (experts before e done), the caller runs the rest.
+int64_t grouped_emulated_gemm(const std::vector<at::Tensor>& a_data, const std::vector<at::Tensor>& a_scale,
+                              const std::vector<at::Tensor>& a_amax, const std::vector<at::Tensor>& b_data,
+                              const std::vector<at::Tensor>& b_scale, const std::vector<at::Tensor>& b_amax,
+                              const std::vector<at::Tensor>& biases, std::vector<at::Tensor> outs, bool accumulate,
+                              int64_t a_e4m3_bound, int64_t b_e4m3_bound, int64_t max_chunk_bytes, int64_t stream) {
+  const size_t experts = a_data.size();
+  TORCH_CHECK(a_scale.size() == experts && a_amax.size() == experts && b_data.size() == experts &&
+                  b_scale.size() == experts && b_amax.size() == experts && outs.size() == experts &&
+                  (biases.empty() || biases.size() == experts),
+              "nvfp4_dist._C.grouped_emulated_gemm: one operand pair and one output per expert");
+  auto bias_of = [&](size_t e) -> std::optional<at::Tensor> {
+    if (biases.empty()) return std::nullopt;
+    return biases[e];
+  };
+  for (size_t e = 0; e < experts; ++e) {
+    TORCH_CHECK(outs[e].dim() == 2 && outs[e].size(0) == a_data[e].size(0) && outs[e].size(1) == b_data[e].size(0),
+                "nvfp4_dist._C.grouped_emulated_gemm: outs[e] is [rows of A_e, rows of B_e]");
+    if (!emulated_gemm_applies(a_data[e], a_amax[e], b_amax[e], bias_of(e), accumulate, outs[e].scalar_type(),
+                               max_chunk_bytes)) {
+      return 0;
+    }
+  }
+  for (size_t e = 0; e < experts; ++e) {
+    if (!emulated_gemm_into(a_data[e], a_scale[e], a_amax[e], b_data[e], b_scale[e], std::nullopt, b_amax[e],
+                            bias_of(e), accumulate, a_e4m3_bound, b_e4m3_bound, outs[e], stream)) {
+      return static_cast<int64_t>(e);
+    }
+  }
+  return static_cast<int64_t>(experts);
 }
 
 }  // namespace
@@ -773,6 +829,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "NVFP4 quantization kernels of nvfp4_dist (see nvfp4_dist/kernels.py)";
   m.def("quantize_copies", &quantize_copies, "amaxes, outputs and cast of a quantize in one call (hot path)");
   m.def("emulated_gemm", &emulated_gemm, "dequantize A, then cuBLASLt with alpha from the amaxes, in one call (hot path)");
+  m.def("grouped_emulated_gemm", &grouped_emulated_gemm, "every expert's emulated_gemm into its output, in one call");
   m.def("amax_tensor", &amax_tensor, "max |x| into amax (1,)");
   m.def("amax_rows", &amax_rows, "max |x| of each row into amax (rows,)");
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");

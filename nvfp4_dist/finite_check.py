@@ -149,6 +149,8 @@ def _settle_all(wait: bool) -> None:
     """Both kinds of pending check: the event-backed copies (_settle), then the pinned records (_Records)."""
     _settle(wait)
     _records.settle(wait)
+
+
 _RECORDED = (" (checked on the GPU without waiting for it, reported at a later check or optimizer step or by "
              "nvfp4_dist.raise_pending_nonfinite())")
 

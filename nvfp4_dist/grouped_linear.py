@@ -19,13 +19,10 @@ of launches whatever the number of experts (the amaxes, one segment reduction, o
 scales and amaxes byte for byte those of its own ops.quantize. The CPU reference, the 4over6 and row-scaled
 recipes and CUDA graph captures quantize per expert (one ops.quantize per expert and operand), the definition.
 Expert e's columnwise copy is then a column slice of the grouped copy of x^T (a strided view); the weights'
-copies are contiguous. The GEMMs run as one grouped
-GEMM per stage where the backend is the Hopper emulation and torch has torch._grouped_mm: the operands' block
-values (FP4 value times E4M3 scale, exact in BF16, docs/numerics.md §8) go into one grouped BF16 GEMM with FP32
-output and each expert's global factors are applied in FP32 afterwards. Its accumulation order is not the
-per-expert GEMM's, so it matches the loop within the GEMM tolerance of docs/numerics.md §11;
-grouped_gemm=False (and every other backend: the CPU reference, Blackwell's cuBLASLt) runs one gemm() per expert
-with tokens, which is the bit-identical definition above.
+copies are contiguous. Each GEMM stage (fprop, dgrad, wgrad) runs every expert's GEMM in one C++ call where the
+backend is the Hopper emulation (hot_path.grouped_gemm: per expert the kernels of gemm(), so the same bytes, without
+a Python call per expert); elsewhere (the CPU reference, Blackwell's cuBLASLt, grouped_gemm=False) one gemm() per
+expert with tokens. Both are the bit-identical definition above.
 """
 from __future__ import annotations
 
@@ -36,18 +33,16 @@ import weakref
 
 import torch
 
-from nvfp4_dist import environment, finite_check, ops
+from nvfp4_dist import environment, finite_check, hot_path, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
-from nvfp4_dist.gemm import gemm, resolve_backend
-from nvfp4_dist.grouped_quantize import (check_segments, ints_on_device, quantize_segments, segment_offsets,
-                                         segmented_kernels_apply)
+from nvfp4_dist.gemm import gemm
+from nvfp4_dist.grouped_quantize import check_segments, quantize_segments, segment_offsets, segmented_kernels_apply
 from nvfp4_dist.linear import (WeightCache, WeightParameter, bf16_linear, check_activation, check_features,
-                               check_parameter_dtype, check_weight_dtype, deliver_weight_grad, weight_signature)
+                               check_parameter_dtype, check_weight_dtype, deliver_weight_grad, main_grad_target,
+                               wait_for_main_grad, weight_signature)
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.recipe_map import RecipeMap, check_layer_recipe
-from nvfp4_dist.reference.gemm import block_values
-from nvfp4_dist.reference.quantize import decode_scale
 from nvfp4_dist.tensor import NVFP4Tensor
 
 logger = logging.getLogger("nvfp4_dist")
@@ -56,96 +51,6 @@ logger = logging.getLogger("nvfp4_dist")
 def check_split_sizes(split_sizes, num_experts: int, rows: int) -> list[int]:
     """split_sizes as a list of E non-negative ints summing to `rows`; ValueError naming the problem otherwise."""
     return check_segments(split_sizes, rows, columnwise=False, num_experts=num_experts)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Grouped GEMM on the Hopper emulation (torch._grouped_mm over exact block values).
-
-_GROUPED_MM_FP32_OUTPUT: dict = {}  # device type -> whether _grouped_mm takes BF16 operands with FP32 output
-
-
-def grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
-
-
-def block_matrix(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[rows, K] of fp4 value x E4M3 block scale (exact; no global factor) from packed [rows, K/2] data: BF16 from the
-    dequantize kernel on CUDA (exact in BF16, docs/numerics.md §8), FP32 from the reference elsewhere."""
-    if data.is_cuda:
-        from nvfp4_dist.gemm import hopper
-        return hopper.dequantize_to_bf16(data, scale)
-    rows = data.shape[0]
-    return block_values(data, scale).reshape(rows, data.shape[1] * 2)
-
-
-def _decode_scales(amaxes: list, e4m3_bounds: list, width: int) -> torch.Tensor:
-    """FP32 [len(amaxes), width]: S_dec of each operand's amax (per tensor, or `width` values), expanded to width.
-    Per-tensor amaxes of one bound take one stack and one division chain for all operands (the same FP32 operations
-    as decode_scale of each)."""
-    if all(amax.numel() == 1 for amax in amaxes) and len(set(e4m3_bounds)) == 1:
-        stacked = torch.stack([amax.reshape(()) for amax in amaxes]).to(torch.float32)
-        return decode_scale(stacked, e4m3_bounds[0]).reshape(-1, 1).expand(-1, width)
-    return torch.stack([decode_scale(amax, bound).reshape(-1).expand(width)
-                        for amax, bound in zip(amaxes, e4m3_bounds)])
-
-
-def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm(a, b, offs) with FP32 output from FP32 operands holding BF16-exact values: BF16 operands
-    with out_dtype FP32 where torch offers it (tensor cores), else the FP32 operands themselves."""
-    key = a.device.type
-    if _GROUPED_MM_FP32_OUTPUT.get(key, True):
-        try:
-            out = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offs, out_dtype=torch.float32)
-            _GROUPED_MM_FP32_OUTPUT[key] = True
-            return out
-        except RuntimeError as error:
-            _GROUPED_MM_FP32_OUTPUT[key] = False
-            logger.info("torch._grouped_mm on %s: no FP32 output from BF16 operands (%s); using FP32 operands",
-                        key, str(error).splitlines()[0])
-    return torch._grouped_mm(a.to(torch.float32).contiguous(), b.to(torch.float32), offs=offs)
-
-
-def _row_decode_scales(operands: list, copy: str, counts: list[int], device) -> torch.Tensor:
-    """S_dec of each row of the concatenated `copy` of operands (one per expert with rows), FP32 [sum(counts)]."""
-    amaxes = [getattr(q, f"amax_{copy}") for q in operands]
-    if amaxes and all(amax.numel() == 1 for amax in amaxes):  # per-tensor amaxes: one S_dec per expert, repeated
-        per_expert = _decode_scales(amaxes, [q.e4m3_bound for q in operands], 1).reshape(-1)
-        return torch.repeat_interleave(per_expert, ints_on_device(counts, torch.int64, device),
-                                       output_size=sum(counts))
-    parts = []
-    for q, count in zip(operands, counts):
-        s_dec = decode_scale(getattr(q, f"amax_{copy}"), q.e4m3_bound).reshape(-1)
-        parts.append(s_dec.expand(count) if s_dec.numel() == 1 else s_dec)
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=device)
-
-
-def grouped_fprop_like(a_ops: list, a_copy: str, b_ops: list, b_copy: str, counts: list[int]) -> torch.Tensor:
-    """FP32 [sum(counts), N]: rows of expert e = A_e . B_e^T for the experts with rows (fprop and dgrad shape:
-    A's copies concatenated along their rows, one B per expert)."""
-    a_values = torch.cat([block_matrix(getattr(q, f"{a_copy}_data"), getattr(q, f"{a_copy}_scale")) for q in a_ops])
-    b_values = torch.stack([block_matrix(getattr(q, f"{b_copy}_data"), getattr(q, f"{b_copy}_scale")) for q in b_ops])
-    device = a_values.device
-    offs = ints_on_device(segment_offsets(counts)[1:], torch.int32, device)
-    acc = grouped_mm_fp32(a_values, b_values.transpose(1, 2), offs)
-    a_s_dec = _row_decode_scales(a_ops, a_copy, counts, device)
-    b_s_dec = _decode_scales([getattr(q, f"amax_{b_copy}") for q in b_ops], [q.e4m3_bound for q in b_ops],
-                             acc.shape[1])  # [experts, N]
-    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                            ints_on_device(counts, torch.int64, device), output_size=sum(counts))
-    return acc * (a_s_dec.reshape(-1, 1) * b_s_dec[expert_of_row])
-
-
-def grouped_wgrad(dy_ops: list, x_ops: list, counts: list[int]) -> torch.Tensor:
-    """FP32 [experts, N, K]: dW_e = dy_e^T . x_e from the columnwise copies (K of each GEMM: expert e's tokens)."""
-    dy_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in dy_ops], dim=1)
-    x_values = torch.cat([block_matrix(q.columnwise_data, q.columnwise_scale) for q in x_ops], dim=1)
-    offs = ints_on_device(segment_offsets(counts)[1:], torch.int32, dy_values.device)
-    acc = grouped_mm_fp32(dy_values, x_values.t(), offs)
-    dy_s_dec = _decode_scales([q.amax_columnwise for q in dy_ops], [q.e4m3_bound for q in dy_ops],
-                              acc.shape[1])  # [experts, N]
-    x_s_dec = _decode_scales([q.amax_columnwise for q in x_ops], [q.e4m3_bound for q in x_ops],
-                             acc.shape[2])  # [experts, K]
-    return acc * (dy_s_dec[:, :, None] * x_s_dec[:, None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,15 +73,15 @@ class GroupedOptions:
     rowwise_input: NVFP4Tensor | None = None  # fprop's input copy, given (NVFP4 MoE dispatch)
 
 
-def _uses_grouped_gemm(options: GroupedOptions, device: torch.device) -> bool:
-    """Whether the stages' GEMMs run grouped: on the Hopper emulation with torch._grouped_mm, outside CUDA graph
-    captures (its expert offsets are copied from the host per call)."""
-    if not (options.grouped_gemm and grouped_mm_available() and device.type == "cuda"):
-        return False
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    backend = options.recipe.gemm_backend if options.recipe.gemm_backend != "auto" else None
-    return resolve_backend(backend, device) == "emulated"
+def _gemms(options: GroupedOptions, a_ops: list, a_copy: str, b_ops: list, b_copy: str, outs: list, *,
+           biases: list | None = None) -> None:
+    """outs[i] = A_i . B_i^T (+ biases[i]) for the experts' operand pairs: as many as it takes in one grouped call
+    (hot_path.grouped_gemm, with grouped_gemm on), the rest by one gemm() each; the same bytes either way."""
+    done = hot_path.grouped_gemm(a_ops, a_copy, b_ops, b_copy, outs, recipe=options.recipe, biases=biases) \
+        if options.grouped_gemm else 0
+    for i in range(done, len(a_ops)):
+        gemm(a_ops[i], b_ops[i], a_copy=a_copy, b_copy=b_copy, out_dtype=outs[i].dtype,
+             bias=None if biases is None else biases[i], recipe=options.recipe, out=outs[i])
 
 
 def _active(split_sizes: list) -> list[int]:
@@ -223,17 +128,9 @@ class GroupedLinearFunction(torch.autograd.Function):
             _check_finite(operands, options.layer_name)
         out_features = weights[0].shape[0]
         y2d = torch.empty(x2d.shape[0], out_features, dtype=x.dtype, device=x.device)
-        if active and _uses_grouped_gemm(options, x.device):
-            acc = grouped_fprop_like([x_rows[e] for e in active], "rowwise",
-                                     [options.weight_qs[e] for e in active], "rowwise", [sizes[e] for e in active])
-            if options.has_bias:
-                bias_rows = torch.cat([biases[e].to(torch.float32).expand(sizes[e], -1) for e in active])
-                acc = acc + bias_rows
-            y2d.copy_(acc)
-        else:
-            for e in active:
-                gemm(x_rows[e], options.weight_qs[e], a_copy="rowwise", b_copy="rowwise",
-                     out_dtype=x.dtype, bias=biases[e], recipe=recipe, out=y2d[offsets[e]:offsets[e + 1]])
+        _gemms(options, [x_rows[e] for e in active], "rowwise", [options.weight_qs[e] for e in active], "rowwise",
+               [y2d[offsets[e]:offsets[e + 1]] for e in active],
+               biases=[biases[e] for e in active] if options.has_bias else None)
         saved, metas = [], []
         for e in range(experts):
             if e in x_qs:
@@ -282,44 +179,53 @@ class GroupedLinearFunction(torch.autograd.Function):
                     dy_qs[e] = parts[e].rowwise_only().replace(rht=False) if columnwise else parts[e]
         if recipe.check_finite and dy_qs:
             _check_finite({f"gradient (expert {e})": q for e, q in dy_qs.items()}, options.layer_name)
-        grouped = _uses_grouped_gemm(options, dy.device)
         grad_x = None
         if need_dgrad:
             dx2d = torch.zeros(dy2d.shape[0], weights[0].shape[1], dtype=ctx.x_dtype, device=dy.device)
-            if active and grouped:
-                dx2d.copy_(grouped_fprop_like([dy_qs[e] for e in active], "rowwise", [w_saved[e] for e in active],
-                                              "columnwise", [sizes[e] for e in active]))
-            else:
-                for e in active:
-                    gemm(dy_qs[e].rowwise_only(), w_saved[e], a_copy="rowwise", b_copy="columnwise",
-                         out_dtype=ctx.x_dtype, recipe=recipe, out=dx2d[offsets[e]:offsets[e + 1]])
+            _gemms(options, [dy_qs[e].rowwise_only() for e in active], "rowwise", [w_saved[e] for e in active],
+                   "columnwise", [dx2d[offsets[e]:offsets[e + 1]] for e in active])
             grad_x = dx2d.reshape(ctx.x_shape)
         grad_weights = [None] * experts
         if any(need_wgrad):
-            grad_weights = _weight_grads(options, weights, need_wgrad, wgrad_active, dy_qs, x_saved, grouped)
+            grad_weights = _weight_grads(options, weights, need_wgrad, wgrad_active, dy_qs, x_saved)
         return (grad_x, None, *grad_weights, *(grad_biases if options.has_bias else ()))
 
 
-def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy_qs, x_saved, grouped) -> list:
+def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy_qs, x_saved) -> list:
     """What backward returns for each weight: computed now, or (delay_wgrad) queued as one step for all experts."""
     delayed = options.wgrad_store is not None
+
+    def grouped() -> dict:
+        """expert -> its weight gradient (or its main_grad, accumulated into) from one grouped call, for the leading
+        experts it took; the experts must all accumulate into main_grad or all not (else none are taken)."""
+        if not (options.grouped_gemm and wgrad_active):
+            return {}
+        targets = [main_grad_target(weights[e], options.accumulate_into_main_grad) for e in wgrad_active]
+        accumulate = targets[0] is not None
+        if any((t is not None) != accumulate for t in targets):
+            return {}
+        outs = targets if accumulate else [torch.empty(weights[e].shape, dtype=weights[e].dtype,
+                                                       device=weights[e].device) for e in wgrad_active]
+        if accumulate:
+            for e in wgrad_active:
+                wait_for_main_grad(weights[e])
+        done = hot_path.grouped_gemm([dy_qs[e].columnwise_only() for e in wgrad_active], "columnwise",
+                                     [x_saved[e] for e in wgrad_active], "columnwise", outs,
+                                     recipe=options.recipe, accumulate=accumulate)
+        return dict(zip(wgrad_active[:done], outs[:done]))
 
     def computes() -> dict:
         """expert -> compute(accumulate_into) of its weight gradient (docs of linear.deliver_weight_grad)."""
         found = {}
-        products = None
-        if grouped and wgrad_active:
-            products = grouped_wgrad([dy_qs[e] for e in wgrad_active], [x_saved[e] for e in wgrad_active],
-                                     [options.split_sizes[e] for e in wgrad_active])
+        products = grouped()
         for e, weight in enumerate(weights):
             if not need_wgrad[e]:
                 continue
             if e not in wgrad_active:  # no tokens: a zero gradient, as nv.Linear gives for an empty batch
                 found[e] = (lambda acc, w=weight: acc if acc is not None
                             else torch.zeros(w.shape, dtype=w.dtype, device=w.device))
-            elif products is not None:
-                product = products[wgrad_active.index(e)]
-                found[e] = (lambda acc, p=product, w=weight: acc.add_(p) if acc is not None else p.to(w.dtype))
+            elif e in products:  # computed (or accumulated into acc, which is that main_grad) by the grouped call
+                found[e] = (lambda acc, p=products[e]: p)
             else:
                 found[e] = (lambda acc, e=e, w=weight: gemm(dy_qs[e].columnwise_only(), x_saved[e], a_copy="columnwise",
                                                             b_copy="columnwise", out_dtype=w.dtype,

@@ -8,7 +8,8 @@ call these instead: `quantize` (csrc/bindings.cpp quantize_copies: amaxes, outpu
 the Hopper backend's cache of the last B when it holds them). Both launch the same kernels
 in the same order as the general path, so they give the same bytes; any case they do not cover (CPU tensors,
 NVFP4_FORCE_REFERENCE, 4over6, an empty tensor, the Blackwell and fused Hopper backends, per-row amaxes, a
-GEMM in several chunks, bias with accumulation) goes to ops.quantize and gemm() unchanged.
+GEMM in several chunks, bias with accumulation) goes to ops.quantize and gemm() unchanged. `grouped_gemm` runs a
+grouped layer's GEMM stage (every expert's emulated GEMM) in one call, with the kernels of a loop of `gemm`.
 """
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ def _emulated_dequantize(switches: tuple, device_index: int, gemm_backend: str) 
     device = torch.device("cuda", device_index)
     backend = dispatch.resolve_backend(None if gemm_backend == "auto" else gemm_backend, device)
     return backend == "emulated" and gpu_backends.hopper_path() == "dequantize"
+
+
+def _hopper():
+    from nvfp4_dist.gemm import hopper  # imported where used: it needs triton, which CPU-only installs may lack
+    return hopper
 
 
 def _switches() -> tuple:
@@ -102,7 +108,7 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str, b_copy: str, out_dtype:
     if a_data is not None and b_data is not None and a_data.is_cuda and out_dtype in _OUT_DTYPE_CODES:
         gemm_backend = recipe.gemm_backend if recipe is not None else "auto"
         if _emulated_dequantize(_switches(), a_data.device.index, gemm_backend):
-            from nvfp4_dist.gemm import hopper
+            hopper = _hopper()
             b_scale = getattr(b, f"{b_copy}_scale")
             y = load_extension().emulated_gemm(
                 a_data, getattr(a, f"{a_copy}_scale"), getattr(a, f"amax_{a_copy}"), b_data, b_scale,
@@ -112,3 +118,24 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str, b_copy: str, out_dtype:
                 return y
     return general_gemm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias,
                         accumulate_into=accumulate_into, recipe=recipe)
+
+
+def grouped_gemm(a_ops: list, a_copy: str, b_ops: list, b_copy: str, outs: list, *, recipe: NVFP4Recipe,
+                 biases: list | None = None, accumulate: bool = False) -> int:
+    """outs[i] = A_i . B_i^T (+ biases[i]), or += it (accumulate), for the operand pairs in order, in one C++ call
+    (grouped_emulated_gemm) on the Hopper emulation's common case: per pair the kernels `gemm` runs, so the same
+    bytes. Returns how many leading pairs it did (0: the case does not apply; the caller runs gemm() for the rest)."""
+    if not a_ops:
+        return 0
+    a_data = [getattr(q, f"{a_copy}_data") for q in a_ops]
+    b_data = [getattr(q, f"{b_copy}_data") for q in b_ops]
+    first = a_data[0]
+    if (any(d is None for d in a_data + b_data) or not first.is_cuda or outs[0].dtype not in _OUT_DTYPE_CODES
+            or len({q.e4m3_bound for q in a_ops}) != 1 or len({q.e4m3_bound for q in b_ops}) != 1
+            or not _emulated_dequantize(_switches(), first.device.index, recipe.gemm_backend)):
+        return 0
+    return load_extension().grouped_emulated_gemm(
+        a_data, [getattr(q, f"{a_copy}_scale") for q in a_ops], [getattr(q, f"amax_{a_copy}") for q in a_ops],
+        b_data, [getattr(q, f"{b_copy}_scale") for q in b_ops], [getattr(q, f"amax_{b_copy}") for q in b_ops],
+        list(biases) if biases is not None else [], outs, accumulate, a_ops[0].e4m3_bound, b_ops[0].e4m3_bound,
+        _hopper().CHUNK_BYTES, stream_handle(first.device))

@@ -293,20 +293,33 @@ class LinearOptions:
     layer_name: str = "Linear"  # the layer, in error messages
 
 
+def main_grad_target(weight: torch.Tensor, accumulate_into_main_grad: bool) -> torch.Tensor | None:
+    """The buffer a wgrad GEMM accumulates into (weight.main_grad under accumulate_into_main_grad), or None (the
+    GEMM returns a new gradient)."""
+    if accumulate_into_main_grad:
+        return getattr(weight, "main_grad", None)
+    return None
+
+
+def wait_for_main_grad(weight: torch.Tensor) -> None:
+    """Make the current stream wait for the last accumulation into weight.main_grad when that ran on another CUDA
+    stream (a backward run on a side stream, as CUDA graph capture and warm-up do)."""
+    last = getattr(weight, "_main_grad_written", None)
+    if last is not None and weight.main_grad.is_cuda:
+        torch.cuda.current_stream(weight.main_grad.device).wait_event(last)
+
+
 def _accumulate_in_stream_order(weight: torch.Tensor, compute: Callable) -> None:
-    """compute(weight.main_grad), after the previous accumulation into it when that ran on another CUDA stream (a
-    backward run on a side stream, as CUDA graph capture and warm-up do)."""
+    """compute(weight.main_grad) after the previous accumulation into it (wait_for_main_grad), recording when it
+    was written."""
     buffer = weight.main_grad
     if not buffer.is_cuda:
         compute(buffer)
         return
-    stream = torch.cuda.current_stream(buffer.device)
-    last = getattr(weight, "_main_grad_written", None)
-    if last is not None:
-        stream.wait_event(last)
+    wait_for_main_grad(weight)
     compute(buffer)
     written = torch.cuda.Event()
-    written.record(stream)
+    written.record(torch.cuda.current_stream(buffer.device))
     weight._main_grad_written = written
 
 
@@ -319,7 +332,7 @@ def deliver_weight_grad(weight: torch.Tensor, compute: Callable, accumulate_into
     else None). Delayed (Megatron delay_wgrad_compute): backward_dw() runs this later and the gradient is
     accumulated into weight.grad there.
     """
-    if accumulate_into_main_grad and getattr(weight, "main_grad", None) is not None:
+    if main_grad_target(weight, accumulate_into_main_grad) is not None:
         _accumulate_in_stream_order(weight, compute)
         if delayed:
             return None

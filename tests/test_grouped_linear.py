@@ -181,37 +181,52 @@ def test_main_grad_and_delayed_wgrad():
         assert torch.equal(weight.grad, grad)
 
 
-@pytest.mark.parametrize("recipe", [nv.NVFP4Recipe(stochastic_rounding=False),
-                                    nv.NVFP4Recipe(stochastic_rounding=False, row_scaled_activation=True),
-                                    nv.NVFP4Recipe(stochastic_rounding=False, weight_2d=False,
-                                                   nvfp4_4over6="weights")],
-                         ids=["default", "row_scaled", "1x16_4over6_weights"])
-def test_grouped_gemm_path_matches_loop_within_gemm_tolerance(monkeypatch, recipe):
-    """The torch._grouped_mm path (Hopper emulation on CUDA) forced on the CPU: same results within the GEMM
-    tolerance of docs/numerics.md §11 (the accumulation order differs), zero-token experts included; per-row and
-    per-column global factors (row-scaled) and the 4over6 bound of 256 applied per expert."""
+def _partial_grouped_gemm(done: int, calls: list):
+    """A stand-in for hot_path.grouped_gemm (the C++ call runs on CUDA only) that does the first `done` operand
+    pairs with gemm() and reports them done, recording (pairs, accumulate) per call."""
+    def grouped_gemm(a_ops, a_copy, b_ops, b_copy, outs, *, recipe, biases=None, accumulate=False):
+        calls.append((len(a_ops), accumulate))
+        for i in range(min(done, len(a_ops))):
+            grouped_linear.gemm(a_ops[i], b_ops[i], a_copy=a_copy, b_copy=b_copy, out_dtype=outs[i].dtype,
+                                bias=None if biases is None else biases[i], recipe=recipe,
+                                **({"accumulate_into": outs[i]} if accumulate else {"out": outs[i]}))
+        return min(done, len(a_ops))
+    return grouped_gemm
+
+
+@pytest.mark.parametrize("done", [0, 1, 3])
+@pytest.mark.parametrize("main_grad", ["none", "all", "some"])
+def test_grouped_gemm_call_and_loop_share_the_experts(monkeypatch, done, main_grad):
+    """Each GEMM stage hands its experts to one grouped call (fprop, dgrad, wgrad: three calls) and runs the ones it
+    did not take by gemm(): results equal the loop whatever the split, with the weight gradients accumulated into
+    main_grad by the call where every expert has one, and wgrad left to the loop where only some have."""
+    recipe = nv.NVFP4Recipe(stochastic_rounding=False)
     sizes = [32, 0, 16, 48]
     x, dy = _inputs(sum(sizes), seed=12)
-    loop_layer, _ = _layers(4, bias=True)
-    loop_layer.recipe = recipe
-    expected = _grouped_run(loop_layer, x, dy, sizes)
-    grouped_layer, _ = _layers(4, bias=True)
-    grouped_layer.recipe = recipe
+    reference, _ = _layers(4, bias=True)
+    reference.recipe, reference.grouped_gemm = recipe, False
+    expected = _grouped_run(reference, x, dy, sizes)
+    layer, _ = _layers(4, bias=True)
+    layer.recipe = recipe
+    if main_grad != "none":
+        layer.accumulate_into_main_grad = True
+        for e, weight in enumerate(layer.weights()):
+            if main_grad == "all" or e % 2:
+                weight.main_grad = torch.ones(weight.shape, dtype=torch.float32)
     calls = []
-    original = grouped_linear.grouped_mm_fp32
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-    monkeypatch.setattr(grouped_linear, "_uses_grouped_gemm", lambda options, device: True)
-    monkeypatch.setattr(grouped_linear, "grouped_mm_fp32", counted)
-    got = _grouped_run(grouped_layer, x, dy, sizes)
-    assert len(calls) == 3  # one grouped GEMM each for fprop, dgrad and wgrad
+    monkeypatch.setattr(grouped_linear.hot_path, "grouped_gemm", _partial_grouped_gemm(done, calls))
+    got = _grouped_run(layer, x, dy, sizes)
+    wgrad_calls = [] if main_grad == "some" else [(3, main_grad == "all")]
+    assert calls == [(3, False), (3, False)] + wgrad_calls  # the three experts with tokens
     for a, b in zip(got[:2], expected[:2]):
-        torch.testing.assert_close(a, b, atol=8e-3, rtol=8e-3)
-    for a, b in zip(got[2], expected[2]):
-        torch.testing.assert_close(a, b, atol=8e-3, rtol=8e-3)
-    assert torch.count_nonzero(got[2][1]) == 0
+        assert torch.equal(a, b)
+    for grad, bias_grad, weight, expected_grad, expected_bias in zip(got[2], got[3], layer.weights(), expected[2],
+                                                                     expected[3]):
+        assert torch.equal(bias_grad, expected_bias)
+        if getattr(weight, "main_grad", None) is not None:
+            assert torch.equal(weight.main_grad, 1 + expected_grad.float())
+        else:
+            assert torch.equal(grad, expected_grad)
 
 
 @pytest.mark.parametrize("sizes, message", [

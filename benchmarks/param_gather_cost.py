@@ -1,0 +1,126 @@
+"""What gathering the weights in NVFP4 costs a Megatron GPT training step on GPUs (docs/data_parallel.md).
+
+Megatron-Core's GPTModel with the NVFP4 spec (hidden 4096, SwiGLU ffn 14336, 4 layers, seq 4096 x 2: the hidden-4096
+row of megatron_gpt.py --host-table) inside Megatron's DistributedDataParallel with the distributed optimizer
+(use_distributed_optimizer=True, no overlap) and Megatron's Adam, one step = zero the grad buffers, forward +
+backward, optimizer step (which gathers the parameters). Measured, same run, each the median of --iters:
+  step_ms (bf16 gather)     the step with Megatron's own BF16 parameter gather;
+  step_ms (nvfp4 gather)    the step after enable_nvfp4_param_gather (the layers then take the gathered NVFP4
+                            weights instead of quantizing their own);
+  gather_ms                 the NVFP4 gather alone (every bucket group's start_param_sync + finish_param_sync,
+                            synchronised): the sharded quantization (amaxes, the all-reduce of maxima, the cast of
+                            this rank's bands), the all-gather and the assembly of the gathered weights.
+Target: gather_ms <= 3% of the step (bf16 gather). On W data-parallel ranks each rank casts 1/W of the bands; on one
+GPU (W = 1) it casts them all, the most the sharded quantization can cost, and the all-gather is a local copy
+(timing the gather over several GPUs belongs to a multi-GPU run).
+
+    torchrun --nproc-per-node 1 benchmarks/param_gather_cost.py [--iters 10] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, enable_nvfp4_param_gather
+from megatron_gpt import HOST_TABLE, build  # noqa: E402 (benchmarks/ is on sys.path when run)
+from provenance import command_line, git_commit  # noqa: E402
+from torchrun_setup import gpu_label, init_nccl  # noqa: E402
+
+TARGET_FRACTION = 0.03
+MODEL = HOST_TABLE[2]  # (hidden, ffn, layers, seq, micro-batch)
+
+
+def synchronised_ms(run) -> float:
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3
+
+
+def measure(args) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    hidden, ffn, layers, seq, micro_batch = MODEL
+    model_args = argparse.Namespace(layers=layers, hidden=hidden, ffn=ffn, heads=hidden // 128, seq=seq,
+                                    vocab=32000, overlap=False, cuda_graphs=False)
+    torch.manual_seed(0)
+    module = build("nvfp4", model_args, tp=1, fused_producers=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=False,
+                                               overlap_grad_reduce=False)
+    model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True, clip_grad=0.0,
+                                                       use_distributed_optimizer=True), [model])
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_args.vocab, (micro_batch, seq + 1), generator=generator).cuda()
+    positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(micro_batch, -1)
+
+    def step():
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+        model.finish_grad_sync()
+        optimizer.step()
+
+    def steps() -> float:
+        for _ in range(args.warmup):
+            step()
+        return statistics.median(synchronised_ms(step) for _ in range(args.iters))
+
+    bf16_step = steps()
+    handle = enable_nvfp4_param_gather([model])
+    nvfp4_step = steps()
+
+    def gather():
+        for group in handle.groups:
+            group.start_param_sync()
+            group.finish_param_sync()
+    gather_ms = statistics.median(synchronised_ms(gather) for _ in range(args.iters))
+    return {"hidden": hidden, "ffn": ffn, "layers": layers, "seq": seq, "micro_batch": micro_batch,
+            "nvfp4_weights": len(handle.layers), "step_ms_bf16_gather": bf16_step, "step_ms_nvfp4_gather": nvfp4_step,
+            "gather_ms": gather_ms, "gather_fraction_of_step": gather_ms / bf16_step,
+            "step_ratio_nvfp4_over_bf16_gather": nvfp4_step / bf16_step, "target_fraction": TARGET_FRACTION}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=None, help="default benchmarks/results/param_gather_cost_<gpu>.json")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.iters < 1:
+        parser.error("--warmup and --iters: at least 1")
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        raise SystemExit("runs on GPUs under torchrun: torchrun --nproc-per-node 1 benchmarks/param_gather_cost.py")
+    rank, world = init_nccl("nvlink")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    result = measure(args)
+    if rank == 0:
+        print(f"step {result['step_ms_bf16_gather']:.1f} ms (BF16 gather), {result['step_ms_nvfp4_gather']:.1f} ms "
+              f"(NVFP4 gather, {result['step_ratio_nvfp4_over_bf16_gather']:.3f}x); NVFP4 gather alone "
+              f"{result['gather_ms']:.2f} ms = {100 * result['gather_fraction_of_step']:.2f}% of the step "
+              f"(target <= {100 * TARGET_FRACTION:.0f}%)", flush=True)
+        record = {"benchmark": "param_gather_cost", "device": torch.cuda.get_device_name(), "dp": world,
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
+                  "command": command_line(), "megatron_core": MEGATRON_CORE_VERSION, "iters": args.iters,
+                  "warmup": args.warmup, **result}
+        out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                       f"param_gather_cost_{gpu_label()}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as handle:
+            json.dump(record, handle, indent=1)
+        print(f"wrote {out}")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
