@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, enable_nvfp4_param_gather
 from megatron_gpt import HOST_TABLE, build  # noqa: E402 (benchmarks/ is on sys.path when run)
 from provenance import command_line, git_commit  # noqa: E402
@@ -51,7 +52,7 @@ def measure(args) -> dict:
     model_args = argparse.Namespace(layers=layers, hidden=hidden, ffn=ffn, heads=hidden // 128, seq=seq,
                                     vocab=32000, overlap=False, cuda_graphs=False)
     torch.manual_seed(0)
-    module = build("nvfp4", model_args, tp=1, fused_producers=True)
+    module = build("nvfp4", model_args, tp=1, fused_producers=True, transport=NVFP4Recipe.from_env().overlap_transport)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=False,
                                                overlap_grad_reduce=False)
     model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)

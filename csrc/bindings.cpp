@@ -349,11 +349,13 @@ void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, cons
                "dequantize_columnwise");
 }
 
-// False when cuBLASLt has no algorithm for the problem (nothing launched): the caller takes another path.
-bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
-                   const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound, int64_t b_e4m3_bound,
-                   at::Tensor& out, int64_t stream) {
-  constexpr int64_t kWorkspaceBytes = 32 << 20;
+constexpr int64_t kCublasWorkspaceBytes = 32 << 20;
+
+// cublaslt_gemm with its two device scalars (alpha, beta) at `scalars` and the given workspace.
+bool cublaslt_gemm_using(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
+                         const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound,
+                         int64_t b_e4m3_bound, at::Tensor& out, float* scalars, const at::Tensor& workspace,
+                         int64_t stream) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && out.is_cuda() && a.dim() == 2 && b.dim() == 2 && out.dim() == 2 &&
                   a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.stride(1) == 1 &&
                   b.stride(1) == 1 && out.stride(1) == 1 && a.size(1) == b.size(1) && out.size(0) == a.size(0) &&
@@ -363,17 +365,25 @@ bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a
   check_device_tensor(b_amax, "b_amax");
   TORCH_CHECK(a_amax.numel() == 1 && b_amax.numel() == 1, "nvfp4_dist._C.cublaslt_gemm: per-tensor amaxes");
   if (bias.has_value()) check_device_tensor(*bias, "bias");
-  at::Tensor scalars = at::empty({2}, a_amax.options());
-  at::Tensor workspace = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
   const cudaError_t status = nvfp4::launch_cublaslt_gemm(
       a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1), a_amax.data_ptr<float>(),
       b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound),
       bias.has_value() ? bias->data_ptr() : nullptr,
       bias.has_value() ? input_type(*bias) : input_type(out), accumulate, out.data_ptr(), input_type(out), out.stride(0),
-      scalars.data_ptr<float>(), workspace.data_ptr(), kWorkspaceBytes, as_stream(stream));
+      scalars, workspace.data_ptr(), static_cast<size_t>(workspace.numel()), as_stream(stream));
   if (status == cudaErrorNotSupported) return false;
   check_launch(status, "cublaslt_gemm");
   return true;
+}
+
+// False when cuBLASLt has no algorithm for the problem (nothing launched): the caller takes another path.
+bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
+                   const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound, int64_t b_e4m3_bound,
+                   at::Tensor& out, int64_t stream) {
+  at::Tensor scalars = at::empty({2}, a_amax.options());
+  at::Tensor workspace = at::empty({kCublasWorkspaceBytes}, a.options().dtype(at::kByte));
+  return cublaslt_gemm_using(a, b, a_amax, b_amax, bias, accumulate, a_e4m3_bound, b_e4m3_bound, out,
+                             scalars.data_ptr<float>(), workspace, stream);
 }
 
 void swizzle_scales(const at::Tensor& scale, at::Tensor& out, int64_t stream) {
@@ -787,11 +797,58 @@ at::Tensor emulated_gemm(const at::Tensor& a_data, const at::Tensor& a_scale, co
   return out;
 }
 
+// Whether `next` continues `previous` row for row in one buffer (as the grouped quantization lays out the experts'
+// rowwise copies and the stacked weights' copies): both contiguous, same width, next's first byte right after
+// previous's last.
+bool rows_follow(const at::Tensor& previous, const at::Tensor& next) {
+  return previous.is_contiguous() && next.is_contiguous() && previous.dim() == 2 && next.dim() == 2 &&
+         previous.size(1) == next.size(1) && previous.scalar_type() == next.scalar_type() &&
+         previous.storage().is_alias_of(next.storage()) &&
+         static_cast<const char*>(previous.data_ptr()) + previous.nbytes() == static_cast<const char*>(next.data_ptr());
+}
+
+// The BF16 block values of each operand (data [rows, K/2], scale [rows, K/16]): operands whose data and scales
+// continue each other row for row (rows_follow) are dequantized by one launch into one buffer and handed out as
+// its row slices, each starting on a 256-byte boundary (cuBLASLt's default operand alignment); any other operand
+// by a launch of its own.
+std::vector<at::Tensor> block_values(const std::vector<at::Tensor>& data, const std::vector<at::Tensor>& scale,
+                                     int64_t stream) {
+  std::vector<at::Tensor> values(data.size());
+  size_t first = 0;
+  while (first < data.size()) {
+    const int64_t k = 2 * data[first].size(1);
+    int64_t rows = data[first].size(0);
+    size_t end = first + 1;
+    while (end < data.size() && rows_follow(data[end - 1], data[end]) && rows_follow(scale[end - 1], scale[end]) &&
+           (rows * k * 2) % 256 == 0) {
+      rows += data[end].size(0);
+      ++end;
+    }
+    at::Tensor run_data = data[first].contiguous(), run_scale = scale[first].contiguous();
+    if (end - first > 1) {
+      run_data = data[first].as_strided({rows, data[first].size(1)}, {data[first].size(1), 1});
+      run_scale = scale[first].as_strided({rows, scale[first].size(1)}, {scale[first].size(1), 1});
+    }
+    at::Tensor run_values = at::empty({rows, k}, data[first].options().dtype(at::kBFloat16));
+    dequantize_block_values(run_data, run_scale.view(at::kByte), 1.0, run_values, stream);
+    int64_t offset = 0;
+    for (size_t e = first; e < end; ++e) {
+      values[e] = run_values.narrow(0, offset, data[e].size(0));
+      offset += data[e].size(0);
+    }
+    first = end;
+  }
+  return values;
+}
+
 // A grouped layer's GEMM stage (nvfp4_dist/grouped_linear.py): for every expert e, outs[e] = A_e . B_e^T (+ bias e)
-// or += it, each by the kernels emulated_gemm runs (so the same bytes as a loop of it), in one call. outs[e]: the
-// expert's output (rows of one output tensor, or its weight gradient), unit column stride. biases: empty, or one per
-// expert. Returns the experts done: all of them, or none (nothing launched) when one falls outside the common case;
-// cuBLASLt having no algorithm for expert e stops there (experts before e done), the caller runs the rest.
+// or += it, each by the kernels emulated_gemm runs (the same dequantization, cuBLASLt with the same problem and
+// operand layouts: the same bytes as a loop of it), in one call; the operands that follow each other row for row
+// are dequantized together (block_values), and one workspace serves every GEMM. outs[e]: the expert's output (rows
+// of one output tensor, or its weight gradient), unit column stride. biases: empty, or one per expert. Returns the
+// experts done: all of them, or none (nothing launched) when one falls outside the common case or an output is not
+// on a 256-byte boundary; cuBLASLt having no algorithm for expert e stops there (experts before e done), the
+// caller runs the rest.
 int64_t grouped_emulated_gemm(const std::vector<at::Tensor>& a_data, const std::vector<at::Tensor>& a_scale,
                               const std::vector<at::Tensor>& a_amax, const std::vector<at::Tensor>& b_data,
                               const std::vector<at::Tensor>& b_scale, const std::vector<at::Tensor>& b_amax,
@@ -802,21 +859,29 @@ int64_t grouped_emulated_gemm(const std::vector<at::Tensor>& a_data, const std::
                   b_scale.size() == experts && b_amax.size() == experts && outs.size() == experts &&
                   (biases.empty() || biases.size() == experts),
               "nvfp4_dist._C.grouped_emulated_gemm: one operand pair and one output per expert");
+  if (experts == 0) return 0;
   auto bias_of = [&](size_t e) -> std::optional<at::Tensor> {
     if (biases.empty()) return std::nullopt;
-    return biases[e];
+    return biases[e].contiguous();
   };
   for (size_t e = 0; e < experts; ++e) {
-    TORCH_CHECK(outs[e].dim() == 2 && outs[e].size(0) == a_data[e].size(0) && outs[e].size(1) == b_data[e].size(0),
-                "nvfp4_dist._C.grouped_emulated_gemm: outs[e] is [rows of A_e, rows of B_e]");
+    TORCH_CHECK(outs[e].dim() == 2 && outs[e].size(0) == a_data[e].size(0) && outs[e].size(1) == b_data[e].size(0) &&
+                    a_data[e].size(1) == b_data[e].size(1),
+                "nvfp4_dist._C.grouped_emulated_gemm: A_e [M, K/2], B_e [N, K/2] and outs[e] [M, N]");
     if (!emulated_gemm_applies(a_data[e], a_amax[e], b_amax[e], bias_of(e), accumulate, outs[e].scalar_type(),
-                               max_chunk_bytes)) {
+                               max_chunk_bytes) ||
+        outs[e].stride(1) != 1 || reinterpret_cast<uintptr_t>(outs[e].data_ptr()) % 256 != 0) {
       return 0;
     }
   }
+  const std::vector<at::Tensor> a_values = block_values(a_data, a_scale, stream);
+  const std::vector<at::Tensor> b_values = block_values(b_data, b_scale, stream);
+  at::Tensor scalars = at::empty({static_cast<int64_t>(2 * experts)}, a_amax[0].options());
+  at::Tensor workspace = at::empty({kCublasWorkspaceBytes}, a_data[0].options().dtype(at::kByte));
   for (size_t e = 0; e < experts; ++e) {
-    if (!emulated_gemm_into(a_data[e], a_scale[e], a_amax[e], b_data[e], b_scale[e], std::nullopt, b_amax[e],
-                            bias_of(e), accumulate, a_e4m3_bound, b_e4m3_bound, outs[e], stream)) {
+    if (!cublaslt_gemm_using(a_values[e], b_values[e], a_amax[e].contiguous(), b_amax[e].contiguous(), bias_of(e),
+                             accumulate, a_e4m3_bound, b_e4m3_bound, outs[e], scalars.data_ptr<float>() + 2 * e,
+                             workspace, stream)) {
       return static_cast<int64_t>(e);
     }
   }

@@ -87,8 +87,10 @@ def test_loop_gemm_is_bit_identical_to_per_expert_linears(name):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_grouped_gemm_is_bit_identical_to_the_loop(name, monkeypatch):
-    """grouped_gemm=True (one C++ call per GEMM stage on the Hopper emulation) gives the loop's bytes; per-tensor
-    amaxes take the grouped call for all three stages, the row-scaled recipe's per-row amaxes the loop."""
+    """grouped_gemm=True (one C++ call per GEMM stage on the Hopper emulation) gives the loop's bytes. The grouped
+    call takes dgrad and wgrad (with per-tensor amaxes; wgrad of the row-scaled recipe has per-row ones) and leaves
+    fprop to gemm() here: the layer's FP32 biases are added by gemm()'s epilogue to the BF16 output, cuBLASLt's bias
+    epilogue takes a bias of the output's dtype only (a BF16 layer's fprop: test_grouped_gemm_takes_bf16_fprop)."""
     recipe = RECIPES[name]
     x, dy = _data(sum(SIZES), seed=7)
     expected = _flat(_grouped(recipe, False, SIZES, x, dy))
@@ -99,9 +101,39 @@ def test_grouped_gemm_is_bit_identical_to_the_loop(name, monkeypatch):
     got = _flat(_grouped(recipe, True, SIZES, x, dy))
     if torch.cuda.get_device_capability() < (10, 0):
         active = sum(1 for size in SIZES if size)
-        assert done == ([0, 0, 0] if name == "row_scaled" else [active] * 3), done
+        assert done == ([0, active, 0] if name == "row_scaled" else [0, active, active]), done
     for (label, a), (_, b) in zip(got, expected):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {label} differs"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_gemm_takes_bf16_fprop(bias, monkeypatch):
+    """BF16 parameters (biases of the output's dtype, or none): all three stages in the grouped call, the loop's
+    bytes; an uneven split (rows not on 256-byte boundaries) falls back to gemm() with the same results."""
+    recipe = RECIPES["no_sr"]
+    for sizes in (SIZES, [48, 0, 80, 13, 3]):
+        x, dy = _data(sum(sizes), seed=9)
+        results, done = {}, []
+        original = grouped_linear.hot_path.grouped_gemm
+        monkeypatch.setattr(grouped_linear.hot_path, "grouped_gemm",
+                            lambda *args, **kwargs: done.append(original(*args, **kwargs)) or done[-1])
+        for grouped_gemm in (False, True):
+            torch.manual_seed(3)
+            layer = nv.GroupedLinear(len(sizes), IN, OUT, bias=bias, recipe=recipe, device="cuda",
+                                     dtype=torch.bfloat16, grouped_gemm=grouped_gemm)
+            if sizes == SIZES:
+                xg = x.clone().requires_grad_()
+                y = layer(xg, sizes)
+                y.backward(dy)
+                results[grouped_gemm] = [y, xg.grad, *[w.grad for w in layer.weights()]]
+            else:  # inference: splits of any size
+                with torch.no_grad():
+                    results[grouped_gemm] = [layer(x, sizes)]
+        for a, b in zip(results[True], results[False]):
+            assert torch.equal(a, b)
+        if torch.cuda.get_device_capability() < (10, 0):
+            active = sum(1 for size in sizes if size)
+            assert done[0] == (active if sizes == SIZES else 0), done
 
 
 def test_grouped_gemm_accumulates_into_main_grad_as_the_loop():
