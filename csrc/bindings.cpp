@@ -408,6 +408,17 @@ void swap_first_dims(const at::Tensor& gathered, int64_t world_size, at::Tensor&
                "swap_first_dims");
 }
 
+void transpose_codes(const at::Tensor& packed, at::Tensor& out, int64_t stream) {
+  check_device_tensor(packed, "packed");
+  check_device_tensor(out, "out");
+  TORCH_CHECK(packed.dim() == 2 && out.dim() == 2 && out.size(0) == 2 * packed.size(1) &&
+                  2 * out.size(1) == packed.size(0),
+              "nvfp4_dist._C.transpose_codes: packed [N, K/2] and out [K, N/2]");
+  check_launch(nvfp4::launch_transpose_codes(bytes(packed), packed.size(0), 2 * packed.size(1), bytes(out),
+                                             as_stream(stream)),
+               "transpose_codes");
+}
+
 // Fused producers (norm_quantize.cu, activation_quantize.cu). x / h contiguous and 16-byte aligned; weight and bias
 // FP32 [cols]; mean, rstd FP32 [rows]; the copies as quantize's.
 nvfp4::NormArgs norm_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -911,6 +922,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_columnwise", &dequantize_columnwise, "columnwise copy back to out's dtype, [rows, cols]");
   m.def("swizzle_scales", &swizzle_scales, "128x4 swizzled scales, zero padded");
   m.def("swap_first_dims", &swap_first_dims, "(W, K, X) -> (K, W, X)");
+  m.def("transpose_codes", &transpose_codes, "packed FP4 codes [N, K/2] -> those of the transpose, [K, N/2]");
   m.def("norm_rows", &norm_rows,
         "norm statistics (and the sums of squares before rstd), and its output and the amaxes of its NVFP4 copies "
         "when asked");

@@ -188,6 +188,10 @@ cudaError_t launch_swizzle_scales(const uint8_t* scale, int64_t rows, int64_t co
 cudaError_t launch_swap_first_dims(const uint8_t* in, int64_t world_size, int64_t rows, int64_t row_bytes,
                                    uint8_t* out, cudaStream_t stream);
 
+// transpose_codes.cu ------------------------------------------------------------------------------
+// Packed FP4 codes [rows, cols/2] -> the codes of the transpose, packed, [cols, rows/2] (rows and cols even).
+cudaError_t launch_transpose_codes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t stream);
+
 // peer_gather.cu ----------------------------------------------------------------------------------
 constexpr int kMaxPeers = 8, kMaxPeerPieces = 8, kMaxPeerAmaxes = 8;
 // One tensor gathered from every rank: W shards of [rows, row_bytes], read through peer pointers.

@@ -203,6 +203,15 @@ def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     return out
 
 
+def transpose_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 codes [N, K/2] -> the codes of the transpose, [K, N/2]."""
+    packed = packed.contiguous()
+    out = torch.empty(packed.shape[1] * 2, packed.shape[0] // 2, dtype=torch.uint8, device=packed.device)
+    with on_device(packed.device):
+        load_extension().transpose_codes(packed, out, stream_handle(out.device))
+    return out
+
+
 def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
     """[R, C] scales -> flat [Rp * Cp] in the 128x4 swizzled order, zero padded."""
     if scale.dim() != 2:

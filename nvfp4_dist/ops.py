@@ -269,6 +269,15 @@ def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     return backend_for(gathered).swap_first_dims(gathered, world_size)
 
 
+def transpose_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 codes [N, K/2] -> the codes of the transpose, packed the same way, [K, N/2] (docs/numerics.md §4:
+    a 16x16-blocked rowwise copy's codes are its columnwise copy's, transposed)."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[0] % 2:
+        raise ValueError(f"packed: expected 2D uint8 codes [N, K/2] with N even, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    return backend_for(packed).transpose_codes(packed)
+
+
 def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
     """[R, C] E4M3 scales -> the flat 128x4 swizzled layout of Blackwell GEMMs (docs/numerics.md §8)."""
     if scale.dim() != 2 or scale.dtype not in (torch.float8_e4m3fn, torch.uint8):

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from nvfp4_dist import ops
-from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE, pack_fp4, unpack_fp4
+from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.tensor import NVFP4Tensor
 
@@ -109,10 +109,9 @@ def columnwise_from_rowwise(q: NVFP4Tensor) -> NVFP4Tensor:
     (docs/numerics.md §4), the same bytes as quantizing the columnwise copy."""
     if not q.block_2d or not q.has_rowwise:
         raise ValueError(f"q={q!r}: the columnwise copy is the rowwise one transposed only for 16x16 blocks")
-    codes = unpack_fp4(q.rowwise_data)                                     # [N, K]
     block_scale = q.rowwise_scale.view(torch.uint8)[::BLOCK_SIZE]          # [N/16, K/16]
     columnwise_scale = block_scale.t().repeat_interleave(BLOCK_SIZE, dim=0)  # [K, N/16]
-    return dataclasses.replace(q, columnwise_data=pack_fp4(codes.t().contiguous()),
+    return dataclasses.replace(q, columnwise_data=ops.transpose_codes(q.rowwise_data),
                                columnwise_scale=columnwise_scale.contiguous().view(SCALE_DTYPE),
                                amax_columnwise=q.amax_rowwise)
 

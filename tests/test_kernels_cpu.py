@@ -135,7 +135,8 @@ def host_quantize(lib, x: torch.Tensor, amax: torch.Tensor, sr_seed=None, offset
 
 
 def test_kernels_mirror_reference_signatures():
-    for name in ("compute_amaxes", "quantize_tensor", "dequantize_tensor", "swap_first_dims", "swizzle_scales"):
+    for name in ("compute_amaxes", "quantize_tensor", "dequantize_tensor", "swap_first_dims", "transpose_codes",
+                 "swizzle_scales"):
         ours, theirs = inspect.signature(getattr(kernels, name)), inspect.signature(getattr(reference, name))
         assert list(ours.parameters) == list(theirs.parameters), name
         assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()], name

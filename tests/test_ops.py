@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import nvfp4_dist as nv
-from nvfp4_dist import NVFP4Recipe
+from nvfp4_dist import NVFP4Recipe, ops
 from nvfp4_dist.reference import quantize_tensor
 
 
@@ -135,6 +135,23 @@ def test_dequantize_and_helpers_validation_errors():
         nv.swap_first_dims(torch.zeros(6), 2)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         nv.swizzle_scales(torch.zeros(4, 4))
+    for bad in (torch.zeros(6, 4), torch.zeros(5, 4, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="N even"):
+            ops.transpose_codes(bad)
+
+
+def test_transpose_codes_is_the_transpose_of_the_codes():
+    """Element (k, n) of the result is element (n, k) of the input, both packed two codes per byte (low nibble
+    first); a 16x16-blocked rowwise copy transposed this way is its columnwise copy."""
+    packed = torch.randint(0, 256, (6, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    out = ops.transpose_codes(packed)
+    assert out.shape == (10, 3)
+    for n in range(6):
+        for k in range(10):
+            code = (packed[n, k // 2] >> (4 * (k % 2))) & 0xF
+            assert (out[k, n // 2] >> (4 * (n % 2))) & 0xF == code
+    q = nv.quantize(torch.randn(32, 48), "weight", recipe=nv.NVFP4Recipe())
+    assert torch.equal(ops.transpose_codes(q.rowwise_data), q.columnwise_data)
 
 
 def test_gemm_validation_errors():

@@ -111,12 +111,14 @@ def test_grouped_gemm_takes_bf16_fprop(bias, monkeypatch):
     """BF16 parameters (biases of the output's dtype, or none): all three stages in the grouped call, the loop's
     bytes; an uneven split (rows not on 256-byte boundaries) falls back to gemm() with the same results."""
     recipe = RECIPES["no_sr"]
+    done = []
+    original = grouped_linear.hot_path.grouped_gemm
+    monkeypatch.setattr(grouped_linear.hot_path, "grouped_gemm",
+                        lambda *args, **kwargs: done.append(original(*args, **kwargs)) or done[-1])
     for sizes in (SIZES, [48, 0, 80, 13, 3]):
         x, dy = _data(sum(sizes), seed=9)
-        results, done = {}, []
-        original = grouped_linear.hot_path.grouped_gemm
-        monkeypatch.setattr(grouped_linear.hot_path, "grouped_gemm",
-                            lambda *args, **kwargs: done.append(original(*args, **kwargs)) or done[-1])
+        results = {}
+        done.clear()
         for grouped_gemm in (False, True):
             torch.manual_seed(3)
             layer = nv.GroupedLinear(len(sizes), IN, OUT, bias=bias, recipe=recipe, device="cuda",

@@ -492,3 +492,9 @@ def test_ops_dispatch_4over6_and_row_scaled_columnwise():
             sr = options.pop("stochastic_rounding")
             r = reference.quantize_tensor(x.cpu() if options["rht"] else x, sr_seed=5 if sr else None, **options)
             assert_same(q, r)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (4096, 1152), (16, 8), (130, 33), (2, 1)])
+def test_transpose_codes_kernel_matches_reference(shape):
+    packed = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    assert torch.equal(nv.ops.transpose_codes(packed).cpu(), reference.transpose_codes(packed.cpu()))

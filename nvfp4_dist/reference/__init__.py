@@ -7,4 +7,4 @@ from nvfp4_dist.reference.quantize import compute_amax, compute_row_amax, decode
 from nvfp4_dist.reference.rht import (hadamard_16, hadamard_butterflies, inverse_rht_chunks, inverse_rht_transpose,
                                      rht_chunks, rht_matrix, rht_transpose)
 from nvfp4_dist.reference.swizzle import padded_scale_shape, swizzle_offset, swizzle_scales, unswizzle_scales
-from nvfp4_dist.reference.swap import swap_first_dims
+from nvfp4_dist.reference.swap import swap_first_dims, transpose_codes

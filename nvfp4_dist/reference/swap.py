@@ -1,5 +1,8 @@
-"""swap_first_dims: reorder a gathered columnwise copy (docs/numerics.md §9)."""
+"""Reorders of packed copies: swap_first_dims (a gathered columnwise copy, docs/numerics.md §9) and transpose_codes
+(a 16x16-blocked rowwise copy's codes into its columnwise copy's, §4)."""
 import torch
+
+from nvfp4_dist.formats import pack_fp4, unpack_fp4
 
 
 def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -10,3 +13,8 @@ def swap_first_dims(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     """
     rows, cols = gathered.shape
     return gathered.reshape(world_size, rows // world_size, cols).transpose(0, 1).reshape(rows // world_size, world_size * cols)
+
+
+def transpose_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 codes [N, K/2] (element 2i of a row in the low nibble) -> the codes of the transpose, [K, N/2]."""
+    return pack_fp4(unpack_fp4(packed).t().contiguous())
