@@ -332,10 +332,10 @@ def param_gather_command(record: dict) -> str:
 
 def param_gather_cost_summary(record: dict) -> list[str]:
     return [f"GPTModel hidden {record['hidden']}, {record['layers']} layers, {record['seq']} x {record['micro_batch']}, "
-            f"DP={record['dp']}: the NVFP4 param gather ({record['nvfp4_weights']} weights) takes "
-            f"{record['gather_ms']:.2f} ms, {percent(record['gather_fraction_of_step'])} of the "
-            f"{record['step_ms_bf16_gather']:.1f} ms step (target <= {percent(record['target_fraction'])}); the step "
-            f"with it {record['step_ms_nvfp4_gather']:.1f} ms ({times(record['step_ratio_nvfp4_over_bf16_gather'])})"]
+            f"DP={record['dp']}: step {record['step_ms_nvfp4_gather']:.1f} ms with the NVFP4 param gather "
+            f"({record['nvfp4_weights']} weights) vs {record['step_ms_bf16_gather']:.1f} ms with Megatron's: step cost "
+            f"{100 * record['step_cost']:+.1f}% (target <= {percent(record['target_step_cost'])}); the gather alone "
+            f"{record['gather_ms']:.2f} ms synchronised ({percent(record['gather_fraction_of_step'])} of the step)"]
 
 
 def moe_summary(record: dict) -> list[str]:

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from nvfp4_dist import ops
+from nvfp4_dist import hot_path, ops
 from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
 from nvfp4_dist.recipe import NVFP4Recipe
 from nvfp4_dist.tensor import NVFP4Tensor
@@ -65,15 +65,18 @@ def derives_columnwise(recipe: NVFP4Recipe) -> bool:
 
 
 def quantize_shard(shard: torch.Tensor, amax: torch.Tensor, recipe: NVFP4Recipe, *,
-                   columnwise: bool = True) -> NVFP4Tensor:
+                   columnwise: bool = True, check_finite: bool | None = None) -> NVFP4Tensor:
     """The copies of a shard that travel, quantized with the whole weight's amax (float32 (1,)): the rowwise
     copy, and the columnwise copy when asked and not derivable after the gather (derives_columnwise).
-    A NaN/Inf amax raises NonFiniteAmaxError when recipe.check_finite (the same on every rank: the amax is
-    the group's)."""
+    check_finite (default recipe.check_finite): a NaN/Inf amax raises NonFiniteAmaxError (the same on every rank:
+    the amax is the group's); False where the caller has checked the amaxes itself (quantized then by the layers'
+    hot path: one C++ call on CUDA, the same bytes)."""
     send_columnwise = columnwise and not derives_columnwise(recipe)
-    return ops.quantize(shard.detach(), "weight", rowwise=True, columnwise=send_columnwise, recipe=recipe,
-                        amax_rowwise=amax, amax_columnwise=amax if send_columnwise else None,
-                        check_finite=recipe.check_finite)
+    given = dict(amax_rowwise=amax, amax_columnwise=amax if send_columnwise else None)
+    if check_finite is None or check_finite:
+        return ops.quantize(shard.detach(), "weight", rowwise=True, columnwise=send_columnwise, recipe=recipe,
+                            check_finite=recipe.check_finite if check_finite is None else True, **given)
+    return hot_path.quantize(shard.detach(), "weight", recipe, rowwise=True, columnwise=send_columnwise, **given)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

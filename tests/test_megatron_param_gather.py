@@ -191,3 +191,24 @@ def _unaligned(rank, world_size):
 
 def test_unaligned_weights_refused():
     run_distributed(_unaligned, 2)
+
+
+def _nonfinite(rank, world_size):
+    """A NaN in one rank's main weights (the optimizer step writes it into the parameters): the NVFP4 gather after
+    that step raises NonFiniteAmaxError naming the weight on every rank (the all-reduced amax is +inf everywhere)."""
+    _init_megatron(1)
+    recipe = nv.NVFP4Recipe(stochastic_rounding=False)
+    model, optimizer, _ = _build(1, recipe, overlap=False, bucket_size=None, nvfp4_gather=True)
+    inputs = _inputs(rank)
+    _step(model, optimizer, inputs[0], recipe)
+    if rank == 1:
+        with torch.no_grad():
+            for group in optimizer.chained_optimizers[0].shard_fp32_from_float16_groups:
+                for main in group:
+                    main.view(-1)[0] = float("nan")
+    with pytest.raises(nv.NonFiniteAmaxError, match=r"param gather: fc[12] is not finite"):
+        _step(model, optimizer, inputs[1], recipe)
+
+
+def test_nonfinite_weight_is_reported_by_the_gather():
+    run_distributed(_nonfinite, 2)

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_dist import sharded_weight
+from nvfp4_dist import finite_check, sharded_weight
 from nvfp4_dist.formats import BLOCK_SIZE
 from nvfp4_dist.linear import WeightCache, needs_columnwise_weight
 from nvfp4_dist.recipe import NVFP4Recipe
@@ -254,22 +254,36 @@ class _BucketGroupGather:
 
     def _amaxes(self, recipes: list) -> list:
         """Per bucket, per weight: the whole weight's amax (float32 (1,)) for weights gathered in NVFP4, in one
-        all-reduce(MAX) of the amaxes of this rank's elements."""
-        amaxes = []
+        all-reduce(MAX) of the amaxes of this rank's elements (each max(|min|, |max|) of them: one reduction
+        pass), checked for NaN/Inf once for all weights whose recipe checks (the quantizations then do not)."""
+        extremes, slots, checked = [], [], {}
         for (bucket, weights), bucket_recipes in zip(self.buckets, recipes):
             shard = bucket.param_data.numel() // self.world_size
             lo, hi = self.rank * shard, (self.rank + 1) * shard
-            row = []
             for weight, recipe in zip(weights, bucket_recipes):
                 if recipe is None:
-                    row.append(None)
+                    slots.append(None)
                     continue
                 start, end = max(lo, weight.offset), min(hi, weight.offset + weight.rows * weight.cols)
-                mine = bucket.param_data[start:end] if end > start else bucket.param_data[:0]
-                row.append(mine.detach().abs().amax().float().reshape(1) if mine.numel()
-                           else torch.zeros(1, dtype=torch.float32, device=mine.device))
-            amaxes.append(row)
-        collectives.all_reduce_amax([a for row in amaxes for a in row], self.process_group)
+                if end > start:
+                    extremes.append(torch.stack(torch.aminmax(bucket.param_data[start:end].detach())))
+                else:  # no element of this weight here: an empty range's amax, 0
+                    extremes.append(torch.zeros(2, dtype=bucket.param_data.dtype, device=bucket.param_data.device))
+                slots.append(len(extremes) - 1)
+                if recipe[0].check_finite:
+                    checked[weight.name] = len(extremes) - 1
+        if not extremes:
+            return [[None] * len(weights) for _, weights in self.buckets]
+        stacked = torch.stack(extremes).abs().amax(dim=1).to(torch.float32)  # [weights]: max(|min|, |max|)
+        collectives.all_reduce_amax([stacked], self.process_group)
+        if checked:
+            finite_check.check_amaxes({name: stacked[i:i + 1] for name, i in checked.items()},
+                                      label="a weight of the NVFP4 param gather")
+        amaxes, position = [], 0
+        for _, weights in self.buckets:
+            row = slots[position:position + len(weights)]
+            position += len(weights)
+            amaxes.append([None if slot is None else stacked[slot:slot + 1] for slot in row])
         return amaxes
 
     def _dispatch(self, async_op: bool) -> None:
@@ -292,7 +306,7 @@ class _BucketGroupGather:
                 if recipe is None or end <= start:
                     continue
                 q = sharded_weight.quantize_shard(weight.values(bucket)[start:end], amax, recipe[0],
-                                                  columnwise=recipe[1])
+                                                  columnwise=recipe[1], check_finite=False)
                 for piece in sharded_weight.wire_pieces(q).values():
                     flat = piece.reshape(-1)
                     send[offset:offset + flat.numel()].copy_(flat)
@@ -361,7 +375,8 @@ class _BucketGroupGather:
             segments.append((start, pieces))
             covered.append((start, end))
         for start, end in _subtract(0, weight.rows, covered):
-            q = sharded_weight.quantize_shard(weight.values(bucket)[start:end], amax, recipe[0], columnwise=recipe[1])
+            q = sharded_weight.quantize_shard(weight.values(bucket)[start:end], amax, recipe[0], columnwise=recipe[1],
+                                              check_finite=False)
             segments.append((start, sharded_weight.wire_pieces(q)))
         segments.sort(key=lambda segment: segment[0])
         names = [name for name, _ in _piece_shapes(BLOCK_SIZE, weight.cols, recipe[0], recipe[1])]
