@@ -28,6 +28,7 @@ import time
 
 import torch
 
+import nvfp4_dist as nv
 from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, enable_nvfp4_param_gather
 from megatron_gpt import HOST_TABLE, build  # noqa: E402 (benchmarks/ is on sys.path when run)
@@ -44,6 +45,23 @@ def synchronised_ms(run) -> float:
     run()
     torch.cuda.synchronize()
     return (time.perf_counter() - began) * 1e3
+
+
+def gathered_copies_are_full_quantizations(handle) -> bool:
+    """Whether every gathered NVFP4 weight equals quantizing the whole weight with its layer's recipe, byte for
+    byte (sharded_weight's contract; the parameters are whole after Megatron's own gather)."""
+    handle.sync_bf16_weights()  # whole BF16 parameters again (the layers' copies are dropped)
+    for group in handle.groups:
+        group.start_param_sync()  # the NVFP4 gather of those whole parameters
+        group.finish_param_sync()
+    for group in handle.groups:
+        for weight in group.weights:
+            gathered = weight.module.weight_cache.gathered
+            expected = nv.quantize(weight.param.detach(), "weight", recipe=weight.module.last_recipe)
+            if gathered is None or any(not torch.equal(getattr(gathered, name), getattr(expected, name))
+                                       for name in ("rowwise_data", "rowwise_scale", "amax_rowwise")):
+                return False
+    return True
 
 
 def measure(args) -> dict:
@@ -84,10 +102,12 @@ def measure(args) -> dict:
             group.start_param_sync()
             group.finish_param_sync()
     gather_ms = statistics.median(synchronised_ms(gather) for _ in range(args.iters))
+    identical = gathered_copies_are_full_quantizations(handle)
     return {"hidden": hidden, "ffn": ffn, "layers": layers, "seq": seq, "micro_batch": micro_batch,
             "nvfp4_weights": len(handle.layers), "step_ms_bf16_gather": bf16_step, "step_ms_nvfp4_gather": nvfp4_step,
             "gather_ms": gather_ms, "gather_fraction_of_step": gather_ms / bf16_step,
-            "step_cost": nvfp4_step / bf16_step - 1, "target_step_cost": TARGET_STEP_COST}
+            "step_cost": nvfp4_step / bf16_step - 1, "target_step_cost": TARGET_STEP_COST,
+            "gathered_equal_full_quantization": identical}
 
 
 def main() -> None:
@@ -110,7 +130,8 @@ def main() -> None:
         print(f"step {result['step_ms_bf16_gather']:.1f} ms (BF16 gather), {result['step_ms_nvfp4_gather']:.1f} ms "
               f"(NVFP4 gather): step cost {100 * result['step_cost']:+.2f}% (target <= "
               f"{100 * TARGET_STEP_COST:.0f}%); the NVFP4 gather alone {result['gather_ms']:.2f} ms "
-              f"({100 * result['gather_fraction_of_step']:.2f}% of the step)", flush=True)
+              f"({100 * result['gather_fraction_of_step']:.2f}% of the step); gathered weights equal quantizing the "
+              f"whole weights: {result['gathered_equal_full_quantization']}", flush=True)
         record = {"benchmark": "param_gather_cost", "device": torch.cuda.get_device_name(), "dp": world,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
                   "command": command_line(), "megatron_core": MEGATRON_CORE_VERSION, "iters": args.iters,
