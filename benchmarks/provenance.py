@@ -7,9 +7,9 @@ import sys
 
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Environment variables that change what a benchmark measures (transports, GEMM path, NCCL, stream queues):
-# recorded in front of its command line. NVFP4_COMMIT only names the commit.
+# recorded in front of its command line. NVFP4_COMMIT only names the commit, NVFP4_BUILD_DIR where the extension builds.
 SETTING_PREFIXES = ("NVFP4_", "NCCL_", "TORCH_SYMM_MEM_", "CUDA_DEVICE_MAX_CONNECTIONS")
-NOT_SETTINGS = ("NVFP4_COMMIT",)
+NOT_SETTINGS = ("NVFP4_COMMIT", "NVFP4_BUILD_DIR")
 
 
 def git_commit() -> str:
