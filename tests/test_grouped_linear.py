@@ -324,3 +324,25 @@ def test_name_layers_names_grouped_linears():
     model = torch.nn.Sequential(nv.Linear(32, 32), torch.nn.Sequential(nv.GroupedLinear(4, 32, 32)))
     nv.name_layers(model)
     assert model[0].layer_name == "0" and model[1][0].layer_name == "1.0"
+
+
+def test_delayed_wgrad_takes_the_grouped_call_when_run(monkeypatch):
+    """delay_wgrad: backward hands fprop's and dgrad's experts to the grouped call, backward_dw the wgrad's; the
+    weight gradients equal the loop's."""
+    recipe = nv.NVFP4Recipe(stochastic_rounding=False)
+    sizes = [16, 32, 0]
+    x, dy = _inputs(sum(sizes), seed=13)
+    reference, _ = _layers(3, bias=False)
+    reference.recipe, reference.grouped_gemm = recipe, False
+    expected = _grouped_run(reference, x, dy, sizes)
+    layer, _ = _layers(3, bias=False)
+    layer.recipe, layer.delay_wgrad = recipe, True
+    calls = []
+    monkeypatch.setattr(grouped_linear.hot_path, "grouped_gemm", _partial_grouped_gemm(2, calls))
+    got = _grouped_run(layer, x, dy, sizes)
+    assert calls == [(2, False), (2, False)] and all(w.grad is None for w in layer.weights())
+    layer.backward_dw()
+    assert calls[2:] == [(2, False)]
+    assert torch.equal(got[1], expected[1])
+    for weight, grad in zip(layer.weights(), expected[2]):
+        assert torch.equal(weight.grad, grad)
