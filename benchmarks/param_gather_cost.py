@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import pathlib
 import statistics
 import time
 
@@ -32,8 +33,8 @@ import nvfp4_dist as nv
 from nvfp4_dist import NVFP4Recipe
 from nvfp4_dist.parallel.megatron import MEGATRON_CORE_VERSION, enable_nvfp4_param_gather
 from megatron_gpt import HOST_TABLE, build  # noqa: E402 (benchmarks/ is on sys.path when run)
-from provenance import command_line, git_commit  # noqa: E402
-from torchrun_setup import gpu_label, init_nccl  # noqa: E402
+from provenance import command_line, default_results_path, git_commit  # noqa: E402
+from torchrun_setup import init_nccl  # noqa: E402
 
 TARGET_STEP_COST = 0.03
 MODEL = HOST_TABLE[2]  # (hidden, ffn, layers, seq, micro-batch)
@@ -136,11 +137,9 @@ def main() -> None:
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
                   "command": command_line(), "megatron_core": MEGATRON_CORE_VERSION, "iters": args.iters,
                   "warmup": args.warmup, **result}
-        out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                       f"param_gather_cost_{gpu_label()}.json")
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as handle:
-            json.dump(record, handle, indent=1)
+        out = pathlib.Path(args.out) if args.out else default_results_path("param_gather_cost")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {out}")
     torch.distributed.destroy_process_group()
 
