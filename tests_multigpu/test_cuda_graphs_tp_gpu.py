@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import nvfp4_dist as nv
 from nvfp4_dist.parallel import ColumnParallelLinear, RowParallelLinear
+from tests_multigpu.test_cuda_graphs_gpu import train
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs"),
               pytest.mark.usefixtures("nccl_group")]
@@ -51,31 +52,15 @@ def inputs(count: int) -> list:
             for _ in range(count)]
 
 
-def train(block, step_inputs, step_fn) -> tuple:
-    optimizer = torch.optim.Adam(block.parameters(), lr=1e-2)
-    torch.manual_seed(1234)  # the SR seeds drawn from here on
-    losses, grads, params = [], [], []
-    for x in step_inputs:
-        x = x.detach().clone().requires_grad_()
-        optimizer.zero_grad(set_to_none=False)
-        loss = step_fn(x).float().square().mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach().clone())
-        grads.append(x.grad.detach().clone())
-        params.append([p.detach().clone() for p in block.parameters()])
-    return losses, grads, params
-
-
 def test_replayed_tensor_parallel_steps_equal_eager_steps_bit_for_bit():
     recipe = nv.NVFP4Recipe(overlap=False)
     assert recipe.stochastic_rounding
     eager_block = make_block(recipe)
     graph_block = copy.deepcopy(eager_block)
     steps = inputs(STEPS)
-    eager = train(eager_block, steps, eager_block)
+    eager = train(eager_block, [x.detach().clone().requires_grad_() for x in steps], eager_block)
     graphed = nv.make_graphed_callables(graph_block, (steps[0].detach().clone().requires_grad_(),))
-    replay = train(graph_block, steps, graphed)
+    replay = train(graph_block, [x.detach().clone().requires_grad_() for x in steps], graphed)
     for step in range(STEPS):
         assert torch.equal(eager[0][step], replay[0][step]), f"rank {dist.get_rank()}: loss of step {step}"
         assert torch.equal(eager[1][step], replay[1][step]), f"rank {dist.get_rank()}: input gradient of step {step}"
