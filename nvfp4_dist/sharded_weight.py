@@ -73,9 +73,9 @@ def quantize_shard(shard: torch.Tensor, amax: torch.Tensor, recipe: NVFP4Recipe,
     hot path: one C++ call on CUDA, the same bytes)."""
     send_columnwise = columnwise and not derives_columnwise(recipe)
     given = dict(amax_rowwise=amax, amax_columnwise=amax if send_columnwise else None)
-    if check_finite is None or check_finite:
+    if recipe.check_finite if check_finite is None else check_finite:
         return ops.quantize(shard.detach(), "weight", rowwise=True, columnwise=send_columnwise, recipe=recipe,
-                            check_finite=recipe.check_finite if check_finite is None else True, **given)
+                            check_finite=True, **given)
     return hot_path.quantize(shard.detach(), "weight", recipe, rowwise=True, columnwise=send_columnwise, **given)
 
 
