@@ -3,6 +3,10 @@
 Every variable is read when it is needed (not at import), so a change to os.environ takes effect at the next
 call. An unset or empty variable means its default; any other value outside the allowed ones raises a
 ValueError naming the variable, the value and what is allowed.
+
+The layers read several variables at every call, so reads go through `raw_values`: os.environ's own mapping,
+looked up with pre-encoded keys (os.environ.get encodes the name and decodes the value at each read, which
+costs far more than the lookup), and a parsed value is kept per variable for the text it was parsed from.
 """
 from __future__ import annotations
 
@@ -20,6 +24,25 @@ SYMMETRIC_MEMORY_SWITCHES = ("auto", "1", "on", "0", "off")
 MOE_DISPATCH_DTYPES = ("bf16", "nvfp4")
 
 
+_MISSING = object()
+_PARSED: dict = {}  # (name, raw text) -> parsed value
+_ENVIRON = os.environ
+_ENVIRON_DATA = getattr(os.environ, "_data", None)  # CPython's mapping behind os.environ (encoded keys and values)
+_ENCODED_NAMES: dict = {}
+
+
+def raw_values(names: tuple) -> tuple:
+    """The value of each named variable as os.environ holds it, None when unset: encoded (bytes on POSIX) where
+    os.environ keeps an encoded mapping, else the text. Equal tuples mean equal settings (a cache key)."""
+    if _ENVIRON_DATA is None or os.environ is not _ENVIRON:  # no encoded mapping, or os.environ was replaced
+        return tuple(os.environ.get(name) for name in names)
+    try:
+        keys = _ENCODED_NAMES[names]
+    except KeyError:
+        keys = _ENCODED_NAMES[names] = tuple(os.environ.encodekey(name) for name in names)
+    return tuple(map(_ENVIRON_DATA.get, keys))
+
+
 @dataclasses.dataclass(frozen=True)
 class Variable:
     """One environment variable: `parse` turns its text into a value; unset or empty gives `default`."""
@@ -31,10 +54,16 @@ class Variable:
     default: Any = None
 
     def read(self) -> Any:
-        text = os.environ.get(self.name)
-        if text is None or text == "":
+        raw = raw_values((self.name,))[0]
+        if not raw:
             return self.default
-        return self.parse(self, text)
+        parsed = _PARSED.get((self.name, raw), _MISSING)
+        if parsed is _MISSING:
+            parsed = self.parse(self, raw.decode() if isinstance(raw, bytes) else raw)  # may raise: not kept
+            if len(_PARSED) >= 256:
+                _PARSED.clear()
+            _PARSED[(self.name, raw)] = parsed
+        return parsed
 
     def reject(self, text: str):
         raise ValueError(f"environment variable {self.name}={text!r}: allowed values are {self.allowed}")

@@ -170,10 +170,15 @@ def suspended_outside_capture():
         _suspended -= 1
 
 
-def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
+def check(values: torch.Tensor, explain: Callable[[list], str | None], key=None) -> None:
     """Raise NonFiniteAmaxError(explain(values as floats)) when explain returns a message: at once for CPU
-    tensors; for CUDA tensors at a later check, without waiting for the GPU now."""
-    if _suspended and not (values.is_cuda and torch.cuda.is_current_stream_capturing()):
+    tensors; for CUDA tensors at a later check, without waiting for the GPU now.
+
+    key: a hashable name of the check that is the same at every call of one call site with the same meaning of
+    its values (a layer's operand check): its CUDA values then fold into a record of their own (_Records), which
+    costs one kernel and no host copy; without a key they are copied to the host behind an event."""
+    capturing = values.is_cuda and torch.cuda.is_current_stream_capturing()
+    if _suspended and not capturing:
         return
     values = values.detach().reshape(-1).to(torch.float32)
     if not values.is_cuda:
@@ -181,14 +186,17 @@ def check(values: torch.Tensor, explain: Callable[[list], str | None]) -> None:
         if message is not None:
             raise NonFiniteAmaxError(message + _ADVICE)
         return
-    if torch.cuda.is_current_stream_capturing():
+    if capturing or key is not None:
         count = values.numel()
         for start in range(0, count, MAX_RECORD_VALUES):  # one record per kernel's worth of values
             def explain_part(recorded, start=start):
                 padded = [0.0] * count  # the other records' values read as finite here
                 padded[start:start + len(recorded)] = recorded
                 return explain(padded)
-            _records.record([values[start:start + MAX_RECORD_VALUES].contiguous()], True, explain_part)
+            _records.record([values[start:start + MAX_RECORD_VALUES].contiguous()], True, explain_part,
+                            key=None if key is None else (key, start))
+        if not capturing:
+            _settle_all(wait=False)
         return
     _records.reserve()
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

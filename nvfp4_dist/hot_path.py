@@ -14,7 +14,6 @@ grouped layer's GEMM stage (every expert's emulated GEMM) in one call, with the 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -63,7 +62,7 @@ def _hopper():
 
 
 def _switches() -> tuple:
-    return tuple(os.environ.get(name) for name in _SWITCHES)
+    return ops.environment.raw_values(_SWITCHES)
 
 
 def quantize(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwise: bool, columnwise: bool,

@@ -103,9 +103,8 @@ def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, rowwise: bool 
     whether the other one is made in the same call. amax: the weight's amax when known (both copies share it:
     no RHT on weights), which saves its pass over the weight. No NaN/Inf check (LinearComm.check_finite)."""
     check_weight_dtype(weight)
-    return ops.quantize(weight.detach(), "weight", rowwise=rowwise, columnwise=columnwise, recipe=recipe,
-                        amax_rowwise=amax if rowwise else None, amax_columnwise=amax if columnwise else None,
-                        check_finite=False)
+    return hot_path.quantize(weight.detach(), "weight", recipe, rowwise=rowwise, columnwise=columnwise,
+                             amax_rowwise=amax if rowwise else None, amax_columnwise=amax if columnwise else None)
 
 
 _TENSOR_DATA = torch.Tensor.data  # the `.data` attribute of every tensor

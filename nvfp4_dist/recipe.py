@@ -2,7 +2,6 @@
 import dataclasses
 import functools
 import hashlib
-import os
 import types
 import typing
 
@@ -37,6 +36,7 @@ _VALUE_OVERRIDES = (
 )
 # Every variable from_env reads (its cache key), and the recipes it built, by their settings.
 _RECIPE_VARIABLES = tuple(dict.fromkeys(entry[0] for entry in _FLAG_OVERRIDES + _VALUE_OVERRIDES))
+_RECIPE_NAMES = tuple(variable.name for variable in _RECIPE_VARIABLES)
 _FROM_ENV_RECIPES: dict = {}
 
 
@@ -215,7 +215,7 @@ class NVFP4Recipe:
         The variables are read at every call (a change takes effect at the next one); the recipe built from the same
         settings and overrides is reused, since layers without a recipe of their own call this at every forward."""
         try:
-            key = (cls, tuple(os.environ.get(variable.name) for variable in _RECIPE_VARIABLES),
+            key = (cls, environment.raw_values(_RECIPE_NAMES),
                    tuple(sorted(overrides.items())))
             hash(key)
         except TypeError:  # an unhashable override: build it (and let the constructor say what is wrong)

@@ -44,6 +44,9 @@ def check_finite_across_group(operands: dict, group, *, reduced: frozenset = fro
     operands: {label: NVFP4Tensor or None} of this rank; reduced: labels whose amaxes were already reduced over
     the group before quantizing (equal on every rank, their own values unknown).
     """
+    if collectives.group_size(group) == 1:  # nothing to exchange: the check of one process
+        finite_check.check_operands(operands)
+        return
     present = {label: q for label, q in operands.items() if finite_check.has_amax(q)}
     if not present:
         return
@@ -58,7 +61,7 @@ def check_finite_across_group(operands: dict, group, *, reduced: frozenset = fro
     def explain(host):
         mine = [value if own[index // 2] else None for index, value in enumerate(host[count:])]
         return finite_check.explain_operands(specs, host[:count], mine, GROUP)
-    finite_check.check(torch.cat([agreed, local]), explain)
+    finite_check.check(torch.cat([agreed, local]), explain, key=("group", tuple(specs), tuple(own)))
 
 
 def _text_code(text: str) -> int:

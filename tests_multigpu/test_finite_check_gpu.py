@@ -84,3 +84,39 @@ def test_check_finite_false_skips_the_check():
     poisoned[1, 1] = float("nan")
     nv.quantize(poisoned, "activation", recipe=nv.NVFP4Recipe(check_finite=False))
     nv.raise_pending_nonfinite()
+
+
+def test_keyed_check_records_without_a_host_copy_and_reports():
+    """finite_check.check with a key (the tensor-parallel layers' group checks) folds its values into one reused
+    record: no sync, no pinned copy per call; a NaN is reported once, with the values of the call that found it."""
+    nv.raise_pending_nonfinite()
+    explain = lambda values: None if all(v == v and abs(v) != float("inf") for v in values) else f"bad {values}"  # noqa: E731
+    key = ("test keyed check",)
+    finite_check.check(torch.ones(3, device="cuda"), explain, key=key)
+    pending = len(finite_check._pending)
+    clean = torch.ones(3, device="cuda")
+    nan = torch.tensor([1.0, float("nan"), 2.0], device="cuda")
+    inf = torch.tensor([float("inf"), 1.0, 1.0], device="cuda")
+    torch.cuda._sleep(200_000_000)
+    with _sync_debug("error"):
+        for _ in range(5):
+            finite_check.check(clean, explain, key=key)
+        finite_check.check(nan, explain, key=key)
+        finite_check.check(inf, explain, key=key)
+    assert len(finite_check._pending) == pending  # no event-backed host copies
+    with pytest.raises(nv.NonFiniteAmaxError, match=r"bad \[1.0, nan, 2.0\]"):
+        nv.raise_pending_nonfinite()
+    finite_check.check(torch.ones(3, device="cuda"), explain, key=key)
+    nv.raise_pending_nonfinite()  # reported once: the record was cleared
+
+
+class _sync_debug:
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(self.mode)
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self.previous)
