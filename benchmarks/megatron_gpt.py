@@ -16,7 +16,10 @@ outputs written in BF16 and then cast (off), or both models in turn (both: "nvfp
 itself keeps the recipe's transport (NVFP4_OVERLAP_TRANSPORT, default auto).
 
 --host-table runs, on one GPU, four models from hidden 1024 to 8192 (HOST_TABLE) with both specs and records each
-step's host time beside its step time: where they are equal, the GPU waits for Python.
+step's host time beside its step time: where they are equal, the GPU waits for Python. The host time is the median,
+over --iters steps each started on an idle GPU, of the time the step's Python takes to return (the kernels queued,
+not run): back-to-back steps would measure the GPU instead, once its backlog fills the launch queue (about a
+thousand kernels) and the host waits for room; one step started idle waits only if the GPU falls that far behind.
 
     torchrun --nproc-per-node 1 benchmarks/megatron_gpt.py --host-table [--cuda-graphs]
     torchrun --nproc-per-node 4 benchmarks/megatron_gpt.py [--links nvlink|slow|two-node] [--no-overlap]
@@ -178,14 +181,20 @@ def measure(spec_name: str, args, tp: int, fused_producers: bool = False, transp
     start = time.perf_counter()
     for _ in range(args.iters):
         loss = step()
-    queued = time.perf_counter() - start  # the host's part: where it equals the step, the GPU waits for the host
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    host = []  # each step started on an idle GPU: the time its Python takes to queue it (module docstring)
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
     if args.profile:
         profile_step(step, spec_name, args.profile)
     result = {"tokens_per_s": args.micro_batch * args.seq * args.iters / elapsed,
               "step_ms": 1000 * elapsed / args.iters,
-              "host_ms": 1000 * queued / args.iters,
+              "host_ms": 1000 * sorted(host)[len(host) // 2],
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "memory_after_forward_gib": max(after_forward) / 2**30,
               "loss": float(loss)}

@@ -351,8 +351,16 @@ def moe_summary(record: dict) -> list[str]:
         lines.append(f"experts forward + backward: NVFP4 grouped {variants['nvfp4_grouped']['ms']:.2f} ms, "
                      f"{times(timing['speed_vs_fastest_bf16'])} the speed of the fastest BF16 experts and "
                      f"{times(timing['speed_vs_nvfp4_sequential'])} that of the per-expert NVFP4 SequentialMLP; host "
-                     f"time at 8x the experts {times(timing['host_ratio_8x_experts'])}")
+                     f"time at 8x the experts {times(timing['host_ratio_8x_experts'])}" + _host_probe_note(timing))
     return lines
+
+
+def _host_probe_note(timing: dict) -> str:
+    probe = timing.get("host_probe")
+    if probe is None:
+        return ""
+    return (f" (measured on a hidden-{probe['hidden']} model, {probe['tokens']} tokens, whose kernels keep up with "
+            f"the host)")
 
 
 def moe_command(record: dict) -> str:

@@ -351,11 +351,12 @@ void dequantize_columnwise(const at::Tensor& data, const at::Tensor& scale, cons
 
 constexpr int64_t kCublasWorkspaceBytes = 32 << 20;
 
-// cublaslt_gemm with its two device scalars (alpha, beta) at `scalars` and the given workspace.
+// cublaslt_gemm with its two device scalars (alpha, beta) at `scalars` and the given workspace; scalars_ready: they
+// already hold them (nvfp4::launch_gemm_scalars), else it computes them from the amaxes first.
 bool cublaslt_gemm_using(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_amax, const at::Tensor& b_amax,
                          const std::optional<at::Tensor>& bias, bool accumulate, int64_t a_e4m3_bound,
-                         int64_t b_e4m3_bound, at::Tensor& out, float* scalars, const at::Tensor& workspace,
-                         int64_t stream) {
+                         int64_t b_e4m3_bound, at::Tensor& out, float* scalars, bool scalars_ready,
+                         const at::Tensor& workspace, int64_t stream) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && out.is_cuda() && a.dim() == 2 && b.dim() == 2 && out.dim() == 2 &&
                   a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.stride(1) == 1 &&
                   b.stride(1) == 1 && out.stride(1) == 1 && a.size(1) == b.size(1) && out.size(0) == a.size(0) &&
@@ -366,8 +367,8 @@ bool cublaslt_gemm_using(const at::Tensor& a, const at::Tensor& b, const at::Ten
   TORCH_CHECK(a_amax.numel() == 1 && b_amax.numel() == 1, "nvfp4_dist._C.cublaslt_gemm: per-tensor amaxes");
   if (bias.has_value()) check_device_tensor(*bias, "bias");
   const cudaError_t status = nvfp4::launch_cublaslt_gemm(
-      a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1), a_amax.data_ptr<float>(),
-      b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound),
+      a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1),
+      scalars_ready ? nullptr : a_amax.data_ptr<float>(), b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound),
       bias.has_value() ? bias->data_ptr() : nullptr,
       bias.has_value() ? input_type(*bias) : input_type(out), accumulate, out.data_ptr(), input_type(out), out.stride(0),
       scalars, workspace.data_ptr(), static_cast<size_t>(workspace.numel()), as_stream(stream));
@@ -383,7 +384,7 @@ bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a
   at::Tensor scalars = at::empty({2}, a_amax.options());
   at::Tensor workspace = at::empty({kCublasWorkspaceBytes}, a.options().dtype(at::kByte));
   return cublaslt_gemm_using(a, b, a_amax, b_amax, bias, accumulate, a_e4m3_bound, b_e4m3_bound, out,
-                             scalars.data_ptr<float>(), workspace, stream);
+                             scalars.data_ptr<float>(), false, workspace, stream);
 }
 
 void swizzle_scales(const at::Tensor& scale, at::Tensor& out, int64_t stream) {
@@ -887,12 +888,27 @@ int64_t grouped_emulated_gemm(const std::vector<at::Tensor>& a_data, const std::
   }
   const std::vector<at::Tensor> a_values = block_values(a_data, a_scale, stream);
   const std::vector<at::Tensor> b_values = block_values(b_data, b_scale, stream);
+  // Every expert's (alpha, beta) in one launch (per 64 experts), then one cuBLASLt call each.
+  std::vector<at::Tensor> a_amaxes(experts), b_amaxes(experts);
+  std::vector<const float*> a_pointers(experts), b_pointers(experts);
+  for (size_t e = 0; e < experts; ++e) {
+    a_amaxes[e] = a_amax[e].contiguous();
+    b_amaxes[e] = b_amax[e].contiguous();
+    check_device_tensor(a_amaxes[e], "a_amax");
+    check_device_tensor(b_amaxes[e], "b_amax");
+    a_pointers[e] = a_amaxes[e].data_ptr<float>();
+    b_pointers[e] = b_amaxes[e].data_ptr<float>();
+  }
   at::Tensor scalars = at::empty({static_cast<int64_t>(2 * experts)}, a_amax[0].options());
+  check_launch(nvfp4::launch_gemm_scalars(a_pointers.data(), b_pointers.data(), static_cast<int64_t>(experts),
+                                          static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound), accumulate,
+                                          scalars.data_ptr<float>(), as_stream(stream)),
+               "gemm_scalars");
   at::Tensor workspace = at::empty({kCublasWorkspaceBytes}, a_data[0].options().dtype(at::kByte));
   for (size_t e = 0; e < experts; ++e) {
-    if (!cublaslt_gemm_using(a_values[e], b_values[e], a_amax[e].contiguous(), b_amax[e].contiguous(), bias_of(e),
-                             accumulate, a_e4m3_bound, b_e4m3_bound, outs[e], scalars.data_ptr<float>() + 2 * e,
-                             workspace, stream)) {
+    if (!cublaslt_gemm_using(a_values[e], b_values[e], a_amaxes[e], b_amaxes[e], bias_of(e), accumulate,
+                             a_e4m3_bound, b_e4m3_bound, outs[e], scalars.data_ptr<float>() + 2 * e, true, workspace,
+                             stream)) {
       return static_cast<int64_t>(e);
     }
   }

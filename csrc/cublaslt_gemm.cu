@@ -6,6 +6,7 @@
 // does. Accumulating into out (beta = 1) takes no bias.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -15,10 +16,24 @@
 namespace nvfp4 {
 namespace {
 
-__global__ void alpha_beta_kernel(const float* a_amax, const float* b_amax, float a_numerator, float b_numerator,
-                                  bool accumulate, float* scalars) {
-  scalars[0] = gemm_alpha(a_amax[0], b_amax[0], a_numerator, b_numerator);
-  scalars[1] = accumulate ? 1.0f : 0.0f;
+constexpr int kMaxScalarGemms = 64;  // GEMMs whose scalars one launch computes (their pointers are kernel arguments)
+
+struct GemmScalarsArgs {
+  const float* a_amax[kMaxScalarGemms];
+  const float* b_amax[kMaxScalarGemms];
+  int count;
+  float a_numerator, b_numerator;
+  bool accumulate;
+  float* scalars;
+};
+
+// scalars[2i], scalars[2i + 1] = alpha and beta of GEMM i.
+__global__ void gemm_scalars_kernel(GemmScalarsArgs args) {
+  const int i = threadIdx.x;
+  if (i < args.count) {
+    args.scalars[2 * i] = gemm_alpha(args.a_amax[i][0], args.b_amax[i][0], args.a_numerator, args.b_numerator);
+    args.scalars[2 * i + 1] = args.accumulate ? 1.0f : 0.0f;
+  }
 }
 
 cudaDataType_t data_type(InputType type) {
@@ -101,6 +116,27 @@ const Plan* plan_for(cublasLtHandle_t handle, const PlanKey& key, size_t workspa
 
 }  // namespace
 
+cudaError_t launch_gemm_scalars(const float* const* a_amax, const float* const* b_amax, int64_t count,
+                                int a_e4m3_bound, int b_e4m3_bound, bool accumulate, float* scalars,
+                                cudaStream_t stream) {
+  for (int64_t first = 0; first < count; first += kMaxScalarGemms) {
+    GemmScalarsArgs args{};
+    args.count = static_cast<int>(std::min<int64_t>(kMaxScalarGemms, count - first));
+    for (int i = 0; i < args.count; ++i) {
+      args.a_amax[i] = a_amax[first + i];
+      args.b_amax[i] = b_amax[first + i];
+    }
+    args.a_numerator = kFp4Max * a_e4m3_bound;
+    args.b_numerator = kFp4Max * b_e4m3_bound;
+    args.accumulate = accumulate;
+    args.scalars = scalars + 2 * first;
+    gemm_scalars_kernel<<<1, kMaxScalarGemms, 0, stream>>>(args);
+    const cudaError_t launched = cudaGetLastError();
+    if (launched != cudaSuccess) return launched;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t m, int64_t n,
                                  int64_t k, const float* a_amax, const float* b_amax, int a_e4m3_bound,
                                  int b_e4m3_bound, const void* bias, InputType bias_type, bool accumulate, void* out,
@@ -122,10 +158,11 @@ cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int6
           CUBLAS_STATUS_SUCCESS) {
     return cudaErrorUnknown;
   }
-  alpha_beta_kernel<<<1, 1, 0, stream>>>(a_amax, b_amax, kFp4Max * a_e4m3_bound, kFp4Max * b_e4m3_bound, accumulate,
-                                         scalars);
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) return launched;
+  if (a_amax != nullptr) {
+    const cudaError_t launched =
+        launch_gemm_scalars(&a_amax, &b_amax, 1, a_e4m3_bound, b_e4m3_bound, accumulate, scalars, stream);
+    if (launched != cudaSuccess) return launched;
+  }
   const cublasStatus_t status =
       cublasLtMatmul(handle, plan->operation, scalars, b, plan->b, a, plan->a, scalars + 1, out, plan->d, out, plan->d,
                      &plan->algorithm, workspace, workspace_bytes, stream);

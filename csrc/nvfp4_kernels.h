@@ -170,13 +170,19 @@ cudaError_t launch_gemm_epilogue(const float* acc, int64_t acc_stride, const flo
 // out[M, N] (row stride out_stride) = S_dec(a_amax) * S_dec(b_amax) * A[M, K] . B[N, K]^T (+ bias[N]) (S_dec with
 // each operand's bound B, as launch_gemm_epilogue), or
 // out += that when accumulate (then no bias); A, B BF16 with row strides lda, ldb; bias of out_type; one
-// rounding to out_type by cuBLASLt. scalars: 2 floats of device memory. cudaErrorNotSupported: cuBLASLt has
-// no algorithm for this problem (nothing was launched).
+// rounding to out_type by cuBLASLt. scalars: 2 floats of device memory, which it fills (alpha, beta) first; a_amax
+// nullptr: they already hold them (launch_gemm_scalars). cudaErrorNotSupported: cuBLASLt has no algorithm for
+// this problem (no GEMM was launched).
 cudaError_t launch_cublaslt_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t m, int64_t n,
                                  int64_t k, const float* a_amax, const float* b_amax, int a_e4m3_bound,
                                  int b_e4m3_bound, const void* bias, InputType bias_type, bool accumulate, void* out,
                                  InputType out_type, int64_t out_stride, float* scalars, void* workspace,
                                  size_t workspace_bytes, cudaStream_t stream);
+// The (alpha, beta) pairs of `count` such GEMMs (operand amaxes a_amax[i], b_amax[i]) into scalars[2 * count], in
+// one launch per 64 GEMMs: a grouped stage's scalars, for launch_cublaslt_gemm with a_amax nullptr.
+cudaError_t launch_gemm_scalars(const float* const* a_amax, const float* const* b_amax, int64_t count,
+                                int a_e4m3_bound, int b_e4m3_bound, bool accumulate, float* scalars,
+                                cudaStream_t stream);
 
 // swizzle.cu --------------------------------------------------------------------------------------
 // [rows, cols] scale bytes -> flat 128x4-swizzled [padded_rows * padded_cols], zero padded (docs/numerics.md §8).

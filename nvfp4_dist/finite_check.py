@@ -318,4 +318,4 @@ def check_amaxes(amaxes: dict, label: str = "the input") -> None:
         bad = [f"{name}={value}" for name, value in zip(names, host) if not math.isfinite(value)]
         return f"{label}: {bad[0].split('=')[0]} is not finite ({', '.join(bad)}): the tensor holds NaN or Inf" if bad \
             else None
-    check(values, explain)
+    check(values, explain, key=("amaxes", label, tuple(names)))
