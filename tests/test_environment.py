@@ -42,3 +42,40 @@ def test_values_parse(monkeypatch):
 def test_every_variable_is_listed_once():
     names = [variable.name for variable in environment.VARIABLES]
     assert len(names) == len(set(names)) and all(name.startswith("NVFP4_") for name in names)
+
+
+def test_reads_follow_every_change_and_never_keep_a_refusal(monkeypatch):
+    """Variable.read keeps parsed values per text (environment.raw_values): a change, a change back, unsetting and
+    a bad value each take effect at the next read; a refused value is refused again."""
+    variable = environment.HOPPER_GEMM
+    for text, expected in (("fused", "fused"), ("dequantize", "dequantize"), ("fused", "fused"), ("", "dequantize")):
+        monkeypatch.setenv(variable.name, text)
+        assert variable.read() == expected
+    monkeypatch.delenv(variable.name)
+    assert variable.read() == variable.default
+    for _ in range(2):
+        monkeypatch.setenv(variable.name, "bogus")
+        with pytest.raises(ValueError, match="NVFP4_HOPPER_GEMM='bogus'"):
+            variable.read()
+    monkeypatch.setenv(variable.name, "fused")
+    assert variable.read() == "fused"
+
+
+def test_raw_values_are_a_key_of_the_settings(monkeypatch):
+    names = ("NVFP4_DISABLE_SR", "NVFP4_OVERLAP")
+    monkeypatch.setenv("NVFP4_DISABLE_SR", "1")
+    monkeypatch.delenv("NVFP4_OVERLAP", raising=False)
+    first = environment.raw_values(names)
+    assert first == environment.raw_values(names) and first[1] is None
+    monkeypatch.setenv("NVFP4_OVERLAP", "1")
+    assert environment.raw_values(names) != first
+    monkeypatch.delenv("NVFP4_OVERLAP")
+    assert environment.raw_values(names) == first
+
+
+def test_reads_follow_a_replaced_os_environ(monkeypatch):
+    """A program that assigns os.environ another mapping is read through that mapping."""
+    import os
+    monkeypatch.setattr(os, "environ", {"NVFP4_BF16_FIRST_LAYERS": "2"})
+    assert environment.BF16_FIRST_LAYERS.read() == 2
+    assert environment.raw_values(("NVFP4_BF16_FIRST_LAYERS", "NVFP4_OVERLAP")) == ("2", None)
