@@ -332,9 +332,13 @@ MUTATIONS = (
              ("tests/test_faults.py::test_a_following_rank_says_whose_verdict_stopped_the_job",)),
     Mutation("recipe_from_env_cached_whatever_the_environment", "recipes", "recipes from the environment reused "
              "after the variables changed",
-             (("key = (cls, tuple(os.environ.get(variable.name) for variable in _RECIPE_VARIABLES),",
-               "key = (cls, (),"),),
+             (("key = (cls, environment.raw_values(_RECIPE_NAMES),", "key = (cls, (),"),),
              ("tests/test_hot_path_caches.py::test_an_environment_change_takes_effect_at_the_next_call",)),
+    Mutation("variable_read_kept_whatever_the_text", "recipes", "an environment variable's parsed value kept after "
+             "its text changed", (("parsed = _PARSED.get((self.name, raw), _MISSING)",
+                                   "parsed = _PARSED.get(self.name, _MISSING)"),
+                                  ("_PARSED[(self.name, raw)] = parsed", "_PARSED[self.name] = parsed")),
+             ("tests/test_environment.py::test_reads_follow_every_change_and_never_keep_a_refusal",)),
     Mutation("seed_tensor_ignored_by_the_reference", "ops", "a seed given as a tensor quantized with seed 0 on the "
              "reference path", (("sr_seed = int(sr_seed.item())  # the reference takes the seed as an int",
                                  "sr_seed = 0"),),
