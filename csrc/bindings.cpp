@@ -368,7 +368,8 @@ bool cublaslt_gemm_using(const at::Tensor& a, const at::Tensor& b, const at::Ten
   if (bias.has_value()) check_device_tensor(*bias, "bias");
   const cudaError_t status = nvfp4::launch_cublaslt_gemm(
       a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.size(0), b.size(0), a.size(1),
-      scalars_ready ? nullptr : a_amax.data_ptr<float>(), b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound), static_cast<int>(b_e4m3_bound),
+      scalars_ready ? nullptr : a_amax.data_ptr<float>(), b_amax.data_ptr<float>(), static_cast<int>(a_e4m3_bound),
+      static_cast<int>(b_e4m3_bound),
       bias.has_value() ? bias->data_ptr() : nullptr,
       bias.has_value() ? input_type(*bias) : input_type(out), accumulate, out.data_ptr(), input_type(out), out.stride(0),
       scalars, workspace.data_ptr(), static_cast<size_t>(workspace.numel()), as_stream(stream));
