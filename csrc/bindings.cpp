@@ -916,6 +916,39 @@ int64_t grouped_emulated_gemm(const std::vector<at::Tensor>& a_data, const std::
   return static_cast<int64_t>(experts);
 }
 
+// The cuBLASLt FP4 path's block scales (nvfp4_dist/hot_path.py): A's and B's E4M3 scales [rows, K/16], each
+// swizzled into a new flat buffer of the 128x4 layout, zero padded (swizzle_scales), in one call.
+std::vector<at::Tensor> swizzled_scale_pair(const at::Tensor& a_scale, const at::Tensor& b_scale, int64_t stream) {
+  std::vector<at::Tensor> swizzled;
+  for (const at::Tensor* scale : {&a_scale, &b_scale}) {
+    TORCH_CHECK(scale->dim() == 2 && scale->element_size() == 1,
+                "nvfp4_dist._C.swizzled_scale_pair: 2D scales of 1-byte elements");
+    at::Tensor out = at::empty({(scale->size(0) + 127) / 128 * 128 * ((scale->size(1) + 3) / 4 * 4)},
+                               scale->options().dtype(at::kByte));
+    swizzle_scales(scale->view(at::kByte), out, stream);
+    swizzled.push_back(out.view(at::kFloat8_e4m3fn));
+  }
+  return swizzled;
+}
+
+// The cuBLASLt FP4 path's output (nvfp4_dist/hot_path.py): raw is cuBLASLt's FP32 A . B^T without the global
+// scales; gemm_epilogue writes raw * S_dec(a) * S_dec(b) (+ bias) into target (added into it when accumulate), or
+// into a new tensor of out_dtype (0 BF16, 1 FP32, 2 FP16) when no target is given. Returns what it wrote.
+at::Tensor scaled_mm_output(const at::Tensor& raw, const at::Tensor& a_amax, const at::Tensor& b_amax,
+                            const std::optional<at::Tensor>& bias, int64_t out_dtype,
+                            const std::optional<at::Tensor>& target, bool accumulate, int64_t a_e4m3_bound,
+                            int64_t b_e4m3_bound, int64_t stream) {
+  constexpr at::ScalarType kOutTypes[] = {at::kBFloat16, at::kFloat, at::kHalf};
+  TORCH_CHECK(out_dtype >= 0 && out_dtype < 3, "nvfp4_dist._C.scaled_mm_output: out_dtype is 0, 1 or 2");
+  TORCH_CHECK(target.has_value() || !accumulate, "nvfp4_dist._C.scaled_mm_output: accumulate needs a target");
+  at::Tensor out = target.has_value() ? *target : at::empty(raw.sizes(), raw.options().dtype(kOutTypes[out_dtype]));
+  std::optional<at::Tensor> bias_arg;
+  if (bias.has_value()) bias_arg = bias->contiguous();
+  gemm_epilogue(raw, a_amax.contiguous(), b_amax.contiguous(), bias_arg, accumulate, a_e4m3_bound, b_e4m3_bound, out,
+                stream);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -923,6 +956,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_copies", &quantize_copies, "amaxes, outputs and cast of a quantize in one call (hot path)");
   m.def("emulated_gemm", &emulated_gemm, "dequantize A, then cuBLASLt with alpha from the amaxes, in one call (hot path)");
   m.def("grouped_emulated_gemm", &grouped_emulated_gemm, "every expert's emulated_gemm into its output, in one call");
+  m.def("swizzled_scale_pair", &swizzled_scale_pair,
+        "A's and B's block scales in the 128x4 layout (cuBLASLt FP4)");
+  m.def("scaled_mm_output", &scaled_mm_output, "cuBLASLt FP4's FP32 product times alpha (+ bias), into the output");
   m.def("amax_tensor", &amax_tensor, "max |x| into amax (1,)");
   m.def("amax_rows", &amax_rows, "max |x| of each row into amax (rows,)");
   m.def("amax_rht", &amax_rht, "plain and post-RHT amax of a BF16 tensor");

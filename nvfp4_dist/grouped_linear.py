@@ -21,8 +21,8 @@ recipes and CUDA graph captures quantize per expert (one ops.quantize per expert
 Expert e's columnwise copy is then a column slice of the grouped copy of x^T (a strided view); the weights'
 copies are contiguous. Each GEMM stage (fprop, dgrad, wgrad) runs every expert's GEMM in one C++ call where the
 backend is the Hopper emulation (hot_path.grouped_gemm: per expert the kernels of gemm(), so the same bytes, without
-a Python call per expert); elsewhere (the CPU reference, Blackwell's cuBLASLt, grouped_gemm=False) one gemm() per
-expert with tokens. Both are the bit-identical definition above.
+a Python call per expert); elsewhere (the CPU reference, Blackwell's cuBLASLt, grouped_gemm=False) one
+hot_path.gemm() per expert with tokens. Both are the bit-identical definition above.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import torch
 from nvfp4_dist import environment, finite_check, hot_path, ops
 from nvfp4_dist.autocast import nvfp4_enabled, resolve_layer_recipe
 from nvfp4_dist.formats import BLOCK_SIZE
-from nvfp4_dist.gemm import gemm
 from nvfp4_dist.grouped_quantize import check_segments, quantize_segments, segment_offsets, segmented_kernels_apply
 from nvfp4_dist.linear import (WeightCache, WeightParameter, bf16_linear, check_activation, check_features,
                                check_parameter_dtype, check_weight_dtype, deliver_weight_grad, main_grad_target,
@@ -76,12 +75,12 @@ class GroupedOptions:
 def _gemms(options: GroupedOptions, a_ops: list, a_copy: str, b_ops: list, b_copy: str, outs: list, *,
            biases: list | None = None) -> None:
     """outs[i] = A_i . B_i^T (+ biases[i]) for the experts' operand pairs: as many as it takes in one grouped call
-    (hot_path.grouped_gemm, with grouped_gemm on), the rest by one gemm() each; the same bytes either way."""
+    (hot_path.grouped_gemm, with grouped_gemm on), the rest by one hot_path.gemm() each; the same bytes either way."""
     done = hot_path.grouped_gemm(a_ops, a_copy, b_ops, b_copy, outs, recipe=options.recipe, biases=biases) \
         if options.grouped_gemm else 0
     for i in range(done, len(a_ops)):
-        gemm(a_ops[i], b_ops[i], a_copy=a_copy, b_copy=b_copy, out_dtype=outs[i].dtype,
-             bias=None if biases is None else biases[i], recipe=options.recipe, out=outs[i])
+        hot_path.gemm(a_ops[i], b_ops[i], a_copy=a_copy, b_copy=b_copy, out_dtype=outs[i].dtype,
+                      bias=None if biases is None else biases[i], recipe=options.recipe, out=outs[i])
 
 
 def _active(split_sizes: list) -> list[int]:
@@ -227,9 +226,9 @@ def _weight_grads(options: GroupedOptions, weights, need_wgrad, wgrad_active, dy
             elif e in products:  # computed (or accumulated into acc, which is that main_grad) by the grouped call
                 found[e] = (lambda acc, p=products[e]: p)
             else:
-                found[e] = (lambda acc, e=e, w=weight: gemm(dy_qs[e].columnwise_only(), x_saved[e], a_copy="columnwise",
-                                                            b_copy="columnwise", out_dtype=w.dtype,
-                                                            accumulate_into=acc, recipe=options.recipe))
+                found[e] = (lambda acc, e=e, w=weight: hot_path.gemm(
+                    dy_qs[e].columnwise_only(), x_saved[e], a_copy="columnwise", b_copy="columnwise",
+                    out_dtype=w.dtype, accumulate_into=acc, recipe=options.recipe))
         return found
 
     def deliver(now_delayed: bool) -> list:

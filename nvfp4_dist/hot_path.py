@@ -1,14 +1,17 @@
-"""The layers' hot path on CUDA: a whole quantize and a whole emulated GEMM, each in one C++ call.
+"""The layers' hot path on CUDA: a whole quantize and a whole GEMM, each in one or a few C++ calls.
 
 ops.quantize and gemm() validate every argument of a public call, then descend through several Python layers
 to a few kernel launches; a layer's forward+backward makes about a dozen of them, which costs far more host
 time than the kernels take on small and mid-sized GEMMs. The layers build their operands themselves, so they
-call these instead: `quantize` (csrc/bindings.cpp quantize_copies: amaxes, outputs and cast) and `gemm`
-(emulated_gemm: the operands' block values, then cuBLASLt with alpha read from the amaxes; B's values come from
-the Hopper backend's cache of the last B when it holds them). Both launch the same kernels
-in the same order as the general path, so they give the same bytes; any case they do not cover (CPU tensors,
-NVFP4_FORCE_REFERENCE, 4over6, an empty tensor, the Blackwell and fused Hopper backends, per-row amaxes, a
-GEMM in several chunks, bias with accumulation) goes to ops.quantize and gemm() unchanged. `grouped_gemm` runs a
+call these instead: `quantize` (csrc/bindings.cpp quantize_copies: amaxes, outputs and cast) and `gemm`. On the
+Hopper emulation `gemm` is one call (emulated_gemm: the operands' block values, then cuBLASLt with alpha read from
+the amaxes; B's values come from the Hopper backend's cache of the last B when it holds them); on Blackwell's
+cuBLASLt FP4 backend it is three (swizzled_scale_pair, torch._scaled_mm, scaled_mm_output: the epilogue kernel
+applies alpha, bias and accumulation in the order of the general path's torch ops) instead of about twenty
+launches. Both launch the same kernels, or compute the same FP32 operations in the same order, as the general
+path, so they give the same bytes; any case they do not cover (CPU tensors, NVFP4_FORCE_REFERENCE, 4over6, an
+empty tensor, the fused Hopper path, per-row amaxes on Hopper, a GEMM in several chunks, operands cuBLASLt needs
+padded, bias with accumulation on Hopper) goes to ops.quantize and gemm() unchanged. `grouped_gemm` runs a
 grouped layer's GEMM stage (every expert's emulated GEMM) in one call, with the kernels of a loop of `gemm`.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from nvfp4_dist import ops
 from nvfp4_dist._extension import load_extension, stream_handle
-from nvfp4_dist.formats import BLOCK_SIZE
+from nvfp4_dist.formats import BLOCK_SIZE, SCALE_DTYPE
 from nvfp4_dist.gemm import dispatch, gemm as general_gemm
 from nvfp4_dist.gemm import gpu_backends
 from nvfp4_dist.recipe import NVFP4Recipe
@@ -27,6 +30,7 @@ from nvfp4_dist.tensor import NVFP4Tensor
 
 _OUT_DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 _SEED_LIMIT = 2 ** 64
+_FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch._scaled_mm's FP4 operand dtype
 # The environment variables that decide whether the general paths would run the kernels the hot path runs.
 _SWITCHES = ("NVFP4_FORCE_REFERENCE", "NVFP4_GEMM_BACKEND", "NVFP4_HOPPER_GEMM")
 
@@ -49,11 +53,14 @@ def _runs_kernels(switches: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _emulated_dequantize(switches: tuple, device_index: int, gemm_backend: str) -> bool:
-    """Whether gemm() would run the Hopper emulation's dequantize path on this device for this recipe backend."""
+def _gpu_gemm_path(switches: tuple, device_index: int, gemm_backend: str) -> str:
+    """The path gemm() would run on this device for this recipe backend: "dequantize" (the Hopper emulation's
+    dequantize path), "scaled_mm" (Blackwell's cuBLASLt FP4) or "" (another: the general path)."""
     device = torch.device("cuda", device_index)
     backend = dispatch.resolve_backend(None if gemm_backend == "auto" else gemm_backend, device)
-    return backend == "emulated" and gpu_backends.hopper_path() == "dequantize"
+    if backend == "emulated" and gpu_backends.hopper_path() == "dequantize":
+        return "dequantize"
+    return "scaled_mm" if backend == "cublaslt" else ""
 
 
 def _hopper():
@@ -99,24 +106,60 @@ def quantize(x2d: torch.Tensor, role: str, recipe: NVFP4Recipe, *, rowwise: bool
 
 def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, a_copy: str, b_copy: str, out_dtype: torch.dtype,
          bias: torch.Tensor | None = None, accumulate_into: torch.Tensor | None = None,
-         recipe: NVFP4Recipe | None = None) -> torch.Tensor:
-    """gemm(a, b, ...) for a layer's operands, in one C++ call on the Hopper emulation's common case; gemm()
-    otherwise."""
+         out: torch.Tensor | None = None, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
+    """gemm(a, b, ...) for a layer's operands: in one C++ call on the Hopper emulation's common case, in three on
+    the cuBLASLt FP4 backend's (operands it takes unpadded); gemm() otherwise."""
     a_data = getattr(a, f"{a_copy}_data")
     b_data = getattr(b, f"{b_copy}_data")
     if a_data is not None and b_data is not None and a_data.is_cuda and out_dtype in _OUT_DTYPE_CODES:
-        gemm_backend = recipe.gemm_backend if recipe is not None else "auto"
-        if _emulated_dequantize(_switches(), a_data.device.index, gemm_backend):
+        path = _gpu_gemm_path(_switches(), a_data.device.index, recipe.gemm_backend if recipe is not None else "auto")
+        if path == "dequantize" and out is None:
             hopper = _hopper()
             b_scale = getattr(b, f"{b_copy}_scale")
             y = load_extension().emulated_gemm(
                 a_data, getattr(a, f"{a_copy}_scale"), getattr(a, f"amax_{a_copy}"), b_data, b_scale,
-                hopper._last_b.cached(b_data, b_scale), getattr(b, f"amax_{b_copy}"), bias, _OUT_DTYPE_CODES[out_dtype], accumulate_into, a.e4m3_bound,
-                b.e4m3_bound, hopper.CHUNK_BYTES, stream_handle(a_data.device))
+                hopper._last_b.cached(b_data, b_scale), getattr(b, f"amax_{b_copy}"), bias, _OUT_DTYPE_CODES[out_dtype],
+                accumulate_into, a.e4m3_bound, b.e4m3_bound, hopper.CHUNK_BYTES, stream_handle(a_data.device))
             if y is not None:
                 return y
+        elif path == "scaled_mm":
+            a_data, b_data = a_data.contiguous(), b_data.contiguous()  # as gemm() takes them
+            a_scale, a_amax = getattr(a, f"{a_copy}_scale").contiguous(), getattr(a, f"amax_{a_copy}")
+            b_scale, b_amax = getattr(b, f"{b_copy}_scale").contiguous(), getattr(b, f"amax_{b_copy}")
+            target = accumulate_into if accumulate_into is not None else out
+            if _scaled_mm_takes(a_data, a_scale, a_amax, b_data, b_scale, b_amax, bias, out_dtype, accumulate_into,
+                                out):
+                extension, stream = load_extension(), stream_handle(a_data.device)
+                scale_a, scale_b = extension.swizzled_scale_pair(a_scale, b_scale, stream)
+                raw = torch._scaled_mm(a_data.view(_FP4), b_data.view(_FP4).t(), scale_a, scale_b,
+                                       out_dtype=torch.float32)
+                return extension.scaled_mm_output(raw, a_amax, b_amax, bias, _OUT_DTYPE_CODES[out_dtype], target,
+                                                  accumulate_into is not None, a.e4m3_bound, b.e4m3_bound, stream)
     return general_gemm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias,
-                        accumulate_into=accumulate_into, recipe=recipe)
+                        accumulate_into=accumulate_into, out=out, recipe=recipe)
+
+
+def _scaled_mm_takes(a_data, a_scale, a_amax, b_data, b_scale, b_amax, bias, out_dtype, accumulate_into, out) -> bool:
+    """Whether torch._scaled_mm takes the (contiguous) operands as they are, as gemm() would (K a multiple of 32,
+    N of 16, 16-byte aligned codes), and the epilogue kernel takes the rest; anything else goes to gemm(), which
+    pads, copies or explains."""
+    rows, packed_k = a_data.shape
+    cols = b_data.shape[0]
+    device = a_data.device
+    return (_FP4 is not None and rows > 0 and packed_k % 16 == 0 and cols % 16 == 0 and b_data.shape[1] == packed_k
+            and a_data.dtype == b_data.dtype == torch.uint8 and b_data.device == device
+            and a_data.data_ptr() % 16 == 0 and b_data.data_ptr() % 16 == 0
+            and a_scale.dtype == b_scale.dtype == SCALE_DTYPE
+            and tuple(a_scale.shape) == (rows, packed_k // 8) and tuple(b_scale.shape) == (cols, packed_k // 8)
+            and a_amax.numel() in (1, rows) and b_amax.numel() in (1, cols)
+            and a_amax.dtype == b_amax.dtype == torch.float32 and a_amax.device == b_amax.device == device
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == cols and bias.dtype in _OUT_DTYPE_CODES
+                                  and bias.device == device))
+            and (accumulate_into is None or (out is None and accumulate_into.dtype == torch.float32
+                                             and tuple(accumulate_into.shape) == (rows, cols)
+                                             and accumulate_into.stride(1) == 1 and accumulate_into.device == device))
+            and (out is None or (out.dtype == out_dtype and tuple(out.shape) == (rows, cols) and out.stride(1) == 1
+                                 and out.device == device)))
 
 
 def grouped_gemm(a_ops: list, a_copy: str, b_ops: list, b_copy: str, outs: list, *, recipe: NVFP4Recipe,
@@ -131,7 +174,7 @@ def grouped_gemm(a_ops: list, a_copy: str, b_ops: list, b_copy: str, outs: list,
     first = a_data[0]
     if (any(d is None for d in a_data + b_data) or not first.is_cuda or outs[0].dtype not in _OUT_DTYPE_CODES
             or len({q.e4m3_bound for q in a_ops}) != 1 or len({q.e4m3_bound for q in b_ops}) != 1
-            or not _emulated_dequantize(_switches(), first.device.index, recipe.gemm_backend)):
+            or _gpu_gemm_path(_switches(), first.device.index, recipe.gemm_backend) != "dequantize"):
         return 0
     return load_extension().grouped_emulated_gemm(
         a_data, [getattr(q, f"{a_copy}_scale") for q in a_ops], [getattr(q, f"amax_{a_copy}") for q in a_ops],

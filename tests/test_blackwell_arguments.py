@@ -40,7 +40,7 @@ def ceil_to(value: int, multiple: int) -> int:
 def decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """float4_e2m1fn_x2 bytes [R, C] -> float64 [R, 2C]: low nibble first."""
     nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[nibbles & 7]
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=packed.device)[nibbles & 7]
     return torch.where(nibbles >= 8, -magnitudes, magnitudes)
 
 

@@ -256,3 +256,29 @@ def check_within_accumulation_bound(a: NVFP4Tensor, a_copy: str, b: NVFP4Tensor,
     allowed = k * 2.0 ** -23 * (a_abs @ b_abs.t()) * alpha + torch.finfo(torch.float32).tiny
     excess = ((got - want).abs() - allowed).max().item()
     assert excess <= 0, f"cublaslt differs from the reference by up to {excess:.3g} beyond the FP32 bound"
+
+
+@needs_blackwell
+def test_linear_on_the_hot_path_equals_the_general_path():
+    """nv.Linear's three GEMMs through hot_path.gemm (scales swizzled in one call, the epilogue kernel) equal, bit for
+    bit, the same layer with every GEMM through gemm() (tests_multigpu/test_hot_path_gpu.py checks the same with a
+    stand-in for cuBLASLt on any GPU)."""
+    from nvfp4_dist import hot_path
+
+    def run():
+        torch.manual_seed(0)
+        layer = nv.Linear(512, 384, device="cuda", dtype=torch.bfloat16, recipe=RECIPE)
+        x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn_like(y))
+        return y, x.grad, layer.weight.grad, layer.bias.grad
+
+    fast = run()
+    original = hot_path._scaled_mm_takes
+    hot_path._scaled_mm_takes = lambda *args: False
+    try:
+        general = run()
+    finally:
+        hot_path._scaled_mm_takes = original
+    for name, f, g in zip(("y", "dx", "dW", "db"), fast, general):
+        assert torch.equal(f, g), name
