@@ -187,9 +187,9 @@ def _partial_grouped_gemm(done: int, calls: list):
     def grouped_gemm(a_ops, a_copy, b_ops, b_copy, outs, *, recipe, biases=None, accumulate=False):
         calls.append((len(a_ops), accumulate))
         for i in range(min(done, len(a_ops))):
-            grouped_linear.gemm(a_ops[i], b_ops[i], a_copy=a_copy, b_copy=b_copy, out_dtype=outs[i].dtype,
-                                bias=None if biases is None else biases[i], recipe=recipe,
-                                **({"accumulate_into": outs[i]} if accumulate else {"out": outs[i]}))
+            nv.gemm(a_ops[i], b_ops[i], a_copy=a_copy, b_copy=b_copy, out_dtype=outs[i].dtype,
+                    bias=None if biases is None else biases[i], recipe=recipe,
+                    **({"accumulate_into": outs[i]} if accumulate else {"out": outs[i]}))
         return min(done, len(a_ops))
     return grouped_gemm
 

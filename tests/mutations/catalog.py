@@ -339,6 +339,12 @@ MUTATIONS = (
                                    "parsed = _PARSED.get(self.name, _MISSING)"),
                                   ("_PARSED[(self.name, raw)] = parsed", "_PARSED[self.name] = parsed")),
              ("tests/test_environment.py::test_reads_follow_every_change_and_never_keep_a_refusal",)),
+    Mutation("scaled_mm_path_takes_unpadded_k", "ops", "the cuBLASLt FP4 hot path takes a K that cuBLASLt needs "
+             "padded", (("and packed_k % 16 == 0 and cols % 16 == 0 and", "and cols % 16 == 0 and"),),
+             ("tests/test_hot_path_routes.py::test_operands_cublaslt_needs_padded_or_copied_go_to_gemm",)),
+    Mutation("scaled_mm_path_takes_any_bias", "ops", "the cuBLASLt FP4 hot path hands the epilogue kernel a bias "
+             "dtype it cannot read", (("bias.dtype in _OUT_DTYPE_CODES", "bias.is_floating_point()"),),
+             ("tests/test_hot_path_routes.py::test_what_the_epilogue_kernel_cannot_do_goes_to_gemm",)),
     Mutation("seed_tensor_ignored_by_the_reference", "ops", "a seed given as a tensor quantized with seed 0 on the "
              "reference path", (("sr_seed = int(sr_seed.item())  # the reference takes the seed as an int",
                                  "sr_seed = 0"),),
