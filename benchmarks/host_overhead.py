@@ -9,9 +9,13 @@ queued before the sleep ends, run back to back between two events, so their time
 whose host time exceeds its GPU time leaves the GPU idle in a real step. The NVFP4 layer runs the default recipe
 (RHT and stochastic rounding on gradients, the weight's cached copy reused as in every micro-batch after the first).
 
-The Blackwell projection puts each layer's host time beside the GPU time its work would take on a B200: its three
-GEMMs at 70% of the dense NVFP4 peak (9 PFLOP/s) and its quantize passes' bytes (the input, the output gradient
-and their copies) at 80% of 8 TB/s. Assumptions, not a measurement: no B200 was available.
+The Blackwell projection puts the layer's host time on Blackwell's GEMM path (cuBLASLt FP4 through
+torch._scaled_mm, whose scale swizzles and epilogue kernel differ from the Hopper emulation's launches) beside the GPU
+time its work would take on a B200: its three GEMMs at 70% of the dense NVFP4 peak (9 PFLOP/s) and its quantize
+passes' bytes (the input, the output gradient and their copies) at 80% of 8 TB/s. On a GPU without FP4 tensor cores
+that host time is measured with the backend resolved to cuBLASLt and torch._scaled_mm replaced by the allocation of
+its FP32 output (every other launch of the path runs; the GEMM's own launch is missing); on a Blackwell GPU it is the
+eager row itself. The GPU time is an assumption, not a measurement: no B200 was available.
 
     python benchmarks/host_overhead.py [--shapes 1024,1024,1024 4096,2048,2048 8192,4096,4096]
                                        [--out benchmarks/results/host_overhead_<gpu>.json]
@@ -61,6 +65,22 @@ def measure(step, sleep_cycles: int) -> dict:
     return {"host_us": statistics.median(r[0] for r in rounds), "gpu_us": statistics.median(r[1] for r in rounds)}
 
 
+def cublaslt_path_host_us(layer, x, dy, sleep_cycles: int) -> float:
+    """Host us of the layer's forward+backward on the cuBLASLt FP4 path, torch._scaled_mm stood in (module docstring)."""
+    from nvfp4_dist import hot_path
+    from nvfp4_dist.gemm import dispatch
+    resolve, scaled_mm = dispatch.resolve_backend, torch._scaled_mm
+    dispatch.resolve_backend = lambda backend, device: "cublaslt"
+    torch._scaled_mm = lambda a, b, scale_a, scale_b, out_dtype: torch.empty(a.shape[0], b.shape[1], dtype=out_dtype,
+                                                                             device=a.device)
+    hot_path._gpu_gemm_path.cache_clear()
+    try:
+        return measure(layer_step(layer, x, dy), sleep_cycles)["host_us"]
+    finally:
+        dispatch.resolve_backend, torch._scaled_mm = resolve, scaled_mm
+        hot_path._gpu_gemm_path.cache_clear()
+
+
 def layer_step(layer, x, dy):
     def step():
         y = layer(x)
@@ -89,6 +109,10 @@ def run_shape(tokens: int, k: int, n: int, sleep_cycles: int) -> dict:
         graph = nv.make_graphed_callables if isinstance(layer, nv.Linear) else torch.cuda.make_graphed_callables
         graphed = graph(layer, (x,))
         row[f"{name} graphed"] = measure(layer_step(graphed, x, dy), sleep_cycles)
+    blackwell = torch.cuda.get_device_capability() >= (10, 0)
+    row["nv.Linear eager cuBLASLt path host_us"] = (row["nv.Linear eager"]["host_us"] if blackwell else
+                                                    cublaslt_path_host_us(layers["nv.Linear"], x, dy, sleep_cycles))
+    row["cuBLASLt path stood in"] = not blackwell
     nv.raise_pending_nonfinite()
     base = row["nn.Linear eager"]["host_us"]
     for mode in ("eager", "graphed"):
@@ -99,7 +123,8 @@ def run_shape(tokens: int, k: int, n: int, sleep_cycles: int) -> dict:
         f"{name} host {row[name]['host_us']:.0f} us / GPU {row[name]['gpu_us']:.0f} us"
         for name in row if isinstance(row[name], dict))
         + f"; nv/nn host eager {row['nv/nn host ratio eager']:.2f}x, graphed {row['nv/nn host ratio graphed']:.2f}x;"
-        f" B200 projected GPU {row['b200 projected gpu_us']:.0f} us", flush=True)
+        f" cuBLASLt path host {row['nv.Linear eager cuBLASLt path host_us']:.0f} us against B200 projected GPU "
+        f"{row['b200 projected gpu_us']:.0f} us", flush=True)
     return row
 
 

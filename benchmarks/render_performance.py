@@ -283,6 +283,16 @@ def max_connections_setting(record: dict) -> list[str]:
     return [] if value == UNSET_MAX_CONNECTIONS else [f"CUDA_DEVICE_MAX_CONNECTIONS={value}"]
 
 
+def blackwell_host(row: dict) -> str:
+    """The row's Blackwell projection: the host time of Blackwell's GEMM path against the B200 GPU time."""
+    host = row.get("nv.Linear eager cuBLASLt path host_us")
+    if host is None:  # a record from before the cuBLASLt path was measured
+        return f" (B200 projected: {row['b200 projected gpu_us']:.0f} us)"
+    how = ", cuBLASLt stood in" if row["cuBLASLt path stood in"] else ""
+    return (f"; on Blackwell's GEMM path host {host:.0f} us eager{how}, against a B200 projected GPU time of "
+            f"{row['b200 projected gpu_us']:.0f} us")
+
+
 def host_overhead_summary(record: dict) -> list[str]:
     lines = []
     for row in record["rows"]:
@@ -290,7 +300,7 @@ def host_overhead_summary(record: dict) -> list[str]:
         lines.append(f"{row['tokens']}x{row['in']}x{row['out']}: `nv.Linear` host {eager['host_us']:.0f} us eager "
                      f"({times(row['nv/nn host ratio eager'])} `nn.Linear`'s {row['nn.Linear eager']['host_us']:.0f} us), "
                      f"{graphed['host_us']:.0f} us graphed ({times(row['nv/nn host ratio graphed'])}); its GPU time "
-                     f"{eager['gpu_us']:.0f} us (B200 projected: {row['b200 projected gpu_us']:.0f} us)")
+                     f"{eager['gpu_us']:.0f} us" + blackwell_host(row))
     return lines
 
 
