@@ -2,8 +2,8 @@
 eager and captured in a CUDA graph (torch.cuda.make_graphed_callables; nvfp4_dist.make_graphed_callables for the
 NVFP4 layer), on one GPU.
 
-Per shape (tokens, in, out) and layer: the host microseconds one forward+backward call takes to return, and the GPU
-microseconds its kernels take. Both come from one timed loop run while the GPU is held busy by a sleep kernel queued
+Per shape (tokens, in, out) and layer: the host microseconds one forward+backward call takes to return, the GPU
+microseconds its kernels take, and (eager) the CUDA launches it makes (kernels and memsets, torch's profiler). Both come from one timed loop run while the GPU is held busy by a sleep kernel queued
 first: the host never waits for the GPU, so the loop's wall time per call is pure host cost, and the kernels, all
 queued before the sleep ends, run back to back between two events, so their time per call is pure GPU cost. A layer
 whose host time exceeds its GPU time leaves the GPU idle in a real step. The NVFP4 layer runs the default recipe
@@ -65,19 +65,39 @@ def measure(step, sleep_cycles: int) -> dict:
     return {"host_us": statistics.median(r[0] for r in rounds), "gpu_us": statistics.median(r[1] for r in rounds)}
 
 
-def cublaslt_path_host_us(layer, x, dy, sleep_cycles: int) -> float:
-    """Host us of the layer's forward+backward on the cuBLASLt FP4 path, torch._scaled_mm stood in (module docstring)."""
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemsetAsync")
+
+
+def launches_per_call(step) -> float:
+    """CUDA runtime launches (kernels and memsets) per call of `step`, counted by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    calls = 5
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+    torch.cuda.synchronize()
+    return sum(event.count for event in prof.key_averages() if event.key in LAUNCH_CALLS) / calls
+
+
+def cublaslt_path(layer, x, dy, sleep_cycles: int) -> dict:
+    """The layer's forward+backward on the cuBLASLt FP4 path with torch._scaled_mm stood in (module docstring): host
+    us and launches per call on the layers' path (hot_path.gemm), and launches per call through nv.gemm (without the
+    GEMMs' own launches, which the stand-in does not make)."""
     from nvfp4_dist import hot_path
     from nvfp4_dist.gemm import dispatch
-    resolve, scaled_mm = dispatch.resolve_backend, torch._scaled_mm
+    resolve, scaled_mm, takes = dispatch.resolve_backend, torch._scaled_mm, hot_path._scaled_mm_takes
     dispatch.resolve_backend = lambda backend, device: "cublaslt"
     torch._scaled_mm = lambda a, b, scale_a, scale_b, out_dtype: torch.empty(a.shape[0], b.shape[1], dtype=out_dtype,
                                                                              device=a.device)
     hot_path._gpu_gemm_path.cache_clear()
+    step = layer_step(layer, x, dy)
     try:
-        return measure(layer_step(layer, x, dy), sleep_cycles)["host_us"]
+        result = {"host_us": measure(step, sleep_cycles)["host_us"], "launches": launches_per_call(step)}
+        hot_path._scaled_mm_takes = lambda *args: False
+        result["launches through nv.gemm"] = launches_per_call(step)
+        return result
     finally:
-        dispatch.resolve_backend, torch._scaled_mm = resolve, scaled_mm
+        dispatch.resolve_backend, torch._scaled_mm, hot_path._scaled_mm_takes = resolve, scaled_mm, takes
         hot_path._gpu_gemm_path.cache_clear()
 
 
@@ -106,12 +126,19 @@ def run_shape(tokens: int, k: int, n: int, sleep_cycles: int) -> dict:
     row = {"tokens": tokens, "in": k, "out": n}
     for name, layer in layers.items():
         row[f"{name} eager"] = measure(layer_step(layer, x, dy), sleep_cycles)
+        row[f"{name} eager"]["launches"] = launches_per_call(layer_step(layer, x, dy))
         graph = nv.make_graphed_callables if isinstance(layer, nv.Linear) else torch.cuda.make_graphed_callables
         graphed = graph(layer, (x,))
         row[f"{name} graphed"] = measure(layer_step(graphed, x, dy), sleep_cycles)
     blackwell = torch.cuda.get_device_capability() >= (10, 0)
-    row["nv.Linear eager cuBLASLt path host_us"] = (row["nv.Linear eager"]["host_us"] if blackwell else
-                                                    cublaslt_path_host_us(layers["nv.Linear"], x, dy, sleep_cycles))
+    if blackwell:
+        row["nv.Linear eager cuBLASLt path host_us"] = row["nv.Linear eager"]["host_us"]
+    else:
+        fresh = nv.Linear(k, n, device="cuda", dtype=torch.bfloat16, recipe=nv.NVFP4Recipe())  # the other is graphed
+        stood_in = cublaslt_path(fresh, x, dy, sleep_cycles)
+        row["nv.Linear eager cuBLASLt path host_us"] = stood_in["host_us"]
+        row["cuBLASLt path launches (GEMMs not counted)"] = stood_in["launches"]
+        row["cuBLASLt path launches through nv.gemm (GEMMs not counted)"] = stood_in["launches through nv.gemm"]
     row["cuBLASLt path stood in"] = not blackwell
     nv.raise_pending_nonfinite()
     base = row["nn.Linear eager"]["host_us"]

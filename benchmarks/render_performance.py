@@ -288,9 +288,20 @@ def blackwell_host(row: dict) -> str:
     host = row.get("nv.Linear eager cuBLASLt path host_us")
     if host is None:  # a record from before the cuBLASLt path was measured
         return f" (B200 projected: {row['b200 projected gpu_us']:.0f} us)"
-    how = ", cuBLASLt stood in" if row["cuBLASLt path stood in"] else ""
+    how = ""
+    if row["cuBLASLt path stood in"]:
+        how = (f", cuBLASLt stood in: {row['cuBLASLt path launches (GEMMs not counted)']:.0f} launches besides the "
+               f"GEMMs, {row['cuBLASLt path launches through nv.gemm (GEMMs not counted)']:.0f} through `nv.gemm`")
     return (f"; on Blackwell's GEMM path host {host:.0f} us eager{how}, against a B200 projected GPU time of "
             f"{row['b200 projected gpu_us']:.0f} us")
+
+
+def launches(row: dict) -> str:
+    """The eager layers' launch counts, where the record has them."""
+    nv_eager, nn_eager = row["nv.Linear eager"], row["nn.Linear eager"]
+    if "launches" not in nv_eager:
+        return ""
+    return f", {nv_eager['launches']:.0f} launches against {nn_eager['launches']:.0f}"
 
 
 def host_overhead_summary(record: dict) -> list[str]:
@@ -298,9 +309,9 @@ def host_overhead_summary(record: dict) -> list[str]:
     for row in record["rows"]:
         eager, graphed = row["nv.Linear eager"], row["nv.Linear graphed"]
         lines.append(f"{row['tokens']}x{row['in']}x{row['out']}: `nv.Linear` host {eager['host_us']:.0f} us eager "
-                     f"({times(row['nv/nn host ratio eager'])} `nn.Linear`'s {row['nn.Linear eager']['host_us']:.0f} us), "
-                     f"{graphed['host_us']:.0f} us graphed ({times(row['nv/nn host ratio graphed'])}); its GPU time "
-                     f"{eager['gpu_us']:.0f} us" + blackwell_host(row))
+                     f"({times(row['nv/nn host ratio eager'])} `nn.Linear`'s {row['nn.Linear eager']['host_us']:.0f} us"
+                     f"{launches(row)}), {graphed['host_us']:.0f} us graphed ({times(row['nv/nn host ratio graphed'])}); "
+                     f"its GPU time {eager['gpu_us']:.0f} us" + blackwell_host(row))
     return lines
 
 
