@@ -215,3 +215,26 @@ def test_linear_on_the_scaled_mm_path_equals_the_general_path(scaled_mm_backend,
     assert (len(scaled_mm_backend.calls), scaled_mm_backend.general_calls) == (6, 3)
     for name, f, g in zip(("y", "dx", "dW", "db"), fast, general):
         assert torch.equal(f, g), name
+
+
+def test_grouped_linear_on_the_scaled_mm_path_equals_the_general_path(scaled_mm_backend, monkeypatch):
+    """GroupedLinear's experts on the hot path (one GEMM per expert with tokens and stage; their wgrad operands are
+    column slices of the grouped copies, copied as gemm() copies them) equal the layer with every GEMM through
+    gemm()."""
+    sizes = [64, 0, 32, 96]
+
+    def run():
+        torch.manual_seed(0)
+        layer = nv.GroupedLinear(len(sizes), 256, 192, recipe=nv.NVFP4Recipe(), device="cuda")
+        x = (torch.randn(sum(sizes), 256, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+        y = layer(x, sizes)
+        y.backward(torch.randn_like(y))
+        return [y, x.grad, *[w.grad for w in layer.weights()], *[b.grad for b in layer.biases()]]
+
+    fast = run()
+    assert (len(scaled_mm_backend.calls), scaled_mm_backend.general_calls) == (9, 0)  # 3 experts x 3 GEMM stages
+    monkeypatch.setattr(hot_path, "_scaled_mm_takes", lambda *args: False)
+    general = run()
+    assert scaled_mm_backend.general_calls == 9
+    for index, (f, g) in enumerate(zip(fast, general)):
+        assert torch.equal(f, g), index
