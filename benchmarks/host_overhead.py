@@ -3,9 +3,10 @@ eager and captured in a CUDA graph (torch.cuda.make_graphed_callables; nvfp4_dis
 NVFP4 layer), on one GPU.
 
 Per shape (tokens, in, out) and layer: the host microseconds one forward+backward call takes to return, the GPU
-microseconds its kernels take, and (eager) the CUDA launches it makes (kernels and memsets, torch's profiler). Both come from one timed loop run while the GPU is held busy by a sleep kernel queued
-first: the host never waits for the GPU, so the loop's wall time per call is pure host cost, and the kernels, all
-queued before the sleep ends, run back to back between two events, so their time per call is pure GPU cost. A layer
+microseconds its kernels take, and (eager) the CUDA launches it makes (kernels and memsets, counted by torch's
+profiler). Both times come from one timed loop run while the GPU is held busy by a sleep kernel queued first: the
+host never waits for the GPU, so the loop's wall time per call is pure host cost, and the kernels, all queued before
+the sleep ends, run back to back between two events, so their time per call is pure GPU cost. A layer
 whose host time exceeds its GPU time leaves the GPU idle in a real step. The NVFP4 layer runs the default recipe
 (RHT and stochastic rounding on gradients, the weight's cached copy reused as in every micro-batch after the first).
 
