@@ -97,14 +97,14 @@ class GatherProbe:
         dist.all_gather_single, collectives.all_reduce_amax = self.gather, self.reduce
 
 
-def train(model, data_rank, steps, nvfp4_gather, optimizer=None, first_step=0, recipe=RECIPE):
-    """(losses, amax all-reduces per step, probe); precompute_weight_amaxes after each step but the last."""
+def train(model, data_rank, steps, nvfp4_gather, optimizer=None, first_step=0, recipe=RECIPE, device="cpu"):
+    """(losses, amax all-reduces per step, probe, optimizer); precompute_weight_amaxes after each step."""
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, reductions = [], []
     with GatherProbe(model) as probe:
         for step in range(first_step, first_step + steps):
             torch.manual_seed(1000 * step + data_rank)  # different data per replica; the same SR seeds per run
-            x = torch.randn(32, 64)
+            x = torch.randn(32, 64).to(device)
             before = probe.amax_reductions
             with nv.autocast(recipe):
                 loss = model(x).float().square().mean()
@@ -131,13 +131,14 @@ def assert_same_training(got, expected, what):
         assert torch.equal(weights[name], expected_weights[name]), (what, name)
 
 
-def _fsdp_equals_plain_gather(rank, world_size, param_dtype, recipe):
-    mesh = init_device_mesh("cpu", (world_size,))
+def _fsdp_equals_plain_gather(rank, world_size, param_dtype, recipe, device=torch.device("cpu")):
+    """Also run on GPUs (tests_multigpu/test_fsdp_gpu.py) with the group torchrun's ranks joined."""
+    mesh = init_device_mesh(device.type, (world_size,))
     runs = {}
     for nvfp4_gather in (True, False):
         torch.manual_seed(0)
-        model = shard(MLP(), mesh, nvfp4_gather, param_dtype)
-        losses, reductions, probe, _ = train(model, rank, 3, nvfp4_gather, recipe=recipe)
+        model = shard(MLP().to(device), mesh, nvfp4_gather, param_dtype)
+        losses, reductions, probe, _ = train(model, rank, 3, nvfp4_gather, recipe=recipe, device=device)
         runs[nvfp4_gather] = (losses, master_weights(model)), probe, reductions, model
     (nvfp4_run, nvfp4_probe, reductions, model), (plain_run, plain_probe, _, _) = runs[True], runs[False]
     assert_same_training(nvfp4_run, plain_run, (world_size, param_dtype))
@@ -180,20 +181,20 @@ def test_training_with_tensor_parallel(world_size):
     run_distributed(_with_tensor_parallel, world_size, 2)
 
 
-def _checkpoint_round_trip(rank, world_size, directory):
-    mesh = init_device_mesh("cpu", (world_size,))
+def _checkpoint_round_trip(rank, world_size, directory, device=torch.device("cpu")):
+    mesh = init_device_mesh(device.type, (world_size,))
 
     def fresh(nvfp4_gather):
         torch.manual_seed(0)
-        model = shard(MLP(), mesh, nvfp4_gather, None)
+        model = shard(MLP().to(device), mesh, nvfp4_gather, None)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, optimizer = fresh(True)
-    uninterrupted, *_ = train(model, rank, 3, True, optimizer)
+    uninterrupted, *_ = train(model, rank, 3, True, optimizer, device=device)
     expected = master_weights(model)
 
     model, optimizer = fresh(True)
-    first, *_ = train(model, rank, 2, True, optimizer)
+    first, *_ = train(model, rank, 2, True, optimizer, device=device)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     local = [v.to_local() if hasattr(v, "to_local") else v for v in model_state.values()]
     assert all(type(t) is torch.Tensor for t in local), [type(t) for t in local]  # saved as without the option
@@ -202,12 +203,12 @@ def _checkpoint_round_trip(rank, world_size, directory):
     for nvfp4_gather in (True, False):  # the checkpoint loads with and without NVFP4 gathers
         model, optimizer = fresh(nvfp4_gather)
         if nvfp4_gather:  # amaxes of the fresh weights: the load must make them stale
-            train(model, rank, 1, nvfp4_gather, torch.optim.SGD(model.parameters(), lr=0.0))
+            train(model, rank, 1, nvfp4_gather, torch.optim.SGD(model.parameters(), lr=0.0), device=device)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=directory)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        last, *_ = train(model, rank, 1, nvfp4_gather, optimizer, first_step=2)
+        last, *_ = train(model, rank, 1, nvfp4_gather, optimizer, first_step=2, device=device)
         assert_same_training((first + last, master_weights(model)), (uninterrupted, expected), nvfp4_gather)
 
 
