@@ -19,6 +19,8 @@ MAX_SEED = 2 ** 32
 MAX_WATCHDOG_TIMEOUT_S = 86400.0
 # Environment variables by which MPI launchers announce the world size.
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+# ... and the number of processes on this machine (torchrun and nvfp4-train's own launcher first).
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 OUTPUT_FILES = ("train.log", "metrics.jsonl")
 CHECKPOINT_DIRECTORY = "checkpoints"
 
@@ -271,6 +273,28 @@ def resolve_parallel_sizes(args: argparse.Namespace, device: str) -> tuple:
     return world_size, tp, world_size // tp
 
 
+def check_gpu_per_process(device: str, world_size: int) -> None:
+    """NCCL takes one GPU per process: refuse a CUDA job whose processes on this machine outnumber its GPUs
+    (before NCCL refuses it with "Duplicate GPU detected"), unless a launcher joined them in a process group of its
+    choice already (python -m nvfp4_dist.launch.mpi --backend gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    if device != "cuda" or dist.is_initialized():
+        return
+    if launched_world_size() is None:
+        local = world_size  # nvfp4-train starts the processes itself, here
+    else:
+        values = (os.environ.get(variable, "") for variable in LOCAL_SIZE_VARIABLES)
+        local = next((int(value) for value in values if value.isdigit()), None)
+    gpus = torch.cuda.device_count()
+    if local is not None and local > gpus:
+        raise ValueError(f"{local} processes on this machine and {gpus} GPU(s): NCCL takes one GPU per process; "
+                         f"start at most {gpus} per machine (--nproc, or --tp x --dp, or the launcher's processes "
+                         f"per node), or let them share GPUs over gloo: mpirun -np N python -m "
+                         f"nvfp4_dist.launch.mpi --backend gloo -m nvfp4_dist.launch.train ... (docs/launching.md)")
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the flags against each other, the machine and the world; ValueError names the offending flag."""
     from nvfp4_dist.launch.faults import FaultInjection
@@ -287,6 +311,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ValueError("--model=megatron needs megatron-core: pip install nvfp4-dist[megatron] "
                              "(or use --model gpt)") from None
     world_size, tp, dp = resolve_parallel_sizes(args, device)
+    check_gpu_per_process(device, world_size)
     ffn = args.ffn if args.ffn is not None else 4 * args.hidden
     check_shapes(args, tp, ffn, model)
     check_features(args, tp, model, device)

@@ -80,8 +80,11 @@ class GatherProbe:
             except RuntimeError as error:
                 self.read_error = str(error)
 
+    # The all-gather FSDP2 calls (all_gather_into_tensor in torch releases without all_gather_single).
+    GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
     def __enter__(self):
-        self.gather, self.reduce = dist.all_gather_single, collectives.all_reduce_amax
+        self.gather, self.reduce = getattr(dist, self.GATHER), collectives.all_reduce_amax
 
         def gather(output, input, *args, **kwargs):
             self.gathered_bytes += input.numel() * input.element_size()
@@ -90,11 +93,13 @@ class GatherProbe:
         def reduce(amaxes, *args, **kwargs):
             self.amax_reductions += 1
             return self.reduce(amaxes, *args, **kwargs)
-        dist.all_gather_single, collectives.all_reduce_amax = gather, reduce
+        setattr(dist, self.GATHER, gather)
+        collectives.all_reduce_amax = reduce
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single, collectives.all_reduce_amax = self.gather, self.reduce
+        setattr(dist, self.GATHER, self.gather)
+        collectives.all_reduce_amax = self.reduce
 
 
 def train(model, data_rank, steps, nvfp4_gather, optimizer=None, first_step=0, recipe=RECIPE, device="cpu"):

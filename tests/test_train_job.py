@@ -366,3 +366,37 @@ def test_sequence_parallel_matches_tensor_parallel_and_tp1(tmp_path):
     assert runs["tp2_sp"] == pytest.approx(runs["tp2"], rel=0, abs=1e-4)
     assert runs["tp2"] == pytest.approx(runs["tp1"], abs=0.03)
     assert runs["tp2"][-1] < runs["tp2"][0] - 0.3
+
+
+def test_more_processes_than_gpus_on_a_machine_are_refused_before_nccl(monkeypatch):
+    """NCCL takes one GPU per process: a CUDA job with more processes on this machine than GPUs is refused
+    with the way out, whether nvfp4-train starts them (--nproc, --tp x --dp) or a launcher did (torchrun's
+    LOCAL_WORLD_SIZE, Open MPI's local size); as many processes as GPUs pass."""
+    import torch
+
+    for variable in ("WORLD_SIZE", *plan.MPI_SIZE_VARIABLES, *plan.LOCAL_SIZE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def job(*flags):
+        return plan.make_plan(build_parser().parse_args(["--device", "cuda", "--model", "gpt", *flags]))
+
+    refusal = r"4 processes on this machine and 2 GPU\(s\): NCCL takes one GPU per process; .*--backend gloo"
+    with pytest.raises(ValueError, match=refusal):
+        job("--nproc", "4")
+    with pytest.raises(ValueError, match=refusal):
+        job("--tp", "2", "--dp", "2")
+    assert job("--nproc", "2").world_size == 2
+    monkeypatch.setenv("WORLD_SIZE", "8")      # torchrun: 4 processes per node on two nodes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=refusal):
+        job("--tp", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert job("--tp", "2").world_size == 8
+    for variable in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")  # mpirun -np 4 nvfp4-train
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    with pytest.raises(ValueError, match=refusal):
+        job("--tp", "2")
