@@ -12,12 +12,14 @@
 #   bash tests_multigpu/run_suite.sh tests-2gpu OUTDIR       # 2 GPUs: the tests of `tests` that fit two GPUs
 #   bash tests_multigpu/run_suite.sh megatron-2gpu OUTDIR    # 2 GPUs: Megatron GPT training vs BF16 at TP=1 and 2
 #   bash tests_multigpu/run_suite.sh benchmarks-2gpu OUTDIR  # 2 GPUs: the benchmarks that fit two GPUs
+#   bash tests_multigpu/run_suite.sh tests-1gpu OUTDIR       # 1 GPU: the one-GPU tests, and FSDP2 at DP=2 and 4
+#                                                           #   with the ranks sharing the GPU over gloo
 # Run from anywhere; OUTDIR gets summary.txt (per step: PASS/FAIL, seconds) and results.tar.gz (logs, JSON, PNG),
 # refreshed after every step so a cut run still returns what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GROUP=${1:-}; OUTDIR=$(realpath -m "${2:-out/suite}"); R=$OUTDIR/results
-SUITE_GROUPS="tests megatron megatron-checkpoint matrix benchmarks tests-2gpu megatron-2gpu benchmarks-2gpu"
+SUITE_GROUPS="tests megatron megatron-checkpoint matrix benchmarks tests-2gpu megatron-2gpu benchmarks-2gpu tests-1gpu"
 case " $SUITE_GROUPS " in *" $GROUP "*) ;; *) echo "usage: $0 {${SUITE_GROUPS// /|}} OUTDIR"; exit 2 ;; esac
 mkdir -p "$R"
 SUMMARY=$OUTDIR/summary.txt; : > "$SUMMARY"
@@ -58,6 +60,11 @@ two_gpu_tests() {
     step group_checks_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_group_checks_gpu.py
     step fused_producers_tp2 150 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_fused_producers_parallel_gpu.py
     step cuda_graphs_tp2 120 $TORCHRUN --nproc-per-node 2 -m pytest -q tests_multigpu/test_cuda_graphs_tp_gpu.py
+    fsdp_tests 2
+}
+fsdp_tests() {  # ranks: FSDP2's NVFP4 gather at DP=ranks (NCCL with a GPU per rank, else gloo), nvfp4-train --fsdp
+    step "fsdp_dp$1" 200 $TORCHRUN --nproc-per-node "$1" -m pytest -q tests_multigpu/test_fsdp_gpu.py
+    if [ "$1" = 2 ]; then step fsdp_train 300 python3 -m pytest -q tests_multigpu/test_fsdp_train_gpu.py; fi
 }
 megatron_cases() {  # name, limit, pytest -k expression: Megatron GPT training cases (the BF16 reference first)
     step "$1" "$2" env NVFP4_MEGATRON_STEPS=200 python3 -m pytest -q -s tests_multigpu/test_megatron_gpt.py -k "$3"
@@ -81,6 +88,7 @@ tests)
     step overlap_tp4_links 480 python3 -m pytest -q tests_multigpu/test_overlap_gpu.py -k "4-"
     step fused_producers_tp4 150 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_fused_producers_parallel_gpu.py
     step cuda_graphs_tp4 120 $TORCHRUN --nproc-per-node 4 -m pytest -q tests_multigpu/test_cuda_graphs_tp_gpu.py
+    fsdp_tests 4
     ;;
 megatron)
     lane 0,1 megatron_cases megatron_tp1 300 "1-False-0 or 1-False-1"
@@ -124,6 +132,11 @@ tests-2gpu)
     ;;
 megatron-2gpu)
     megatron_cases megatron_tp1_tp2 560 "1-False-0 or 1-False-1 or 2-True-0 or 2-False-1 or tp_invariant"
+    ;;
+tests-1gpu)
+    one_gpu_tests
+    fsdp_tests 2
+    fsdp_tests 4
     ;;
 benchmarks-2gpu)
     step gemm_bench 120 python3 benchmarks/gemm.py --out "$R/gemm_$GPU.json"

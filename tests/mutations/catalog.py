@@ -323,6 +323,10 @@ MUTATIONS = (
              (("return (int(rank), verdict) if hmac.compare_digest(signature, expected) else None",
                "return (int(rank), verdict)"),),
              ("tests/test_faults.py::test_a_verdict_is_signed_by_the_secret_and_the_rank",)),
+    Mutation("gpu_per_process_counts_the_world", "launch", "a launched CUDA job's processes counted over all "
+             "machines, not this one's: torchrun jobs across nodes refused",
+             (("local = next((int(value) for value in values if value.isdigit()), None)", "local = world_size"),),
+             ("tests/test_train_job.py::test_more_processes_than_gpus_on_a_machine_are_refused_before_nccl",)),
     Mutation("recipe_line_every_field", "launch", "the first line lists every recipe field, not those that differ",
              (("if getattr(recipe, field.name) != field.default]", "if True]"),),
              ("tests/test_train_job.py::test_the_first_line_shows_the_recipe_by_what_differs_from_its_defaults",)),
