@@ -388,12 +388,17 @@ bool cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a
                              scalars.data_ptr<float>(), false, workspace, stream);
 }
 
+// Bytes of a [rows, cols] scale tensor in the 128x4 swizzled layout: rows rounded up to 128, columns to 4.
+int64_t swizzled_scale_bytes(const at::Tensor& scale) {
+  return (scale.size(0) + 127) / 128 * 128 * ((scale.size(1) + 3) / 4 * 4);
+}
+
 void swizzle_scales(const at::Tensor& scale, at::Tensor& out, int64_t stream) {
   check_device_tensor(scale, "scale");
   check_device_tensor(out, "out");
   TORCH_CHECK(scale.dim() == 2 && scale.element_size() == 1 && out.element_size() == 1,
               "nvfp4_dist._C.swizzle_scales: scale must be 2D and both tensors of 1-byte elements");
-  TORCH_CHECK(out.numel() == (scale.size(0) + 127) / 128 * 128 * ((scale.size(1) + 3) / 4 * 4),
+  TORCH_CHECK(out.numel() == swizzled_scale_bytes(scale),
               "nvfp4_dist._C.swizzle_scales: out needs rows rounded up to 128 times columns rounded up to 4 bytes");
   check_launch(nvfp4::launch_swizzle_scales(bytes(scale), scale.size(0), scale.size(1), bytes(out),
                                             as_stream(stream)),
@@ -923,8 +928,7 @@ std::vector<at::Tensor> swizzled_scale_pair(const at::Tensor& a_scale, const at:
   for (const at::Tensor* scale : {&a_scale, &b_scale}) {
     TORCH_CHECK(scale->dim() == 2 && scale->element_size() == 1,
                 "nvfp4_dist._C.swizzled_scale_pair: 2D scales of 1-byte elements");
-    at::Tensor out = at::empty({(scale->size(0) + 127) / 128 * 128 * ((scale->size(1) + 3) / 4 * 4)},
-                               scale->options().dtype(at::kByte));
+    at::Tensor out = at::empty({swizzled_scale_bytes(*scale)}, scale->options().dtype(at::kByte));
     swizzle_scales(scale->view(at::kByte), out, stream);
     swizzled.push_back(out.view(at::kFloat8_e4m3fn));
   }
