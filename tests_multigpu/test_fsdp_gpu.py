@@ -12,6 +12,7 @@ gather equals training with FSDP2's own gather, step for step (losses and FP32 m
 gather forms; a checkpoint round trip resumes bit for bit.
 """
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -113,5 +114,9 @@ def test_training_with_nvfp4_gather_equals_plain_gather(device, param_dtype, rec
 def test_checkpoint_round_trip(device):
     directory = [tempfile.mkdtemp(prefix="nvfp4_fsdp_gpu_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(directory, src=0)
-    _checkpoint_round_trip(dist.get_rank(), dist.get_world_size(), os.path.join(directory[0], "step2"), device)
-    dist.barrier()
+    try:
+        _checkpoint_round_trip(dist.get_rank(), dist.get_world_size(), os.path.join(directory[0], "step2"), device)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory[0])
