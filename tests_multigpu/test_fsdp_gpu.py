@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import nvfp4_dist as nv
 from nvfp4_dist.linear import WeightCache, needs_columnwise_weight
+from nvfp4_dist.parallel import collectives
 from nvfp4_dist.parallel import fsdp as nvfp4_fsdp
 from tests.test_fsdp_nvfp4 import _checkpoint_round_trip, _fsdp_equals_plain_gather, shard
 
@@ -57,11 +58,7 @@ def device(request):
 
 def full_weight(layer) -> torch.Tensor:
     """The whole weight, gathered from the ranks' sharded master weights (no padding: rows split evenly)."""
-    local = layer.weight._local_tensor._tensor.detach()
-    whole = torch.empty((local.shape[0] * dist.get_world_size(), *local.shape[1:]), dtype=local.dtype,
-                        device=local.device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(whole, local.contiguous())
-    return whole
+    return collectives.all_gather_bf16(layer.weight._local_tensor._tensor.detach())
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))

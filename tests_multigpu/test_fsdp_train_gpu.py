@@ -11,7 +11,6 @@ In FP32 the losses equal the replicated job's bit for bit (tests/test_fsdp_train
 gradient reduction rounds in another order (FSDP2 reduce-scatters shards, the replicated job all-reduces whole
 tensors), so the losses agree to BF16 rounding.
 """
-import json
 import os
 import shutil
 import subprocess
@@ -19,6 +18,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.test_train_job import metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,8 +48,7 @@ def run(out_dir, *flags) -> subprocess.CompletedProcess:
 
 
 def losses(out_dir) -> list:
-    with open(out_dir / "metrics.jsonl") as handle:
-        return [json.loads(line)["loss"] for line in handle]
+    return [record["loss"] for record in metrics(out_dir)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
